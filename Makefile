@@ -1,0 +1,30 @@
+# `make run` runs the main job, `make test` the whole test suite (with ruff).
+# Both create the virtual environment in .venv on first use; nothing else is needed.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# CPU build for CI and fresh machines; users with a GPU install their own torch>=2.6 first.
+TORCH_PIN ?= torch==2.13.0
+export HYPOTHESIS_PROFILE ?= ci
+
+.PHONY: run test lint clean
+
+run: $(STAMP)
+	$(BIN)/python examples/decoder_check.py
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,26 @@
+"""Input checks shared by the modules: eager on CPU, sync-free on accelerators."""
+
+import torch
+
+
+def check_in_range(values: torch.Tensor, name: str, low: int, high: int) -> None:
+    """Raise unless every element of ``values`` lies in ``[low, high)``.
+
+    On CPU the check is eager and raises ``ValueError``. On accelerators, and while
+    ``torch.compile`` traces, it becomes a device-side assertion (``torch._assert_async``), so
+    it never forces a host-device synchronisation; a failure surfaces as a ``RuntimeError``.
+    """
+    if values.numel() == 0:
+        return
+    message = f"{name}: expected values in [{low}, {high})"
+    if values.device.type == "cpu" and not torch.compiler.is_compiling():
+        smallest, largest = int(values.min()), int(values.max())
+        if smallest < low or largest >= high:
+            raise ValueError(f"{message}, got values from {smallest} to {largest}")
+    else:
+        torch._assert_async(((values >= low) & (values < high)).all(), message)
+
+
+def describe(x: torch.Tensor) -> str:
+    """``'shape [2, 3], dtype torch.float32'``: for error messages."""
+    return f"shape {list(x.shape)}, dtype {x.dtype}"

@@ -1,0 +1,19 @@
+"""Decoder pieces: one concept per file, assembled by the builders in ``fusion.models``."""
+
+from fusion.decoder.attention import MultiHeadAttention
+from fusion.decoder.feed_forward import FeedForward
+from fusion.decoder.kv_cache import KVCache
+from fusion.decoder.rms_norm import RMSNorm
+from fusion.decoder.rope import RotaryPositionalEmbeddings
+from fusion.decoder.transformer import TransformerDecoder
+from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
+
+__all__ = [
+    "FeedForward",
+    "KVCache",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "RotaryPositionalEmbeddings",
+    "TransformerDecoder",
+    "TransformerSelfAttentionLayer",
+]

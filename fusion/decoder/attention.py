@@ -1,0 +1,88 @@
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusion.decoder.kv_cache import KVCache
+from fusion.decoder.rope import RotaryPositionalEmbeddings
+
+
+class MultiHeadAttention(nn.Module):
+    """Grouped-query self-attention with rotary embeddings and an optional KV cache.
+
+    ``num_heads`` query heads share ``num_kv_heads`` key/value heads
+    (``num_heads % num_kv_heads == 0``). Attention itself is PyTorch's
+    ``scaled_dot_product_attention``.
+
+    Args:
+        embed_dim: model width ``d``.
+        num_heads, num_kv_heads, head_dim: head layout.
+        pos_embeddings: rotary embeddings applied to queries and keys (may be shared by layers).
+        attn_dropout: dropout probability on attention weights, in training only.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        pos_embeddings: RotaryPositionalEmbeddings,
+        attn_dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: expected a divisor of num_heads={num_heads}, got {num_kv_heads}"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.attn_dropout = attn_dropout
+        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False)
+        self.output_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=False)
+        self.pos_embeddings = pos_embeddings
+        self.kv_cache: KVCache | None = None
+        self.cache_enabled = False
+
+    def setup_cache(
+        self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.kv_cache = KVCache(
+            batch_size, max_seq_len, self.num_kv_heads, self.head_dim, dtype, device
+        )
+        self.cache_enabled = True
+
+    def forward(
+        self, x: torch.Tensor, *, mask: torch.Tensor | None, input_pos: torch.Tensor
+    ) -> torch.Tensor:
+        """Attend ``x`` [b, s, d] to itself (and to the cache, when enabled).
+
+        Args:
+            mask: boolean [b, 1, s, kv_len], True where attention is allowed; None means causal
+                over ``x`` (only valid without a cache).
+            input_pos: rotary positions, [b, s] or [s].
+
+        Returns:
+            [b, s, d]
+        """
+        b, s, _ = x.shape
+        q = self.pos_embeddings(self.q_proj(x).view(b, s, self.num_heads, self.head_dim), input_pos)
+        k = self.pos_embeddings(
+            self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim), input_pos
+        )
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.kv_cache is not None and self.cache_enabled:
+            k, v = self.kv_cache.update(k, v)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=self.attn_dropout if self.training else 0.0,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.output_proj(out.transpose(1, 2).reshape(b, s, -1))

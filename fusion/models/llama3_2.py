@@ -1,0 +1,97 @@
+"""Llama 3.2 builders: the component builder and the 1B / 3B presets."""
+
+from torch import nn
+
+from fusion.decoder import (
+    FeedForward,
+    MultiHeadAttention,
+    RMSNorm,
+    RotaryPositionalEmbeddings,
+    TransformerDecoder,
+    TransformerSelfAttentionLayer,
+)
+
+
+def scale_hidden_dim_for_mlp(dim: int, multiple_of: int = 256) -> int:
+    """Llama's default MLP width: 2/3 of 4 * dim, rounded up to ``multiple_of``."""
+    hidden_dim = int(2 * (4 * dim) / 3)
+    return multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
+
+
+def llama3_2(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    max_seq_len: int,
+    attn_dropout: float = 0.0,
+    rope_base: int = 500_000,
+    intermediate_dim: int | None = None,
+    norm_eps: float = 1e-5,
+    scale_factor: float | None = 32,
+    tie_word_embeddings: bool = True,
+    *,
+    rope_low_freq_factor: float = 1.0,
+    rope_high_freq_factor: float = 4.0,
+    rope_old_context_len: int = 8192,
+) -> TransformerDecoder:
+    """Build a Llama 3.2 decoder; arguments mean what they mean in torchtune's builder.
+
+    ``scale_factor=None`` gives plain (unscaled) RoPE; the keyword-only ``rope_*`` arguments
+    set the rest of the llama3 rope-scaling band (Hugging Face's ``rope_scaling``).
+    ``intermediate_dim=None`` uses :func:`scale_hidden_dim_for_mlp`.
+    """
+    for name, value in (
+        ("vocab_size", vocab_size),
+        ("num_layers", num_layers),
+        ("num_heads", num_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("embed_dim", embed_dim),
+        ("max_seq_len", max_seq_len),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name}: expected a positive integer, got {value}")
+    if embed_dim % num_heads:
+        raise ValueError(
+            f"embed_dim: expected a multiple of num_heads={num_heads}, got {embed_dim}"
+        )
+    head_dim = embed_dim // num_heads
+    rope = RotaryPositionalEmbeddings(
+        head_dim,
+        max_seq_len,
+        base=rope_base,
+        scale_factor=scale_factor,
+        low_freq_factor=rope_low_freq_factor,
+        high_freq_factor=rope_high_freq_factor,
+        old_context_len=rope_old_context_len,
+    )
+    hidden_dim = intermediate_dim or scale_hidden_dim_for_mlp(embed_dim)
+    layers = [
+        TransformerSelfAttentionLayer(
+            attn=MultiHeadAttention(
+                embed_dim, num_heads, num_kv_heads, head_dim, rope, attn_dropout
+            ),
+            mlp=FeedForward(embed_dim, hidden_dim),
+            sa_norm=RMSNorm(embed_dim, eps=norm_eps),
+            mlp_norm=RMSNorm(embed_dim, eps=norm_eps),
+        )
+        for _ in range(num_layers)
+    ]
+    return TransformerDecoder(
+        tok_embeddings=nn.Embedding(vocab_size, embed_dim),
+        layers=layers,
+        max_seq_len=max_seq_len,
+        norm=RMSNorm(embed_dim, eps=norm_eps),
+        output=None if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False),
+    )
+
+
+def llama3_2_1b(max_seq_len: int = 131_072) -> TransformerDecoder:
+    """Llama 3.2 1B shape: 16 layers, 32 heads (8 KV), width 2048, MLP 8192, tied output."""
+    return llama3_2(128_256, 16, 32, 8, 2048, max_seq_len, intermediate_dim=8192)
+
+
+def llama3_2_3b(max_seq_len: int = 131_072) -> TransformerDecoder:
+    """Llama 3.2 3B shape: 28 layers, 24 heads (8 KV), width 3072, MLP 8192, tied output."""
+    return llama3_2(128_256, 28, 24, 8, 3072, max_seq_len, intermediate_dim=8192)

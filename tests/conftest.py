@@ -1,0 +1,26 @@
+import os
+
+import pytest
+from helpers import build_tiny_decoder
+from hypothesis import HealthCheck, settings
+
+from fusion.decoder import TransformerDecoder
+
+# `ci`: deterministic (derandomized) and sized for 2 CPU cores; `dev`: a wider search.
+settings.register_profile(
+    "ci",
+    max_examples=50,
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "dev", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture
+def tiny_decoder() -> TransformerDecoder:
+    return build_tiny_decoder()

@@ -1,0 +1,223 @@
+import pytest
+import torch
+from helpers import EMBED_DIM, VOCAB, build_tiny_decoder
+
+
+def random_tokens(batch: int = 2, seq: int = 12, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def packed_mask(lengths: list[int]) -> torch.Tensor:
+    """Block-diagonal causal mask [1, s, s] for samples of ``lengths`` packed in one row."""
+    seq = sum(lengths)
+    mask = torch.zeros(seq, seq, dtype=torch.bool)
+    start = 0
+    for n in lengths:
+        mask[start : start + n, start : start + n] = torch.ones(n, n).tril().bool()
+        start += n
+    return mask[None]
+
+
+class TestInputEmbeds:
+    @pytest.mark.parametrize("tied", [True, False])
+    def test_bitwise_equal_to_tokens(self, tied):
+        decoder = build_tiny_decoder(tie_word_embeddings=tied)
+        tokens = random_tokens()
+        expected = decoder(tokens)
+        actual = decoder(input_embeds=decoder.tok_embeddings(tokens))
+        assert expected.dtype == torch.float32 and expected.shape == (2, 12, VOCAB)
+        assert torch.equal(expected, actual)
+
+    def test_bitwise_equal_with_mask_and_input_pos(self, tiny_decoder):
+        tokens = random_tokens(batch=1, seq=10)
+        mask = packed_mask([4, 6])
+        input_pos = torch.cat([torch.arange(4), torch.arange(6)])[None]
+        expected = tiny_decoder(tokens, mask=mask, input_pos=input_pos)
+        actual = tiny_decoder(
+            input_embeds=tiny_decoder.tok_embeddings(tokens), mask=mask, input_pos=input_pos
+        )
+        assert torch.equal(expected, actual)
+
+    def test_packed_mask_isolates_samples(self, tiny_decoder):
+        tokens = random_tokens(batch=1, seq=10)
+        mask = packed_mask([4, 6])
+        input_pos = torch.cat([torch.arange(4), torch.arange(6)])
+        packed = tiny_decoder(tokens, mask=mask, input_pos=input_pos)
+        second_alone = tiny_decoder(tokens[:, 4:])
+        torch.testing.assert_close(packed[:, 4:], second_alone, atol=1e-5, rtol=1e-5)
+
+    def test_gradients_reach_input_embeds(self):
+        decoder = build_tiny_decoder(tie_word_embeddings=False)
+        embeds = decoder.tok_embeddings(random_tokens()).detach().requires_grad_()
+        decoder(input_embeds=embeds).sum().backward()
+        assert embeds.grad is not None and embeds.grad.abs().sum() > 0
+        assert decoder.tok_embeddings.weight.grad is None  # the table was skipped
+
+
+class TestOutputs:
+    def test_skip_output_layer_returns_final_hidden(self, tiny_decoder):
+        tokens = random_tokens()
+        logits = tiny_decoder(tokens)
+        tiny_decoder.skip_output_layer = True
+        hidden = tiny_decoder(tokens)
+        assert hidden.shape == (2, 12, EMBED_DIM)
+        assert torch.equal(tiny_decoder.unembed(hidden), logits)
+
+    def test_output_hidden_states(self, tiny_decoder):
+        tokens = random_tokens()
+        tiny_decoder.output_hidden_states = [0, 2]
+        first, last, logits = tiny_decoder(tokens)
+        assert torch.equal(first, tiny_decoder.tok_embeddings(tokens))
+        assert torch.equal(tiny_decoder.unembed(tiny_decoder.norm(last)), logits)
+
+
+class TestKVCache:
+    @pytest.mark.parametrize("prefill", [1, 5, 11])
+    def test_cached_decoding_equals_full_forward(self, tiny_decoder, prefill):
+        tokens = random_tokens(seq=16)
+        with torch.no_grad():
+            full = tiny_decoder(tokens)
+            tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=20)
+            steps = [tiny_decoder(tokens[:, :prefill])]
+            steps += [tiny_decoder(tokens[:, i : i + 1]) for i in range(prefill, 16)]
+        # Masked attention over a longer cache sums in a different order: float32 round-off.
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+    def test_reset_and_disable(self, tiny_decoder):
+        tokens = random_tokens(seq=6)
+        full = tiny_decoder(tokens)
+        assert not tiny_decoder.caches_are_setup() and not tiny_decoder.caches_are_enabled()
+        tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=8)
+        assert tiny_decoder.caches_are_setup() and tiny_decoder.caches_are_enabled()
+        tiny_decoder(tokens)
+        with tiny_decoder.caches_disabled():
+            assert not tiny_decoder.caches_are_enabled()
+            assert torch.equal(tiny_decoder(tokens), full)  # no cache involved, fill untouched
+        assert tiny_decoder.caches_are_enabled()
+        tiny_decoder.reset_caches()
+        torch.testing.assert_close(tiny_decoder(tokens), full, atol=1e-5, rtol=1e-5)
+
+    def test_cache_follows_model_device_and_dtype(self, tiny_decoder):
+        tiny_decoder.setup_caches(3, torch.bfloat16)
+        cache = tiny_decoder.layers[0].attn.kv_cache
+        assert cache.k_cache.shape == (3, 2, 64, 8) and cache.k_cache.dtype == torch.bfloat16
+
+
+class TestBadInput:
+    def check(self, match, fn, exc=ValueError):
+        with pytest.raises(exc, match=match):
+            fn()
+
+    def test_both_or_neither(self, tiny_decoder):
+        tokens = random_tokens()
+        embeds = tiny_decoder.tok_embeddings(tokens)
+        self.check(
+            r"tokens, input_embeds: expected exactly one of them, got both",
+            lambda: tiny_decoder(tokens, input_embeds=embeds),
+        )
+        self.check(r"expected exactly one of them, got neither", lambda: tiny_decoder())
+
+    def test_tokens_shape_and_dtype(self, tiny_decoder):
+        self.check(
+            r"tokens: expected integer ids \[b, s\], got shape \[12\]",
+            lambda: tiny_decoder(random_tokens()[0]),
+        )
+        self.check(
+            r"tokens: expected integer ids .*dtype torch.float32",
+            lambda: tiny_decoder(random_tokens().float()),
+        )
+
+    def test_input_embeds_rank_dim_dtype(self, tiny_decoder):
+        self.check(
+            r"input_embeds: expected \[b, s, 32\], got shape \[12, 32\]",
+            lambda: tiny_decoder(input_embeds=torch.zeros(12, EMBED_DIM)),
+        )
+        self.check(
+            r"input_embeds: expected \[b, s, 32\], got shape \[2, 12, 16\]",
+            lambda: tiny_decoder(input_embeds=torch.zeros(2, 12, 16)),
+        )
+        self.check(
+            r"input_embeds: expected dtype torch.float32 .* got torch.bfloat16",
+            lambda: tiny_decoder(input_embeds=torch.zeros(2, 12, EMBED_DIM).bfloat16()),
+        )
+
+    def test_too_long(self, tiny_decoder):
+        self.check(
+            r"tokens: sequence length 65 exceeds max_seq_len=64",
+            lambda: tiny_decoder(torch.zeros(1, 65, dtype=torch.long)),
+        )
+        self.check(
+            r"input_embeds: sequence length 65 exceeds max_seq_len=64",
+            lambda: tiny_decoder(input_embeds=torch.zeros(1, 65, EMBED_DIM)),
+        )
+
+    def test_longer_than_cache(self, tiny_decoder):
+        tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=8)
+        tiny_decoder(random_tokens(seq=6))
+        self.check(
+            r"KV cache holds 6 of 8 positions, so 3 more do not fit",
+            lambda: tiny_decoder(random_tokens(seq=3)),
+        )
+        assert tiny_decoder.layers[0].attn.kv_cache.size == 6  # nothing was written
+
+    def test_cache_batch_mismatch(self, tiny_decoder):
+        tiny_decoder.setup_caches(2, torch.float32)
+        self.check(
+            r"KV cache was set up for batch size 2, got a batch of 3",
+            lambda: tiny_decoder(random_tokens(batch=3)),
+            RuntimeError,
+        )
+
+    @pytest.mark.parametrize("bad", [-1, VOCAB])
+    def test_token_ids_out_of_range(self, tiny_decoder, bad):
+        tokens = random_tokens()
+        tokens[1, 3] = bad
+        self.check(
+            rf"tokens: expected values in \[0, {VOCAB}\), got values from {min(bad, 0)}",
+            lambda: tiny_decoder(tokens),
+        )
+
+    def test_mask_shape_and_dtype(self, tiny_decoder):
+        tokens = random_tokens()
+        self.check(
+            r"mask: expected a boolean mask \[2, 12, 12\], got shape \[12, 12\]",
+            lambda: tiny_decoder(tokens, mask=torch.ones(12, 12, dtype=torch.bool)),
+        )
+        self.check(
+            r"mask: expected a boolean mask .*dtype torch.float32",
+            lambda: tiny_decoder(tokens, mask=torch.ones(2, 12, 12)),
+        )
+        tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=16)
+        self.check(
+            r"mask: expected a boolean mask \[2, 12, 16\], got shape \[2, 12, 12\]",
+            lambda: tiny_decoder(tokens, mask=torch.ones(2, 12, 12, dtype=torch.bool)),
+        )
+
+    def test_input_pos(self, tiny_decoder):
+        tokens = random_tokens()
+        self.check(
+            r"input_pos: expected integer positions \[2, 12\] or \[12\], got shape \[11\]",
+            lambda: tiny_decoder(tokens, input_pos=torch.arange(11)),
+        )
+        self.check(
+            r"input_pos: expected values in \[0, 64\), got values from 60 to 71",
+            lambda: tiny_decoder(tokens, input_pos=torch.arange(60, 72)),
+        )
+
+    def test_cache_methods_in_wrong_order(self, tiny_decoder):
+        self.check(
+            r"reset_caches\(\) needs KV caches: call setup_caches\(\) first",
+            tiny_decoder.reset_caches,
+            RuntimeError,
+        )
+        with pytest.raises(RuntimeError, match=r"caches_disabled\(\) needs KV caches"):
+            with tiny_decoder.caches_disabled():
+                pass
+        self.check(
+            r"decoder_max_seq_len: expected 1 to max_seq_len=64, got 65",
+            lambda: tiny_decoder.setup_caches(1, torch.float32, decoder_max_seq_len=65),
+        )
+        self.check(
+            r"batch_size: expected a positive integer, got 0",
+            lambda: tiny_decoder.setup_caches(0, torch.float32),
+        )
