@@ -1,0 +1,195 @@
+"""EarlyFusion: encoders whose outputs are written into a text decoder's input embeddings."""
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion.decoder import TransformerDecoder
+from fusion.merge import EncoderRows, merge_embeddings
+
+_FUSION_MODULE_FLAG = "_fusion_module"
+
+
+def register_fusion_module(module: nn.Module) -> nn.Module:
+    """Mark ``module`` (e.g. an encoder's projection head) as a fusion module.
+
+    Its parameters are governed by ``EarlyFusion(fusion_trainable=...)``, which overrides the
+    encoder's and the decoder's flags. Returns ``module`` for chaining.
+    """
+    setattr(module, _FUSION_MODULE_FLAG, True)
+    return module
+
+
+def fusion_parameter_names(model: nn.Module) -> set[str]:
+    """Names (relative to ``model``) of all parameters inside registered fusion modules."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if getattr(module, _FUSION_MODULE_FLAG, False)
+        for name, _ in module.named_parameters()
+    }
+
+
+class EarlyFusion(nn.Module):
+    """A text decoder with encoders whose outputs replace placeholder tokens' embeddings.
+
+    A drop-in replacement for ``decoder``: same ``forward`` signature, same checkpoint keys
+    under ``decoder.``, no module replaced and no state-dict hook. Text tokens are embedded
+    with ``decoder.tok_embeddings``; encoder rows are written at their placeholders by
+    :func:`fusion.merge_embeddings` (sync-free), and the decoder runs on ``input_embeds``.
+
+    Args:
+        decoder: the text decoder; kept as ``self.decoder``, still callable on its own.
+        encoders: encoder name -> module. An encoder returns its rows for the batch: a tensor
+            (packed: ``[n_rows, d]`` or ``[n_media, tokens_per_media, d]``, in order of
+            appearance of the placeholders) or a :class:`fusion.Packed` / :class:`fusion.Padded`.
+        encoder_tokens: encoder name -> placeholder token id (inside or outside the vocabulary).
+        decoder_trainable: whether the decoder's parameters require grad.
+        encoders_trainable: for all encoders, or per encoder name.
+        fusion_trainable: for parameters of modules marked with :func:`register_fusion_module`;
+            overrides the two flags above.
+        merge_impl: the ``impl`` passed to :func:`fusion.merge_embeddings`.
+
+    Raises:
+        ValueError: the names of ``encoders``, ``encoder_tokens`` and a dict
+            ``encoders_trainable`` differ, or placeholder ids repeat.
+    """
+
+    def __init__(
+        self,
+        decoder: TransformerDecoder,
+        encoders: Mapping[str, nn.Module],
+        encoder_tokens: Mapping[str, int],
+        *,
+        decoder_trainable: bool = False,
+        encoders_trainable: bool | Mapping[str, bool] = False,
+        fusion_trainable: bool = True,
+        merge_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        names = {"encoders": set(encoders), "encoder_tokens": set(encoder_tokens)}
+        if isinstance(encoders_trainable, Mapping):
+            names["encoders_trainable"] = set(encoders_trainable)
+        if len({frozenset(n) for n in names.values()}) > 1:
+            listed = ", ".join(f"{arg} has {sorted(n)}" for arg, n in names.items())
+            raise ValueError(f"encoders, encoder_tokens: expected the same names, got: {listed}")
+        if len(set(encoder_tokens.values())) != len(encoder_tokens):
+            raise ValueError(
+                f"encoder_tokens: expected distinct placeholder ids, got {dict(encoder_tokens)}"
+            )
+        self.decoder = decoder
+        self.encoders = nn.ModuleDict(encoders)
+        self.encoder_tokens = dict(encoder_tokens)
+        self.merge_impl = merge_impl
+        if not isinstance(encoders_trainable, Mapping):
+            encoders_trainable = dict.fromkeys(encoders, encoders_trainable)
+        self._set_trainable(decoder_trainable, encoders_trainable, fusion_trainable)
+
+    def _set_trainable(self, decoder: bool, encoders: Mapping[str, bool], fusion: bool) -> None:
+        trainable = (
+            {f"decoder.{n}" for n, _ in self.decoder.named_parameters()} if decoder else set()
+        )
+        for name, flag in encoders.items():
+            if flag:
+                prefix = f"encoders.{name}."
+                trainable |= {prefix + n for n, _ in self.encoders[name].named_parameters()}
+        fusion_params = fusion_parameter_names(self)
+        trainable = trainable | fusion_params if fusion else trainable - fusion_params
+        for name, param in self.named_parameters():
+            param.requires_grad_(name in trainable)
+
+    # ------------------------------------------------------------------ forward
+
+    def encode(self, encoder_input: Mapping[str, Any]) -> dict[str, EncoderRows]:
+        """Run the encoders once: name -> kwargs for that encoder, or an already-computed
+        output (a tensor, ``Packed`` or ``Padded``), which passes through. The result can be
+        passed back as ``encoder_input`` (e.g. reused across steps) without re-encoding."""
+        unknown = sorted(set(encoder_input) - set(self.encoders))
+        if unknown:
+            raise ValueError(
+                f"encoder_input: unknown encoder names {unknown}, expected some of "
+                f"{sorted(self.encoders)}"
+            )
+        return {
+            name: self.encoders[name](**value) if isinstance(value, Mapping) else value
+            for name, value in encoder_input.items()
+        }
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        encoder_input: Mapping[str, Any] | None = None,
+        input_pos: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Merge encoder rows into the embeddings of ``tokens`` [b, s] and run the decoder.
+
+        Args:
+            tokens: ids [b, s], with placeholder ids where encoder rows go.
+            mask, input_pos, kwargs: passed to the decoder (see ``TransformerDecoder.forward``).
+            encoder_input: see :meth:`encode`. Encoders without input have no rows, so their
+                placeholders must not appear.
+
+        Returns:
+            what the decoder returns: float32 logits [b, s, vocab] by default. With no encoder
+            input and no placeholder, bitwise equal to ``decoder(tokens)``.
+
+        Raises:
+            ValueError: unknown encoder names, or placeholder counts that do not match the rows
+                (see :func:`fusion.merge_embeddings`), before the decoder runs.
+        """
+        rows = self.encode(encoder_input or {})
+        embeds = merge_embeddings(
+            tokens,
+            self.decoder.tok_embeddings.weight,
+            rows,
+            self.encoder_tokens,
+            impl=self.merge_impl,
+        )
+        return self.decoder(mask=mask, input_pos=input_pos, input_embeds=embeds, **kwargs)
+
+    # ------------------------------------------------------------------ delegated to the decoder
+
+    def setup_caches(
+        self, batch_size: int, dtype: torch.dtype, *, decoder_max_seq_len: int | None = None
+    ) -> None:
+        self.decoder.setup_caches(batch_size, dtype, decoder_max_seq_len=decoder_max_seq_len)
+
+    def caches_are_setup(self) -> bool:
+        return self.decoder.caches_are_setup()
+
+    def caches_are_enabled(self) -> bool:
+        return self.decoder.caches_are_enabled()
+
+    def reset_caches(self) -> None:
+        self.decoder.reset_caches()
+
+    @contextmanager
+    def caches_disabled(self) -> Iterator[None]:
+        with self.decoder.caches_disabled():
+            yield
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        """The decoder's output projection: hidden [b, s, d] -> float32 logits [b, s, vocab]."""
+        return self.decoder.unembed(h)
+
+    @property
+    def skip_output_layer(self) -> bool:
+        return self.decoder.skip_output_layer
+
+    @skip_output_layer.setter
+    def skip_output_layer(self, value: bool) -> None:
+        self.decoder.skip_output_layer = value
+
+    @property
+    def output_hidden_states(self) -> list[int]:
+        return self.decoder.output_hidden_states
+
+    @output_hidden_states.setter
+    def output_hidden_states(self, value: list[int]) -> None:
+        self.decoder.output_hidden_states = list(value)
