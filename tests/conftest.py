@@ -1,10 +1,10 @@
 import os
 
 import pytest
-from helpers import build_tiny_decoder
 from hypothesis import HealthCheck, settings
 
 from fusion.decoder import TransformerDecoder
+from helpers import build_tiny_decoder
 
 # `ci`: deterministic (derandomized) and sized for 2 CPU cores; `dev`: a wider search.
 settings.register_profile(

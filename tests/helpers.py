@@ -1,7 +1,9 @@
 """Small models and data shared by the tests."""
 
 import torch
+from torch import nn
 
+from fusion import EarlyFusion, register_fusion_module
 from fusion.decoder import TransformerDecoder
 from fusion.models import llama3_2
 
@@ -22,3 +24,38 @@ def build_tiny_decoder(tie_word_embeddings: bool = True, seed: int = 0) -> Trans
         intermediate_dim=64,
         tie_word_embeddings=tie_word_embeddings,
     )
+
+
+IMAGE_ID = VOCAB + 5  # outside the vocabulary
+AUDIO_ID = 3  # inside the vocabulary: reserved, never embedded as text
+FEATURES = 6
+
+
+class TinyEncoder(nn.Module):
+    """``features`` [n_media, tokens, FEATURES] -> packed rows [n_media, tokens, EMBED_DIM],
+    with a projection head registered as a fusion module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(FEATURES, FEATURES)
+        self.proj = register_fusion_module(nn.Linear(FEATURES, EMBED_DIM))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.tanh(self.backbone(features)))
+
+
+def build_tiny_fusion(seed: int = 0, **kwargs) -> EarlyFusion:
+    """``EarlyFusion`` over :func:`build_tiny_decoder` with an image and an audio encoder."""
+    decoder = build_tiny_decoder(seed=seed)
+    torch.manual_seed(seed + 1)
+    return EarlyFusion(
+        decoder,
+        {"image": TinyEncoder(), "audio": TinyEncoder()},
+        {"image": IMAGE_ID, "audio": AUDIO_ID},
+        **kwargs,
+    )
+
+
+def text_tokens(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """Random text ids that are not placeholders."""
+    return torch.randint(4, VOCAB, (batch, seq_len), generator=torch.Generator().manual_seed(seed))

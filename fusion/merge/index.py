@@ -16,4 +16,4 @@ def merge_index(
     out = F.embedding(ids, weight)
     for p in placements:
         out.index_copy_(0, p.destinations(), p.rows)
-    return out[:n].view(batch, seq_len, -1)
+    return out[:n].view(batch, seq_len, weight.size(1))

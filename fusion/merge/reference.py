@@ -20,7 +20,7 @@ def merge_reference(
             batch = p.is_placeholder.size(0)
             per_sample = p.is_placeholder.sum(1, keepdim=True)
             valid = torch.arange(p.width, device=rows.device) < per_sample
-            rows = rows.view(batch, p.width, -1)[valid]
+            rows = rows.view(batch, p.width, rows.size(-1))[valid]
         mask = p.is_placeholder[..., None].expand_as(embeds)
         embeds = embeds.masked_scatter(mask, rows)
     return embeds

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from helpers import EMBED_DIM, VOCAB, build_tiny_decoder
 
 

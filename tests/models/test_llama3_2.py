@@ -2,10 +2,10 @@ import io
 
 import pytest
 import torch
-from helpers import VOCAB, build_tiny_decoder
 
 from fusion.decoder import RotaryPositionalEmbeddings
 from fusion.models import llama3_2, scale_hidden_dim_for_mlp
+from helpers import VOCAB, build_tiny_decoder
 
 
 def expected_keys(num_layers: int, tied: bool) -> set[str]:

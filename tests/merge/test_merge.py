@@ -1,0 +1,138 @@
+"""Merge properties against an obviously-correct Python loop over samples and positions."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from fusion.merge import IMPLEMENTATIONS, Packed, Padded, merge_embeddings
+from fusion.testing import MergeCase, merge_inputs
+
+
+def loop_merge(case: MergeCase) -> torch.Tensor:
+    """Sample by sample, position by position: the k-th placeholder of an encoder takes the
+    next packed row (counted over the whole batch) or padded row [i, k] (counted per sample)."""
+    batch, seq_len = case.tokens.shape
+    out = torch.empty(batch, seq_len, case.weight.size(1), dtype=case.weight.dtype)
+    name_of = {token_id: name for name, token_id in case.encoder_tokens.items()}
+    packed_used = dict.fromkeys(case.encoder_tokens, 0)
+    for i in range(batch):
+        sample_used = dict.fromkeys(case.encoder_tokens, 0)
+        for j in range(seq_len):
+            token = int(case.tokens[i, j])
+            if token not in name_of:
+                out[i, j] = case.weight[token]
+                continue
+            name = name_of[token]
+            layout = case.encoder_rows[name]
+            if isinstance(layout, Packed):
+                out[i, j] = layout.rows.reshape(-1, out.size(-1))[packed_used[name]]
+                packed_used[name] += 1
+            else:
+                out[i, j] = layout.rows[i, sample_used[name]]
+                sample_used[name] += 1
+    return out
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+@given(case=merge_inputs())
+def test_equals_loop(impl, case):
+    merged = merge_embeddings(
+        case.tokens, case.weight, case.encoder_rows, case.encoder_tokens, impl=impl
+    )
+    assert merged.dtype == case.weight.dtype
+    assert torch.equal(merged, loop_merge(case))
+
+
+def _with_rows(case: MergeCase, name: str, rows) -> MergeCase:
+    return dataclasses.replace(case, encoder_rows={**case.encoder_rows, name: rows})
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+@given(case=merge_inputs(), data=st.data())
+def test_every_count_mismatch_raises(impl, case, data):
+    name = data.draw(st.sampled_from(sorted(case.encoder_rows)))
+    layout = case.encoder_rows[name]
+    counts = (case.tokens == case.encoder_tokens[name]).sum(1)
+    rows = layout.rows
+    if isinstance(layout, Packed):
+        flat = rows.reshape(-1, rows.size(-1))
+        extra = data.draw(st.integers(-len(flat), 3).filter(lambda k: k != 0))
+        if extra > 0:
+            bad = Packed(torch.cat([flat, flat.new_zeros(extra, flat.size(1))]))
+        else:
+            bad = Packed(flat[: len(flat) + extra])
+        match = rf"encoder '{name}': the tokens' placeholder count .* equal the {len(bad.rows)} "
+    else:
+        assume(counts.numel() > 0 and int(counts.max()) > 0)
+        width = data.draw(st.integers(0, int(counts.max()) - 1))
+        bad = Padded(rows[:, :width])
+        match = (
+            rf"encoder '{name}': a sample holds more placeholders .* than the padded width {width}"
+        )
+    with pytest.raises(ValueError, match=match):
+        merge_embeddings(
+            case.tokens,
+            case.weight,
+            _with_rows(case, name, bad).encoder_rows,
+            case.encoder_tokens,
+            impl=impl,
+        )
+
+
+def test_padding_never_moves_across_samples():
+    """torchtune's flattening bug: sample 0 has 1 placeholder, sample 1 has 2, padded width 2."""
+    weight = torch.zeros(8, 2)
+    tokens = torch.tensor([[9, 1, 1], [9, 9, 1]])
+    rows = torch.tensor([[[1.0, 1.0], [-1.0, -1.0]], [[2.0, 2.0], [3.0, 3.0]]])
+    merged = merge_embeddings(tokens, weight, {"image": Padded(rows)}, {"image": 9})
+    assert merged[1, :2].tolist() == [[2.0, 2.0], [3.0, 3.0]]
+    assert merged[0, 0].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tokens": torch.zeros(4, dtype=torch.long)}, r"tokens: expected integer ids \[b, s\]"),
+        (
+            {"encoder_rows": {"video": torch.zeros(0, 2)}},
+            r"encoder_rows: names \['video'\] have no",
+        ),
+        ({"encoder_tokens": {"image": 9, "audio": 9}}, r"encoder_tokens: expected distinct"),
+        ({"impl": "magic"}, r"impl: expected 'auto' or one of .* got 'magic'"),
+        (
+            {"encoder_rows": {"image": Padded(torch.zeros(3, 1, 2))}},
+            r"expected padded rows \[2, max_tokens, 2\]",
+        ),
+        (
+            {"tokens": torch.tensor([[9, 8], [1, 2]])},
+            r"tokens \(text positions\): expected values in \[0, 8\), got values from 0 to 8",
+        ),
+    ],
+)
+def test_bad_input(kwargs, match):
+    args = {
+        "tokens": torch.tensor([[9, 1], [1, 2]]),
+        "weight": torch.zeros(8, 2),
+        "encoder_rows": {"image": torch.zeros(1, 2)},
+        "encoder_tokens": {"image": 9},
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        merge_embeddings(**args)
+
+
+def test_device_side_checks_do_not_raise_eagerly_but_fail():
+    """``eager_checks=False`` turns count checks into ``torch._assert_async`` (sync-free on
+    accelerators); on CPU the assertion still fires, as a RuntimeError."""
+    tokens = torch.tensor([[9, 9, 1]])
+    with pytest.raises(RuntimeError, match="must equal the 1 packed rows given"):
+        merge_embeddings(
+            tokens,
+            torch.zeros(4, 2),
+            {"image": torch.zeros(1, 2)},
+            {"image": 9},
+            eager_checks=False,
+        )
