@@ -51,7 +51,8 @@ class EarlyFusion(nn.Module):
         encoders_trainable: for all encoders, or per encoder name.
         fusion_trainable: for parameters of modules marked with :func:`register_fusion_module`;
             overrides the two flags above.
-        merge_impl: the ``impl`` passed to :func:`fusion.merge_embeddings`.
+        merge_impl, eager_checks: passed to :func:`fusion.merge_embeddings` (``eager_checks=True``
+            checks placeholder counts on the host, with a synchronisation, on any device).
 
     Raises:
         ValueError: the names of ``encoders``, ``encoder_tokens`` and a dict
@@ -68,6 +69,7 @@ class EarlyFusion(nn.Module):
         encoders_trainable: bool | Mapping[str, bool] = False,
         fusion_trainable: bool = True,
         merge_impl: str = "auto",
+        eager_checks: bool | None = None,
     ) -> None:
         super().__init__()
         names = {"encoders": set(encoders), "encoder_tokens": set(encoder_tokens)}
@@ -84,6 +86,7 @@ class EarlyFusion(nn.Module):
         self.encoders = nn.ModuleDict(encoders)
         self.encoder_tokens = dict(encoder_tokens)
         self.merge_impl = merge_impl
+        self.eager_checks = eager_checks
         if not isinstance(encoders_trainable, Mapping):
             encoders_trainable = dict.fromkeys(encoders, encoders_trainable)
         self._set_trainable(decoder_trainable, encoders_trainable, fusion_trainable)
@@ -150,6 +153,7 @@ class EarlyFusion(nn.Module):
             rows,
             self.encoder_tokens,
             impl=self.merge_impl,
+            eager_checks=self.eager_checks,
         )
         return self.decoder(mask=mask, input_pos=input_pos, input_embeds=embeds, **kwargs)
 
