@@ -31,8 +31,8 @@ def assert_checkpoint_compatible(
     ``fusion_model`` (an :class:`fusion.EarlyFusion`, somewhere inside ``root``, at any
     wrapping prefix) must hold, for every key ``k`` of ``plain_decoder.state_dict()``, the key
     ``prefix + "decoder." + k`` of ``root.state_dict()`` with a bitwise-identical tensor, and no
-    other ``decoder.`` key; and ``plain_decoder``'s state dict must load with ``strict=True`` into a copy of
-    ``fusion_model.decoder``.
+    other ``decoder.`` key; and ``plain_decoder``'s state dict must load with ``strict=True``
+    into a copy of ``fusion_model.decoder``.
 
     Raises:
         AssertionError: naming the first key that differs.
