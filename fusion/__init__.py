@@ -1,7 +1,9 @@
 """fusion: early-fusion multimodal models in PyTorch."""
 
+from fusion import checkpoint
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion, register_fusion_module
+from fusion.generation import generate
 from fusion.merge import Packed, Padded, merge_embeddings
 
 __version__ = "0.1.0"
@@ -11,6 +13,8 @@ __all__ = [
     "Packed",
     "Padded",
     "TransformerDecoder",
+    "checkpoint",
+    "generate",
     "merge_embeddings",
     "register_fusion_module",
 ]

@@ -173,6 +173,9 @@ class EarlyFusion(nn.Module):
     def reset_caches(self) -> None:
         self.decoder.reset_caches()
 
+    def teardown_caches(self) -> None:
+        self.decoder.teardown_caches()
+
     @contextmanager
     def caches_disabled(self) -> Iterator[None]:
         with self.decoder.caches_disabled():

@@ -86,6 +86,12 @@ class TransformerDecoder(nn.Module):
         for layer in self.layers:
             layer.attn.kv_cache.reset()
 
+    def teardown_caches(self) -> None:
+        """Free the caches: back to the state before :meth:`setup_caches`."""
+        for layer in self.layers:
+            layer.attn.kv_cache = None
+            layer.attn.cache_enabled = False
+
     @contextmanager
     def caches_disabled(self) -> Iterator[None]:
         """Run plain full-sequence forwards inside the block; the caches are left untouched."""

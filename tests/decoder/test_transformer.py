@@ -97,6 +97,9 @@ class TestKVCache:
         assert tiny_decoder.caches_are_enabled()
         tiny_decoder.reset_caches()
         torch.testing.assert_close(tiny_decoder(tokens), full, atol=1e-5, rtol=1e-5)
+        tiny_decoder.teardown_caches()
+        assert not tiny_decoder.caches_are_setup()
+        assert torch.equal(tiny_decoder(tokens), full)
 
     def test_cache_follows_model_device_and_dtype(self, tiny_decoder):
         tiny_decoder.setup_caches(3, torch.bfloat16)

@@ -1,0 +1,57 @@
+"""Checkpoints in and out: Hugging Face Llama directories, safetensors, safe torch files.
+
+- :func:`load_hf_llama` / :func:`save_hf_llama`: a Hugging Face Llama directory <-> a
+  ``llama3_2`` decoder (config, key names and the q/k rotary row permutation).
+- :func:`hf_to_fusion` / :func:`fusion_to_hf`: the same conversion on state dicts.
+- :func:`meta_to_fusion` / :func:`fusion_to_meta`: Meta's original ``consolidated.*.pth`` keys.
+  torchtune's own checkpoints already use this library's keys: load them as they are.
+- :func:`load_state_dict` / :func:`save_state_dict`: safetensors files, shards + index, and
+  ``torch.load(weights_only=True)`` files, in this library's (torchtune's) key layout or any.
+- :func:`select_prefix`: an ``EarlyFusion`` checkpoint's ``decoder.`` part as a plain decoder's.
+"""
+
+from fusion.checkpoint.errors import CheckpointError
+from fusion.checkpoint.files import (
+    CheckpointFiles,
+    TensorEntry,
+    load_state_dict,
+    save_state_dict,
+)
+from fusion.checkpoint.hf_config import (
+    hf_config_from_decoder,
+    llama3_2_kwargs_from_hf_config,
+    read_hf_config,
+)
+from fusion.checkpoint.hf_keys import (
+    fusion_key_to_hf,
+    fusion_to_hf,
+    hf_key_to_fusion,
+    hf_to_fusion,
+    interleaved_to_rotate_half,
+    rotate_half_to_interleaved,
+)
+from fusion.checkpoint.hf_llama import load_hf_llama, save_hf_llama
+from fusion.checkpoint.meta_keys import fusion_to_meta, meta_to_fusion
+from fusion.checkpoint.prefix import select_prefix
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointFiles",
+    "TensorEntry",
+    "fusion_key_to_hf",
+    "fusion_to_hf",
+    "fusion_to_meta",
+    "hf_config_from_decoder",
+    "hf_key_to_fusion",
+    "hf_to_fusion",
+    "interleaved_to_rotate_half",
+    "llama3_2_kwargs_from_hf_config",
+    "load_hf_llama",
+    "load_state_dict",
+    "meta_to_fusion",
+    "read_hf_config",
+    "rotate_half_to_interleaved",
+    "save_hf_llama",
+    "save_state_dict",
+    "select_prefix",
+]

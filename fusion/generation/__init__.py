@@ -1,0 +1,10 @@
+"""Text out: KV-cached generation for decoders and ``EarlyFusion`` models, and its CLI.
+
+``python -m fusion.generation --help`` runs a Hugging Face Llama directory from the shell.
+"""
+
+from fusion.generation.autoregressive import generate, generate_stream
+from fusion.generation.padding import left_pad
+from fusion.generation.sampling import check_sampling_args, sample_next_token
+
+__all__ = ["check_sampling_args", "generate", "generate_stream", "left_pad", "sample_next_token"]
