@@ -11,7 +11,7 @@ export HYPOTHESIS_PROFILE ?= ci
 .PHONY: run test lint clean
 
 run: $(STAMP)
-	$(BIN)/python examples/decoder_check.py
+	$(BIN)/python -m fusion.training
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest

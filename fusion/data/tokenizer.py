@@ -1,0 +1,72 @@
+"""Word-level tokenizer for shapes captions; the image placeholder lies outside the vocabulary."""
+
+from collections.abc import Sequence
+
+PAD = "<pad>"
+EOS = "<eos>"
+PROMPT = "describe:"
+
+
+class CaptionTokenizer:
+    """Maps caption words to ids and back.
+
+    Ids ``0..vocab_size-1`` are the text vocabulary: ``<pad>`` (0), ``<eos>``, the prompt word
+    ``describe:``, then ``words`` in order. The image placeholder id is ``vocab_size``: outside
+    the text vocabulary, so it can never be predicted or embedded by the decoder; the encoder's
+    rows replace it.
+
+    Args:
+        words: the caption words, distinct and free of whitespace.
+
+    Raises:
+        ValueError: repeated words, words with whitespace, or words that clash with the
+            special tokens.
+    """
+
+    def __init__(self, words: Sequence[str]) -> None:
+        specials = [PAD, EOS, PROMPT]
+        bad = [w for w in words if not w or w.split() != [w] or w in specials]
+        if bad or len(set(words)) != len(words):
+            raise ValueError(
+                "words: expected distinct non-empty words without whitespace, other than "
+                f"{specials}, got {list(words)}"
+            )
+        self.itos = [*specials, *words]
+        self.stoi = {w: i for i, w in enumerate(self.itos)}
+        self.pad_id = self.stoi[PAD]
+        self.eos_id = self.stoi[EOS]
+        self.prompt_id = self.stoi[PROMPT]
+        self.image_id = len(self.itos)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of text ids (the decoder's vocabulary); the image id equals it."""
+        return len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of the whitespace-separated words of ``text``.
+
+        Raises:
+            ValueError: a word outside the vocabulary (named in the message).
+        """
+        unknown = [w for w in text.split() if w not in self.stoi]
+        if unknown:
+            raise ValueError(f"text: words {unknown} are not in the vocabulary, got {text!r}")
+        return [self.stoi[w] for w in text.split()]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Words of ``ids`` up to the first ``<eos>`` (excluded). Other special tokens are kept
+        as written (``<pad>``, ``describe:``), so a malformed generation never decodes to a
+        well-formed caption.
+
+        Raises:
+            ValueError: an id outside ``[0, vocab_size)`` (the image id included).
+        """
+        words = []
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"ids: expected ids in [0, {self.vocab_size}), got {i}")
+            if i == self.eos_id:
+                break
+            words.append(self.itos[i])
+        return " ".join(words)

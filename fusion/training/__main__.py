@@ -1,0 +1,5 @@
+import sys
+
+from fusion.training.cli import main
+
+sys.exit(main())

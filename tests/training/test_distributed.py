@@ -1,0 +1,87 @@
+"""Two processes on CPU (gloo) under torchrun: DDP and FSDP2 against one process."""
+
+import shutil
+
+import pytest
+import torch
+
+from fusion.checkpoint import select_prefix
+from fusion.training import (
+    build_decoder,
+    build_tokenizer,
+    load_model,
+    main,
+    read_model_state_dict,
+)
+from fusion.training.checkpoint import latest_checkpoint, load_train_state
+from fusion.training.model import image_input
+
+# Two processes sum the same per-token losses in a different order (and reduce gradients over
+# gloo), so the losses agree to float32 rounding, not bitwise; 1e-4 relative leaves a wide
+# margin over what was seen (about 1e-7 after 8 steps, DDP and FSDP2 alike).
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, job):
+    """The one-process run with the same global batch: losses and final checkpoint."""
+    out = tmp_path_factory.mktemp("single")
+    threads = torch.get_num_threads()
+    assert main(job.tiny("--steps", "8", "--checkpoint-every", "4", "--output-dir", str(out))) == 0
+    torch.set_num_threads(threads)
+    return job.losses(out), latest_checkpoint(out / "checkpoints")
+
+
+def test_ddp_matches_one_process_and_its_checkpoint_loads_alone(job, tmp_path, single):
+    reference, reference_checkpoint = single
+    out = tmp_path / "ddp"
+    args = job.tiny("--steps", "8", "--checkpoint-every", "4", "--output-dir", str(out))
+    run = job.run(*args, "--parallel", "ddp", nproc=2, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2 process(es) on cpu (ddp)" in run.stdout
+    torch.testing.assert_close(job.losses(out), reference, rtol=RTOL, atol=0)
+
+    # The distributed checkpoint in one process: a plain EarlyFusion and a plain decoder.
+    checkpoint = latest_checkpoint(out / "checkpoints")
+    assert load_train_state(checkpoint)["world_size"] == 2
+    model, config = load_model(checkpoint)
+    expected, _ = load_model(reference_checkpoint)
+    decoder = build_decoder(config)
+    decoder.load_state_dict(
+        select_prefix(read_model_state_dict(checkpoint), "decoder."), strict=True
+    )
+    tokenizer = build_tokenizer()
+    tokens = torch.randint(0, tokenizer.vocab_size, (2, 11))
+    tokens[:, :4] = tokenizer.image_id  # one image (4 tokens) per sample, then text
+    images = image_input(torch.rand(2, 3, 16, 16))
+    with torch.no_grad():
+        # Compared through outputs: parameters with (near) zero gradients, such as the key
+        # biases, take sign-of-noise Adam steps that differ between runs without any effect.
+        torch.testing.assert_close(
+            model(tokens, encoder_input=images),
+            expected(tokens, encoder_input=images),
+            rtol=RTOL,
+            atol=1e-4,
+        )
+        assert torch.equal(model(tokens[:, 4:]), decoder(tokens[:, 4:]))
+
+
+def test_fsdp_matches_one_process_and_resumes_on_one_process(job, tmp_path, single):
+    reference, _ = single
+    out = tmp_path / "fsdp"
+    args = job.tiny("--steps", "8", "--checkpoint-every", "4", "--output-dir", str(out))
+    run = job.run(*args, "--parallel", "fsdp", nproc=2, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2 process(es) on cpu (fsdp)" in run.stdout
+    torch.testing.assert_close(job.losses(out), reference, rtol=RTOL, atol=0)
+
+    # As if the 2-process run had died after step 4: its sharded checkpoint continues in one
+    # process, to the single run's losses.
+    shutil.rmtree(out / "checkpoints" / "step_00000008")
+    (out / "metrics.json").unlink()
+    assert load_train_state(latest_checkpoint(out / "checkpoints"))["world_size"] == 2
+    threads = torch.get_num_threads()
+    assert main([*args, "--resume"]) == 0
+    torch.set_num_threads(threads)
+    torch.testing.assert_close(job.losses(out), reference, rtol=RTOL, atol=0)
+    assert load_train_state(latest_checkpoint(out / "checkpoints"))["world_size"] == 1
