@@ -1,0 +1,293 @@
+"""The GPU checks of the fused merge, in one short script (about a minute on an H200).
+
+    python benchmarks/gpu_check.py                 # CUDA + Triton: the issue's GPU case
+    python benchmarks/gpu_check.py --cpu-smoke     # no GPU: the same code paths, tiny, on
+                                                   # Triton's interpreter (timings meaningless)
+
+On the issue's case (bf16, 32k tokens x 4096, 25% placeholders in image blocks) it checks:
+
+1. bits: ``fused`` and ``index`` equal ``reference``, forward and gradients (table and rows).
+2. bandwidth: the fused kernel alone (metadata prepared, output preallocated) and the whole
+   ``merge_embeddings(impl="fused")`` call, against a device-to-device copy of the output
+   (``copy_`` into a preallocated tensor), all timed with ``triton.testing.do_bench``;
+   bytes moved = 2 x output bytes. Target: the kernel at >= 80% of the copy's bandwidth.
+   Also ``index`` and ``reference``, and a small sweep of kernel launch configurations.
+3. no host synchronisation: each merge under ``torch.cuda.set_sync_debug_mode("error")``.
+4. CUDA graphs: the merge captured in a graph, replayed on new tokens and rows written into
+   the captured inputs, equal to eager.
+
+Prints a summary and writes ``gpu_check.json`` to ``--out``; exits 1 when a check fails.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import merge_kernels as mk  # benchmarks/ is on sys.path when this file runs as a script
+import torch
+
+BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+CONFIGS = [  # (BLOCK_R, BLOCK_D, num_warps)
+    (1, 4096, 8),
+    (2, 2048, 4),
+    (4, 2048, 4),
+    (4, 2048, 8),
+    (8, 1024, 4),
+    (8, 2048, 8),
+    (16, 1024, 8),
+]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--fraction", type=float, default=0.25)
+    p.add_argument("--dtype", choices=sorted(mk.DTYPES), default="bf16")
+    p.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny, on the interpreter")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args(argv)
+    bench = mk.parse_args(["--quick"] if args.cpu_smoke else [])
+    bench.dtype = args.dtype
+    if args.cpu_smoke:
+        args.tokens, args.dim = 64, 16
+        bench.block = 8
+    args.bench = bench
+    return args
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(BITS[a.element_size()]), b.view(BITS[b.element_size()]))
+    )
+
+
+def merge(inp: mk.Inputs, impl: str, rows: dict | None = None) -> torch.Tensor:
+    return mk.merge_embeddings(
+        inp.tokens, inp.weight, rows or inp.rows, inp.encoder_tokens, impl=impl
+    )
+
+
+def check_bits(inp: mk.Inputs) -> dict:
+    grad = inp.grad
+    results = {}
+
+    def run(impl: str):
+        weight = inp.weight.detach().clone().requires_grad_()
+        rows = {k: v.detach().clone().requires_grad_() for k, v in inp.rows.items()}
+        out = mk.merge_embeddings(inp.tokens, weight, rows, inp.encoder_tokens, impl=impl)
+        grads = torch.autograd.grad(out, [weight, *rows.values()], grad)
+        return [out.detach(), *grads]
+
+    expected = run("reference")
+    for impl in ("index", "fused"):
+        actual = run(impl)
+        results[impl] = all(bitwise_equal(a, e) for a, e in zip(actual, expected, strict=True))
+    return results
+
+
+def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Median seconds of a call: do_bench (CUDA events, L2 flushed) on GPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+    from torch.utils.benchmark import Timer
+
+    return lambda fn: Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.05).median
+
+
+def check_bandwidth(inp: mk.Inputs, device: torch.device) -> dict:
+    from fusion.merge import fused
+
+    time_of = timer(device)
+    with torch.no_grad():
+        src = inp.source.detach()
+        out = torch.empty_like(src).view(-1, src.size(-1))
+        out_bytes = src.numel() * src.element_size()
+        # The kernel's inputs, prepared the way merge_fused prepares them.
+        n = inp.text_ids.numel()
+        source = torch.full((n + 1,), -1, dtype=torch.int64, device=device)
+        start, rows = 0, []
+        for p in inp.placements:
+            dest = p.destinations()
+            source.index_copy_(0, dest, torch.arange(start, start + p.rows.size(0), device=device))
+            start += p.rows.size(0)
+            rows.append(p.rows.detach())
+        weight, text_ids = inp.weight.detach(), inp.text_ids.reshape(-1)
+        plain = {k: v.detach() for k, v in inp.rows.items()}
+        calls = {
+            "copy_ (d2d)": lambda: out.copy_(src.view_as(out)),
+            "fused kernel": lambda: fused.launch(out, weight, text_ids, source[:n], rows),
+            "merge_embeddings fused": lambda: merge(inp, "fused", plain),
+            "merge_embeddings index": lambda: merge(inp, "index", plain),
+            "merge_embeddings reference": lambda: merge(inp, "reference", plain),
+        }
+        seconds = {name: time_of(fn) for name, fn in calls.items()}
+        fused.launch(out, weight, text_ids, source[:n], rows)
+        if not bitwise_equal(out.view_as(src), merge(inp, "reference", plain)):
+            raise AssertionError("the fused kernel launched directly differs from reference")
+        configs = {}
+        for config in CONFIGS if device.type == "cuda" else CONFIGS[:2]:
+
+            def launch(config=config) -> None:
+                fused.launch(out, weight, text_ids, source[:n], rows, config)
+
+            configs[str(config)] = 2 * out_bytes / time_of(launch) / 1e9
+    bandwidth = {name: 2 * out_bytes / s / 1e9 for name, s in seconds.items()}
+    copy = bandwidth["copy_ (d2d)"]
+    return {
+        "output_bytes": out_bytes,
+        "median_us": {name: s * 1e6 for name, s in seconds.items()},
+        "bandwidth_gbs": bandwidth,
+        "fraction_of_copy": {name: bw / copy for name, bw in bandwidth.items()},
+        "default_config": list(fused.launch_config(src.size(-1), src.element_size())),
+        "config_sweep_gbs": configs,
+        "target_met": bandwidth["fused kernel"] >= 0.8 * copy,
+    }
+
+
+def check_sync(inp: mk.Inputs) -> dict:
+    """None: nothing synchronised; otherwise the error's first line."""
+    results = {}
+    plain = {k: v.detach() for k, v in inp.rows.items()}
+    for impl in ("fused", "index", "reference"):
+        merge(inp, impl, plain)  # warm-up: compilation and first-launch work happen here
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            merge(inp, impl, plain)
+            results[impl] = None
+        except RuntimeError as e:
+            results[impl] = str(e).splitlines()[0]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    return results
+
+
+def check_graph(inp: mk.Inputs) -> dict:
+    """Capture the merge, write new tokens (placeholders moved) and rows into the captured
+    inputs, replay, and compare with eager on the new inputs."""
+    results = {}
+    for impl in ("fused", "index"):
+        try:
+            tokens = inp.tokens.clone()
+            rows = {k: v.detach().clone() for k, v in inp.rows.items()}
+            weight = inp.weight.detach()
+
+            def fn(tokens=tokens, rows=rows, weight=weight, impl=impl):
+                return mk.merge_embeddings(tokens, weight, rows, inp.encoder_tokens, impl=impl)
+
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = fn()
+            # Same placeholder count per sample, different positions and values.
+            tokens.copy_(tokens.roll(17, dims=1))
+            for v in rows.values():
+                v.copy_(torch.randn_like(v))
+            graph.replay()
+            torch.cuda.synchronize()
+            expected = mk.merge_embeddings(
+                tokens, weight, rows, inp.encoder_tokens, impl="reference"
+            )
+            results[impl] = {
+                "captured": True,
+                "replay_equals_eager": bitwise_equal(static_out, expected),
+            }
+        except Exception as e:  # report, keep checking the others
+            results[impl] = {"captured": False, "error": f"{type(e).__name__}: {e}"[:500]}
+            traceback.print_exc()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("gpu_check: no CUDA device (use --cpu-smoke to exercise the script)")
+        device = torch.device("cuda")
+    from fusion.merge import default_impl
+    from fusion.merge.fused import fused_supported
+
+    if not fused_supported(device, mk.DTYPES[args.dtype]):
+        raise SystemExit("gpu_check: impl='fused' cannot run here (is Triton installed?)")
+    case = mk.Case(args.tokens, args.dim, args.fraction, "fwd+bwd")
+    inp = mk.make_inputs(case, args.bench, device)
+    report: dict = {
+        "machine": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
+        },
+        "case": {"tokens": args.tokens, "dim": args.dim, "fraction": args.fraction},
+        "dtype": args.dtype,
+        "default_impl": default_impl(device, mk.DTYPES[args.dtype]),
+    }
+    try:
+        import triton
+
+        report["machine"]["triton"] = triton.__version__
+    except ImportError:
+        pass
+    report["bits_equal_reference"] = check_bits(inp)
+    report["bandwidth"] = check_bandwidth(inp, device)
+    if device.type == "cuda":
+        report["sync_errors"] = check_sync(inp)
+        report["cuda_graph"] = check_graph(inp)
+    failures = [f"bits: {k}" for k, ok in report["bits_equal_reference"].items() if not ok]
+    if device.type == "cuda":
+        if not report["bandwidth"]["target_met"]:
+            failures.append("bandwidth: fused kernel below 80% of the d2d copy")
+        failures += [f"sync: {k}" for k in ("fused", "index") if report["sync_errors"][k]]
+        failures += [
+            f"graph: {k}"
+            for k, r in report["cuda_graph"].items()
+            if not (r["captured"] and r["replay_equals_eager"])
+        ]
+    report["failures"] = failures
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / ("gpu_check_cpu_smoke.json" if args.cpu_smoke else "gpu_check.json")
+    path.write_text(json.dumps(report, indent=1))
+
+    bw = report["bandwidth"]
+    print(
+        f"{report['machine']['device']}, {args.dtype}, {args.tokens} x {args.dim}, "
+        f"{args.fraction:.0%} placeholders, output {bw['output_bytes'] / 2**20:.0f} MiB"
+    )
+    print(f"default impl: {report['default_impl']}")
+    print(f"bits equal reference (fwd + grads): {report['bits_equal_reference']}")
+    for name, us in bw["median_us"].items():
+        print(
+            f"  {name:28} {us:10.1f} us {bw['bandwidth_gbs'][name]:8.1f} GB/s "
+            f"{bw['fraction_of_copy'][name]:6.1%} of copy"
+        )
+    print(f"  kernel configs (GB/s), default {bw['default_config']}: {bw['config_sweep_gbs']}")
+    if device.type == "cuda":
+        print(f"sync debug mode errors: {report['sync_errors']}")
+        print(f"cuda graph: {report['cuda_graph']}")
+    print("FAILED: " + "; ".join(failures) if failures else "all checks passed")
+    print(f"wrote {path}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The benchmark scripts run end to end (``--quick``, ``--cpu-smoke``) and report what they
+measure: every contestant, the floor, transient memory and host synchronisation."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusion.merge.fused import triton
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run_script(name: str, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_merge_kernels_quick(tmp_path):
+    stdout = run_script("merge_kernels.py", "--quick", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "merge_kernels.json").read_text())
+    assert (tmp_path / "merge_kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["machine"]["torch"] and report["machine"]["cpu_count"]
+    assert report["settings"]["default_impl"] == "index"
+
+    results = report["results"]
+    cases = {(r["tokens"], r["dim"], r["fraction"], r["mode"]) for r in results}
+    assert cases == {(256, 64, f, m) for f in (0.0, 0.5) for m in ("fwd", "fwd+bwd")}
+    impls = {"copy", "reference", "index", "bool_index", "torchtune"}
+    for case in cases:
+        rows = {
+            r["impl"]: r
+            for r in results
+            if (r["tokens"], r["dim"], r["fraction"], r["mode"]) == case
+        }
+        assert set(rows) == impls, case
+        assert rows["copy"]["ratio_to_copy"] == 1.0
+        for r in rows.values():
+            assert r["median_ms"] > 0 and r["ratio_to_copy"] > 0
+            assert len(r["round_ms"]) == report["settings"]["rounds"]
+            assert r["median_ms"] == pytest.approx(statistics.median(r["round_ms"]))
+            paired = zip(r["round_ms"], rows["copy"]["round_ms"], strict=True)
+            assert r["ratio_to_copy"] == pytest.approx(statistics.median(a / b for a, b in paired))
+        # Sync-free implementations; the baselines' boolean indexing and masked_select are not.
+        assert not rows["index"]["synchronises"] and not rows["reference"]["synchronises"]
+        assert "aten.masked_select.default" in rows["torchtune"]["sync_ops"]
+        assert rows["bool_index"]["synchronises"]
+        if case[3] == "fwd":
+            # index keeps O(tokens) metadata; reference drops a whole embedded copy.
+            out = rows["index"]["output_bytes"]
+            assert rows["index"]["transient_bytes"] < out / 4
+            assert rows["reference"]["transient_bytes"] >= out
+    for impl in impls:
+        assert impl in stdout
+
+
+def test_fusion_forward_quick(tmp_path):
+    stdout = run_script("fusion_forward.py", "--quick", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "fusion_forward.json").read_text())
+    for mode in ("fwd", "fwd+bwd"):
+        r = report["results"][mode]
+        assert set(r["median_ms"]) == {"fusion", "decoder", "merge"}
+        assert all(len(t) == report["settings"]["rounds"] for t in r["round_ms"].values())
+        assert r["merge_share_pct"] > 0
+        assert mode in stdout
+
+
+@pytest.mark.skipif(triton is None, reason="Triton is not installed")
+def test_gpu_check_cpu_smoke(tmp_path):
+    """The GPU script's shared code paths, on Triton's interpreter (no GPU checks here)."""
+    stdout = run_script("gpu_check.py", "--cpu-smoke", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "gpu_check_cpu_smoke.json").read_text())
+    assert report["bits_equal_reference"] == {"index": True, "fused": True}
+    assert set(report["bandwidth"]["median_us"]) >= {"copy_ (d2d)", "fused kernel"}
+    assert report["failures"] == []
+    assert "all checks passed" in stdout
