@@ -21,6 +21,12 @@ def check_in_range(values: torch.Tensor, name: str, low: int, high: int) -> None
         torch._assert_async(((values >= low) & (values < high)).all(), message)
 
 
+def check_token_ids(tokens: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``tokens`` is a [b, s] tensor of integer ids."""
+    if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.is_complex():
+        raise ValueError(f"tokens: expected integer ids [b, s], got {describe(tokens)}")
+
+
 def describe(x: torch.Tensor) -> str:
     """``'shape [2, 3], dtype torch.float32'``: for error messages."""
     return f"shape {list(x.shape)}, dtype {x.dtype}"

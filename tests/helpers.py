@@ -59,3 +59,46 @@ def build_tiny_fusion(seed: int = 0, **kwargs) -> EarlyFusion:
 def text_tokens(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     """Random text ids that are not placeholders."""
     return torch.randint(4, VOCAB, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+HF_VOCAB = 96
+
+
+def tiny_hf_llama(
+    *,
+    tied: bool,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+    initializer_range: float = 0.1,
+    randomize_norms: bool = True,
+    **config: object,
+):
+    """A random 2-layer GQA ``transformers.LlamaForCausalLM`` (vocab ``HF_VOCAB``, width 32,
+    4 heads, 2 KV heads), eager attention, in eval mode. ``randomize_norms`` draws the norm
+    scales from [0.5, 1.5] so that layout errors in them show; ``config`` overrides
+    ``LlamaConfig`` fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # a test extra only
+
+    torch.manual_seed(seed)
+    settings = dict(
+        vocab_size=HF_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=500_000.0,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=tied,
+        initializer_range=initializer_range,
+        rms_norm_eps=1e-5,
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(LlamaConfig(**{**settings, **config})).eval()
+    if randomize_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:  # initialised to ones: make them matter
+                    param.uniform_(0.5, 1.5)
+    return model

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion._validation import check_in_range, describe
+from fusion._validation import check_in_range, check_token_ids, describe
 from fusion.decoder.rms_norm import RMSNorm
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
@@ -183,8 +183,7 @@ class TransformerDecoder(nn.Module):
             given = "both" if tokens is not None else "neither"
             raise ValueError(f"tokens, input_embeds: expected exactly one of them, got {given}")
         if tokens is not None:
-            if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.is_complex():
-                raise ValueError(f"tokens: expected integer ids [b, s], got {describe(tokens)}")
+            check_token_ids(tokens)
             batch_size, seq_len = tokens.shape
         else:
             weight = self.tok_embeddings.weight

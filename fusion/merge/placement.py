@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusion._validation import check_in_range, describe
+from fusion._validation import check_in_range, check_token_ids, describe
 from fusion.merge.layouts import EncoderRows, Padded, as_layout
 
 
@@ -58,8 +58,7 @@ def resolve_placements(
     placeholder ids never reach the embedding table; the remaining ids must lie in
     ``[0, vocab_size)``.
     """
-    if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.is_complex():
-        raise ValueError(f"tokens: expected integer ids [b, s], got {describe(tokens)}")
+    check_token_ids(tokens)
     if weight.dim() != 2:
         raise ValueError(f"weight: expected an embedding table [vocab, d], got {describe(weight)}")
     unknown = sorted(set(encoder_rows) - set(encoder_tokens))

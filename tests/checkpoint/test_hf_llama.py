@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from fusion.checkpoint import CheckpointError, load_hf_llama, save_hf_llama
-from helpers import build_tiny_decoder
+from helpers import HF_VOCAB as VOCAB
+from helpers import build_tiny_decoder, tiny_hf_llama
 
-VOCAB = 96
 LLAMA3_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -20,32 +20,6 @@ LLAMA3_SCALING = {
     # bands of llama3 scaling: kept, interpolated and divided by the factor.
     "original_max_position_embeddings": 256,
 }
-
-
-def tiny_hf_llama(*, tied: bool, rope_scaling: dict | None, seed: int = 0) -> LlamaForCausalLM:
-    """A random 2-layer GQA Llama with weights large enough that layout errors show."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=500_000.0,
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=tied,
-        initializer_range=0.1,
-        rms_norm_eps=1e-5,
-        attn_implementation="eager",
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:  # initialised to ones: make them matter
-                param.uniform_(0.5, 1.5)
-    return model
 
 
 def random_tokens(seq: int = 300) -> torch.Tensor:

@@ -9,32 +9,24 @@ import sys
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from fusion.generation.cli import main
-
-VOCAB = 96
+from helpers import HF_VOCAB as VOCAB
+from helpers import tiny_hf_llama
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A random untied Llama, saved with ``save_pretrained``, and the model itself (the oracle)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rope_theta=500_000.0,
-        tie_word_embeddings=False,
+    model = tiny_hf_llama(
+        tied=False,
         initializer_range=0.3,
-        attn_implementation="eager",
+        randomize_norms=False,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
         eos_token_id=2,
     )
-    model = LlamaForCausalLM(config).eval()
     directory = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(directory)
     return directory, model

@@ -32,14 +32,21 @@ def single(tmp_path_factory, job):
     return job.losses(out), latest_checkpoint(out / "checkpoints")
 
 
+def run_two_processes(job, tmp_path, parallel: str, reference: list[float]):
+    """Train the tiny config 8 steps on 2 gloo processes; check the losses match one process.
+    Returns the output directory and the arguments used."""
+    out = tmp_path / parallel
+    args = job.tiny("--steps", "8", "--checkpoint-every", "4", "--output-dir", str(out))
+    run = job.run(*args, "--parallel", parallel, nproc=2, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"2 process(es) on cpu ({parallel})" in run.stdout
+    torch.testing.assert_close(job.losses(out), reference, rtol=RTOL, atol=0)
+    return out, args
+
+
 def test_ddp_matches_one_process_and_its_checkpoint_loads_alone(job, tmp_path, single):
     reference, reference_checkpoint = single
-    out = tmp_path / "ddp"
-    args = job.tiny("--steps", "8", "--checkpoint-every", "4", "--output-dir", str(out))
-    run = job.run(*args, "--parallel", "ddp", nproc=2, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "2 process(es) on cpu (ddp)" in run.stdout
-    torch.testing.assert_close(job.losses(out), reference, rtol=RTOL, atol=0)
+    out, _ = run_two_processes(job, tmp_path, "ddp", reference)
 
     # The distributed checkpoint in one process: a plain EarlyFusion and a plain decoder.
     checkpoint = latest_checkpoint(out / "checkpoints")
@@ -68,12 +75,7 @@ def test_ddp_matches_one_process_and_its_checkpoint_loads_alone(job, tmp_path, s
 
 def test_fsdp_matches_one_process_and_resumes_on_one_process(job, tmp_path, single):
     reference, _ = single
-    out = tmp_path / "fsdp"
-    args = job.tiny("--steps", "8", "--checkpoint-every", "4", "--output-dir", str(out))
-    run = job.run(*args, "--parallel", "fsdp", nproc=2, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "2 process(es) on cpu (fsdp)" in run.stdout
-    torch.testing.assert_close(job.losses(out), reference, rtol=RTOL, atol=0)
+    out, args = run_two_processes(job, tmp_path, "fsdp", reference)
 
     # As if the 2-process run had died after step 4: its sharded checkpoint continues in one
     # process, to the single run's losses.
