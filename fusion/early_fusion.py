@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from fusion.decoder import TransformerDecoder
-from fusion.merge import EncoderRows, merge_embeddings
+from fusion.merge import IMPLEMENTATIONS, EncoderRows, merge_embeddings
+from fusion.merge.placement import check_encoder_tokens
 
 _FUSION_MODULE_FLAG = "_fusion_module"
 
@@ -37,9 +38,12 @@ class EarlyFusion(nn.Module):
     """A text decoder with encoders whose outputs replace placeholder tokens' embeddings.
 
     A drop-in replacement for ``decoder``: same ``forward`` signature, same checkpoint keys
-    under ``decoder.``, no module replaced and no state-dict hook. Text tokens are embedded
-    with ``decoder.tok_embeddings``; encoder rows are written at their placeholders by
-    :func:`fusion.merge_embeddings` (sync-free), and the decoder runs on ``input_embeds``.
+    under ``decoder.``, no module replaced and no state-dict hook. Inside the decoder's forward,
+    text tokens are embedded by calling ``decoder.tok_embeddings`` (whatever module it is:
+    sharded, LoRA-wrapped, quantized, scaled) and encoder rows are written at their
+    placeholders by :func:`fusion.merge_embeddings` (sync-free). Under ``torch.autocast``,
+    lower-precision encoder rows are cast to the text embeddings' dtype; outside it, rows of
+    another dtype are refused.
 
     Args:
         decoder: the text decoder; kept as ``self.decoder``, still callable on its own.
@@ -55,8 +59,10 @@ class EarlyFusion(nn.Module):
             checks placeholder counts on the host, with a synchronisation, on any device).
 
     Raises:
+        TypeError: ``decoder`` is not a :class:`TransformerDecoder`, an encoder is not a module,
+            or a placeholder id is not a Python int.
         ValueError: the names of ``encoders``, ``encoder_tokens`` and a dict
-            ``encoders_trainable`` differ, or placeholder ids repeat.
+            ``encoders_trainable`` differ, placeholder ids repeat, or ``merge_impl`` is unknown.
     """
 
     def __init__(
@@ -72,16 +78,28 @@ class EarlyFusion(nn.Module):
         eager_checks: bool | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(decoder, TransformerDecoder):
+            raise TypeError(
+                "decoder: expected a fusion TransformerDecoder (wrap the EarlyFusion, not the "
+                f"decoder, in torch.compile or DDP), got {type(decoder).__name__}"
+            )
+        if not isinstance(encoders, Mapping) or not all(
+            isinstance(e, nn.Module) for e in encoders.values()
+        ):
+            raise TypeError(
+                f"encoders: expected a mapping of name -> nn.Module, got {encoders!r:.200}"
+            )
+        check_encoder_tokens(encoder_tokens)
+        if merge_impl != "auto" and merge_impl not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"merge_impl: expected 'auto' or one of {list(IMPLEMENTATIONS)}, got {merge_impl!r}"
+            )
         names = {"encoders": set(encoders), "encoder_tokens": set(encoder_tokens)}
         if isinstance(encoders_trainable, Mapping):
             names["encoders_trainable"] = set(encoders_trainable)
         if len({frozenset(n) for n in names.values()}) > 1:
             listed = ", ".join(f"{arg} has {sorted(n)}" for arg, n in names.items())
             raise ValueError(f"encoders, encoder_tokens: expected the same names, got: {listed}")
-        if len(set(encoder_tokens.values())) != len(encoder_tokens):
-            raise ValueError(
-                f"encoder_tokens: expected distinct placeholder ids, got {dict(encoder_tokens)}"
-            )
         self.decoder = decoder
         self.encoders = nn.ModuleDict(encoders)
         self.encoder_tokens = dict(encoder_tokens)
@@ -147,15 +165,21 @@ class EarlyFusion(nn.Module):
                 (see :func:`fusion.merge_embeddings`), before the decoder runs.
         """
         rows = self.encode(encoder_input or {})
-        embeds = merge_embeddings(
-            tokens,
-            self.decoder.tok_embeddings.weight,
-            rows,
-            self.encoder_tokens,
-            impl=self.merge_impl,
-            eager_checks=self.eager_checks,
-        )
-        return self.decoder(mask=mask, input_pos=input_pos, input_embeds=embeds, **kwargs)
+
+        def embed(tok_embeddings: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+            # Called inside the decoder's forward, so the embedding is called as the decoder
+            # would call it, after the decoder's own hooks (FSDP unshard and the like).
+            return merge_embeddings(
+                ids,
+                tok_embeddings,
+                rows,
+                self.encoder_tokens,
+                impl=self.merge_impl,
+                vocab_size=self.decoder.vocab_size,
+                eager_checks=self.eager_checks,
+            )
+
+        return self.decoder(tokens, mask=mask, input_pos=input_pos, embed=embed, **kwargs)
 
     # ------------------------------------------------------------------ delegated to the decoder
 

@@ -209,7 +209,7 @@ class TestBadInput:
         tokens, encoder_input = multimodal_batch()
         encoder_input["image"] = torch.zeros(5, EMBED_DIM + 1)
         with pytest.raises(
-            ValueError, match=r"encoder 'image' rows: expected packed rows \[n_rows, 32\]"
+            ValueError, match=r"encoder 'image' rows: expected width 32 .*got shape \[5, 33\]"
         ):
             model(tokens, encoder_input=encoder_input)
         encoder_input["image"] = torch.zeros(5, EMBED_DIM, dtype=torch.bfloat16)

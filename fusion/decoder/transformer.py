@@ -1,11 +1,17 @@
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion._validation import check_in_range, check_token_ids, describe
+from fusion._validation import (
+    INDEX_DTYPES,
+    check_in_range,
+    check_token_ids,
+    describe,
+    is_dtensor,
+)
 from fusion.decoder.rms_norm import RMSNorm
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
@@ -17,12 +23,15 @@ class TransformerDecoder(nn.Module):
     model can feed merged embeddings without replacing any module or renaming any key.
 
     Args:
-        tok_embeddings: token embedding table, ``[vocab_size, d]``.
+        tok_embeddings: token embedding, ids ``[b, s]`` -> ``[b, s, d]``; an ``nn.Embedding``
+            here, and any module with that contract after construction (a LoRA or quantized
+            wrapper, a sharded module): the decoder only ever calls it.
         layers: the decoder blocks.
         max_seq_len: longest sequence (and highest position + 1) the model accepts.
         norm: final norm.
-        output: output projection, or None to tie it to ``tok_embeddings`` (no key of its own,
-            stays tied through ``load_state_dict``, ``to()`` and wrapping).
+        output: output projection ``[..., d] -> [..., vocab]``, called as a module; or None to
+            tie it to ``tok_embeddings.weight`` (no key of its own, stays tied through
+            ``load_state_dict``, ``to()`` and wrapping).
         output_hidden_states: layer indices whose *input* hidden states are returned before the
             logits (index ``len(layers)`` is the input of the final norm), as in torchtune.
     """
@@ -43,26 +52,61 @@ class TransformerDecoder(nn.Module):
         self.norm = norm
         self.output = output
         self.max_seq_len = max_seq_len
+        # Plain ints: wrapping or sharding the embedding later must not change them.
+        self.vocab_size: int = tok_embeddings.num_embeddings
+        self.embed_dim: int = tok_embeddings.embedding_dim
         self.output_hidden_states = list(output_hidden_states or [])
         #: Return the final hidden states [b, s, d] (after ``norm``) instead of logits, e.g. for
         #: chunked or fused losses that apply the output projection themselves.
         self.skip_output_layer = False
+        #: When positive, logits come back as a list of this many chunks along the sequence
+        #: (torchtune's ``set_num_output_chunks``, for chunked cross-entropy).
+        self.num_output_chunks = 0
+
+    def set_num_output_chunks(self, num_output_chunks: int) -> None:
+        """Return logits as ``num_output_chunks`` chunks along the sequence (0: one tensor)."""
+        if (
+            isinstance(num_output_chunks, bool)
+            or not isinstance(num_output_chunks, int)
+            or (num_output_chunks < 0)
+        ):
+            raise ValueError(
+                f"num_output_chunks: expected a non-negative integer, got {num_output_chunks!r}"
+            )
+        self.num_output_chunks = num_output_chunks
 
     @property
-    def vocab_size(self) -> int:
-        return self.tok_embeddings.num_embeddings
+    def device(self) -> torch.device:
+        """Where the decoder computes: the device of its rotary table (a buffer, so it stays
+        put when parameters are sharded or offloaded)."""
+        return self.layers[0].attn.pos_embeddings.cache.device
 
     @property
-    def embed_dim(self) -> int:
-        return self.tok_embeddings.embedding_dim
+    def decoder_max_cache_seq_len(self) -> int | None:
+        """Positions per sequence of the KV cache, None without one (as in torchtune)."""
+        cache = self.layers[0].attn.kv_cache
+        return None if cache is None else cache.max_seq_len
 
     # ------------------------------------------------------------------ KV cache
 
     def setup_caches(
-        self, batch_size: int, dtype: torch.dtype, *, decoder_max_seq_len: int | None = None
+        self,
+        batch_size: int,
+        dtype: torch.dtype,
+        *,
+        encoder_max_seq_len: None = None,
+        decoder_max_seq_len: int | None = None,
     ) -> None:
         """Allocate a KV cache in every layer, ``decoder_max_seq_len`` (default ``max_seq_len``)
-        positions for each of ``batch_size`` sequences, and enable it."""
+        positions for each of ``batch_size`` sequences, and enable it.
+
+        ``encoder_max_seq_len`` exists for torchtune's callers; an early-fusion decoder has no
+        cross-attention, so only None is accepted."""
+        if encoder_max_seq_len is not None:
+            raise ValueError(
+                "encoder_max_seq_len: expected None (this decoder has no cross-attention), "
+                f"got {encoder_max_seq_len!r}"
+            )
         max_len = self.max_seq_len if decoder_max_seq_len is None else decoder_max_seq_len
         if not 0 < max_len <= self.max_seq_len:
             raise ValueError(
@@ -70,9 +114,8 @@ class TransformerDecoder(nn.Module):
             )
         if batch_size <= 0:
             raise ValueError(f"batch_size: expected a positive integer, got {batch_size}")
-        device = self.tok_embeddings.weight.device
         for layer in self.layers:
-            layer.attn.setup_cache(batch_size, max_len, dtype, device)
+            layer.attn.setup_cache(batch_size, max_len, dtype, self.device)
 
     def caches_are_setup(self) -> bool:
         return self.layers[0].attn.kv_cache is not None
@@ -118,22 +161,31 @@ class TransformerDecoder(nn.Module):
         mask: torch.Tensor | None = None,
         input_pos: torch.Tensor | None = None,
         input_embeds: torch.Tensor | None = None,
+        embed: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Run the decoder.
 
         Args:
             tokens: integer ids [b, s]. Exactly one of ``tokens`` and ``input_embeds``.
             mask: boolean, True where a query may attend to a key. Without an enabled cache,
-                [b, s, s] (None: causal). With one, [b, s, cache_len] over cache slots (None:
-                causal over the slots filled so far plus these).
-            input_pos: positions [b, s] or [s] for the rotary embeddings (packed samples,
-                left-padded batches, decoding). None: ``0..s-1``, or the cache fill onward.
-            input_embeds: [b, s, d] in the embedding table's dtype; used instead of
-                ``tok_embeddings(tokens)``.
+                [b, s, s] or [1, s, s] (None: causal). With one, [b, s, cache_len] or
+                [1, s, cache_len] over cache slots (None: causal over the slots filled so far
+                plus these).
+            input_pos: positions [b, s], [1, s] or [s] for the rotary embeddings (packed
+                samples, left-padded batches, decoding); [b] for a one-token step. None:
+                ``0..s-1``, or the cache fill onward.
+            input_embeds: floating [b, s, d], used instead of ``tok_embeddings(tokens)``; passed
+                to the first layer as given (under autocast, as the embedding's own output is).
+            embed: how to embed ``tokens``: ``embed(tok_embeddings, tokens) -> [b, s, d]``
+                instead of ``tok_embeddings(tokens)``, called inside this forward, so after any
+                hook on the decoder (e.g. FSDP's unshard when the decoder is its own unit).
+                For wrappers such as ``EarlyFusion``; ``tokens`` may then hold ids outside the
+                vocabulary (``embed`` checks them).
 
         Returns:
             float32 logits [b, s, vocab_size] (hidden states [b, s, d] when
-            ``skip_output_layer``), preceded by the requested ``output_hidden_states`` as a list.
+            ``skip_output_layer``; a list of chunks along s with ``set_num_output_chunks``),
+            preceded by the requested ``output_hidden_states`` as a list.
 
         Raises:
             ValueError: bad shapes, dtypes, ids or positions, or too long a sequence, before
@@ -141,10 +193,9 @@ class TransformerDecoder(nn.Module):
                 device-side assertion instead, to avoid a host synchronisation).
             RuntimeError: the cache's batch size differs from the input's.
         """
-        batch_size, seq_len = self._validate_inputs(tokens, input_embeds)
+        batch_size, seq_len, device = self._validate_inputs(tokens, input_embeds, embed)
         cache_fill = self._cache_fill(batch_size, seq_len)
         kv_len = seq_len if cache_fill is None else self.layers[0].attn.kv_cache.max_seq_len
-        device = self.tok_embeddings.weight.device
         if input_pos is None:
             start = cache_fill or 0
             input_pos = torch.arange(start, start + seq_len, device=device)
@@ -152,12 +203,22 @@ class TransformerDecoder(nn.Module):
             self._validate_input_pos(input_pos, batch_size, seq_len)
         if mask is not None:
             self._validate_mask(mask, batch_size, seq_len, kv_len)
-            mask = mask[:, None]
+            mask = mask[:, None]  # [b or 1, 1, s, kv_len]: one mask for every head
         elif cache_fill is not None:
             query_slots = torch.arange(cache_fill, cache_fill + seq_len, device=device)
             mask = (torch.arange(kv_len, device=device) <= query_slots[:, None])[None, None]
 
-        h = self.tok_embeddings(tokens) if input_embeds is None else input_embeds
+        if input_embeds is not None:
+            h = input_embeds
+        elif embed is not None:
+            h = embed(self.tok_embeddings, tokens)
+            if not isinstance(h, torch.Tensor) or h.shape != (batch_size, seq_len, self.embed_dim):
+                got = describe(h) if isinstance(h, torch.Tensor) else type(h).__name__
+                raise ValueError(
+                    f"embed: expected [{batch_size}, {seq_len}, {self.embed_dim}], got {got}"
+                )
+        else:
+            h = self.tok_embeddings(tokens)
         hidden = []
         for i, layer in enumerate(self.layers):
             if i in self.output_hidden_states:
@@ -166,45 +227,84 @@ class TransformerDecoder(nn.Module):
         if len(self.layers) in self.output_hidden_states:
             hidden.append(h)
         h = self.norm(h)
-        out = h if self.skip_output_layer else self.unembed(h)
+        if self.skip_output_layer:
+            out = h
+        elif self.num_output_chunks:
+            out = [self.unembed(chunk) for chunk in h.tensor_split(self.num_output_chunks, dim=1)]
+        else:
+            out = self.unembed(h)
         return [*hidden, out] if hidden else out
 
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
-        """Output projection of normed hidden states [b, s, d] -> float32 logits [b, s, vocab]."""
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        """Output projection of normed hidden states [b, s, d] -> float32 logits [b, s, vocab].
+
+        An untied output is called as a module, so its hooks (sharding, adapters) run. A tied
+        one reads ``tok_embeddings.weight``, which must then be a whole tensor here.
+
+        Raises:
+            RuntimeError: tied output whose embedding weight is sharded (a DTensor) outside the
+                embedding's own forward, e.g. when ``tok_embeddings`` is its own FSDP unit.
+        """
+        if self.output is not None:
+            return self.output(h).float()
+        weight = self.tok_embeddings.weight
+        if is_dtensor(weight):
+            raise RuntimeError(
+                "tied output: tok_embeddings.weight is sharded (a DTensor) outside the "
+                "embedding's forward, so the output projection cannot use it. Keep "
+                "tok_embeddings in the root FSDP unit (do not fully_shard it on its own) and do "
+                "not tensor-parallelise it, or untie the output (tie_word_embeddings=False)"
+            )
         return F.linear(h, weight).float()
 
     # ------------------------------------------------------------------ validation
 
     def _validate_inputs(
-        self, tokens: torch.Tensor | None, input_embeds: torch.Tensor | None
-    ) -> tuple[int, int]:
+        self,
+        tokens: torch.Tensor | None,
+        input_embeds: torch.Tensor | None,
+        embed: Callable | None,
+    ) -> tuple[int, int, torch.device]:
         if (tokens is None) == (input_embeds is None):
             given = "both" if tokens is not None else "neither"
             raise ValueError(f"tokens, input_embeds: expected exactly one of them, got {given}")
-        if tokens is not None:
-            check_token_ids(tokens)
-            batch_size, seq_len = tokens.shape
-        else:
-            weight = self.tok_embeddings.weight
-            if input_embeds.dim() != 3 or input_embeds.size(-1) != self.embed_dim:
-                raise ValueError(
-                    f"input_embeds: expected [b, s, {self.embed_dim}], got {describe(input_embeds)}"
-                )
-            if input_embeds.dtype != weight.dtype:
-                raise ValueError(
-                    f"input_embeds: expected dtype {weight.dtype} (the embedding table's), "
-                    f"got {input_embeds.dtype}"
-                )
-            batch_size, seq_len = input_embeds.shape[:2]
-        if seq_len > self.max_seq_len:
+        if embed is not None and (tokens is None or not callable(embed)):
             raise ValueError(
-                f"{'tokens' if tokens is not None else 'input_embeds'}: sequence length {seq_len} "
-                f"exceeds max_seq_len={self.max_seq_len}"
+                "embed: expected a callable, with tokens (it embeds them), got "
+                f"{type(embed).__name__} with {'input_embeds' if tokens is None else 'tokens'}"
             )
         if tokens is not None:
+            check_token_ids(tokens)
+            name, (batch_size, seq_len), device = "tokens", tokens.shape, tokens.device
+        else:
+            if not isinstance(input_embeds, torch.Tensor):
+                raise TypeError(
+                    f"input_embeds: expected a tensor, got {type(input_embeds).__name__}"
+                )
+            if (
+                input_embeds.dim() != 3
+                or input_embeds.size(-1) != self.embed_dim
+                or not input_embeds.is_floating_point()
+            ):
+                raise ValueError(
+                    f"input_embeds: expected floating [b, s, {self.embed_dim}], "
+                    f"got {describe(input_embeds)}"
+                )
+            name, device = "input_embeds", input_embeds.device
+            batch_size, seq_len = input_embeds.shape[:2]
+        if device != self.device:
+            raise ValueError(f"{name}: expected device {self.device} (the decoder's), got {device}")
+        if batch_size == 0 or seq_len == 0:
+            raise ValueError(
+                f"{name}: expected a non-empty batch and sequence, got [{batch_size}, {seq_len}]"
+            )
+        if seq_len > self.max_seq_len:
+            raise ValueError(
+                f"{name}: sequence length {seq_len} exceeds max_seq_len={self.max_seq_len}"
+            )
+        if tokens is not None and embed is None:
             check_in_range(tokens, "tokens", 0, self.vocab_size)
-        return batch_size, seq_len
+        return batch_size, seq_len, device
 
     def _cache_fill(self, batch_size: int, seq_len: int) -> int | None:
         """Slots already filled in an enabled cache (checked to fit ``seq_len`` more), else None."""
@@ -224,19 +324,36 @@ class TransformerDecoder(nn.Module):
         return cache.size
 
     def _validate_input_pos(self, input_pos: torch.Tensor, batch_size: int, seq_len: int) -> None:
-        if input_pos.shape not in ((batch_size, seq_len), (seq_len,)) or (
-            input_pos.dtype.is_floating_point
+        # torchtune's decode step passes one position per sample: [b] for s == 1.
+        decode_step = [(batch_size,)] if seq_len == 1 else []
+        shapes = list(
+            dict.fromkeys([(batch_size, seq_len), (1, seq_len), (seq_len,), *decode_step])
+        )
+        if (
+            not isinstance(input_pos, torch.Tensor)
+            or tuple(input_pos.shape) not in shapes
+            or input_pos.dtype not in INDEX_DTYPES
         ):
-            raise ValueError(
-                f"input_pos: expected integer positions [{batch_size}, {seq_len}] or "
-                f"[{seq_len}], got {describe(input_pos)}"
-            )
+            accepted = " or ".join(str(list(s)) for s in shapes)
+            got = describe(input_pos) if isinstance(input_pos, torch.Tensor) else type(input_pos)
+            raise ValueError(f"input_pos: expected int64 or int32 positions {accepted}, got {got}")
+        if input_pos.device != self.device:
+            raise ValueError(f"input_pos: expected device {self.device}, got {input_pos.device}")
         check_in_range(input_pos, "input_pos", 0, self.max_seq_len)
 
-    @staticmethod
-    def _validate_mask(mask: torch.Tensor, batch_size: int, seq_len: int, kv_len: int) -> None:
-        if mask.shape != (batch_size, seq_len, kv_len) or mask.dtype != torch.bool:
+    def _validate_mask(
+        self, mask: torch.Tensor, batch_size: int, seq_len: int, kv_len: int
+    ) -> None:
+        shapes = ((batch_size, seq_len, kv_len), (1, seq_len, kv_len))
+        if (
+            not isinstance(mask, torch.Tensor)
+            or tuple(mask.shape) not in shapes
+            or mask.dtype != torch.bool
+        ):
+            got = describe(mask) if isinstance(mask, torch.Tensor) else type(mask)
             raise ValueError(
-                f"mask: expected a boolean mask [{batch_size}, {seq_len}, {kv_len}], "
-                f"got {describe(mask)}"
+                f"mask: expected a boolean mask [{batch_size}, {seq_len}, {kv_len}] or "
+                f"[1, {seq_len}, {kv_len}], got {got}"
             )
+        if mask.device != self.device:
+            raise ValueError(f"mask: expected device {self.device}, got {mask.device}")

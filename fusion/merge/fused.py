@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from fusion.merge.placement import Placement
+from fusion.merge.placement import Placement, match_text
 
 try:
     import triton
@@ -248,6 +248,7 @@ def merge_fused(
     text_ids: torch.Tensor, weight: torch.Tensor, placements: list[Placement]
 ) -> torch.Tensor:
     """Merge by one Triton kernel; ``text_ids`` [b, s] -> embeddings [b, s, d]."""
+    placements = match_text(placements, weight)
     batch, seq_len = text_ids.shape
     n = batch * seq_len
     # Slot n is the spill row of Placement.destinations: padding rows land there, unread.

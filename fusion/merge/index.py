@@ -1,19 +1,31 @@
-"""Sync-free index merge: one embedding lookup, then one ``index_copy_`` per encoder."""
+"""Sync-free index merge: one call of the embedding, then one ``index_copy_`` per encoder."""
+
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from fusion.merge.placement import Placement
+from fusion.merge.placement import Placement, match_text
 
 
 def merge_index(
-    text_ids: torch.Tensor, weight: torch.Tensor, placements: list[Placement]
+    text_ids: torch.Tensor,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    placements: list[Placement],
 ) -> torch.Tensor:
+    """Embed ``text_ids`` [b, s] once and overwrite the placeholder rows in place."""
     batch, seq_len = text_ids.shape
-    n = batch * seq_len
-    # One extra output row absorbs padding rows (see Placement.destinations) and is dropped.
-    ids = torch.cat([text_ids.reshape(-1), text_ids.new_zeros(1)])
-    out = F.embedding(ids, weight)
+    # Padding rows need somewhere to go: an extra column per sample, written by the embedding
+    # and dropped (see Placement.destinations). Packed rows fill placeholders exactly, so the
+    # embedding sees the same ids as the decoder's own call.
+    spill = any(p.width is not None and p.rows.size(0) for p in placements)
+    if spill:
+        text_ids = torch.cat([text_ids, text_ids.new_zeros(batch, 1)], dim=1)
+    text = embed(text_ids)
+    placements = match_text(placements, text)
+    out = text.contiguous().view(-1, text.size(-1))
+    last = out.size(0) - 1
     for p in placements:
-        out.index_copy_(0, p.destinations(), p.rows)
-    return out[:n].view(batch, seq_len, weight.size(1))
+        # Clamped: unchecked counts (on accelerators) fail by a device-side assertion.
+        out.index_copy_(0, p.destinations(spill_column=spill).clamp_(max=last), p.rows)
+    out = out.view(batch, -1, out.size(-1))
+    return out[:, :seq_len] if spill else out

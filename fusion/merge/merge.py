@@ -3,81 +3,178 @@
 from collections.abc import Callable, Mapping
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from fusion._validation import describe, is_dtensor
 from fusion.merge.fused import check_fused, fused_supported, merge_fused
 from fusion.merge.index import merge_index
 from fusion.merge.layouts import EncoderRows
-from fusion.merge.placement import Placement, resolve_placements
+from fusion.merge.placement import resolve_placements
 from fusion.merge.reference import merge_reference
 
-MergeImpl = Callable[[torch.Tensor, torch.Tensor, list[Placement]], torch.Tensor]
+Embedding = nn.Module | Callable[[torch.Tensor], torch.Tensor] | torch.Tensor
 
-IMPLEMENTATIONS: dict[str, MergeImpl] = {
-    "reference": merge_reference,
-    "index": merge_index,
-    "fused": merge_fused,
-}
+IMPLEMENTATIONS = ("reference", "index", "fused")
 
 
-def default_impl(device: torch.device, dtype: torch.dtype) -> str:
-    """The implementation ``impl="auto"`` picks for ``device`` and ``dtype``.
+def embedding_table(embedding: Embedding) -> torch.Tensor | None:
+    """The table that reading directly is provably the same as calling ``embedding``, or None.
 
-    The rule: ``"fused"`` on CUDA when Triton is installed and the element size is 1, 2, 4 or
-    8 bytes (one kernel that writes each output row once: the fewest bytes moved);
-    ``"index"`` everywhere else (on CPU, Triton runs only through its slow interpreter; there
-    ``index`` measured 1.1x to 1.3x the time of copying the output once for outputs of 64 MiB
-    and more, see ``benchmarks/README.md``). Neither synchronises with the host.
+    That is a plain tensor ``[vocab, d]``, or the weight of an exact ``nn.Embedding`` (not a
+    subclass, so not FSDP-managed or parametrized) with no hooks, ``max_norm``,
+    ``padding_idx``, ``scale_grad_by_freq`` or ``sparse`` and a weight that is a plain tensor
+    (not a DTensor or another tensor subclass). Anything else must be called.
     """
-    if device.type == "cuda" and fused_supported(device, dtype):
+    if isinstance(embedding, torch.Tensor):
+        weight = embedding
+    elif type(embedding) is nn.Embedding:
+        hooks = (
+            embedding._forward_hooks
+            or embedding._forward_pre_hooks
+            or nn.modules.module._global_forward_hooks
+            or nn.modules.module._global_forward_pre_hooks
+        )
+        special = embedding.max_norm is not None or embedding.padding_idx is not None
+        if hooks or special or embedding.scale_grad_by_freq or embedding.sparse:
+            return None
+        weight = embedding.weight
+    else:
+        return None
+    return weight if type(weight) in (torch.Tensor, nn.Parameter) else None
+
+
+def default_impl(device: torch.device, embedding: Embedding) -> str:
+    """The implementation ``impl="auto"`` picks for ``embedding`` on ``device``.
+
+    ``"fused"`` (one Triton kernel that writes each output row once: the fewest bytes moved)
+    on CUDA with Triton installed, when :func:`embedding_table` finds a plain table with 1, 2,
+    4 or 8-byte elements. ``"index"`` everywhere else: the embedding is called as a module (so
+    FSDP, tensor parallel, LoRA or quantized embeddings behave as in the decoder) and encoder
+    rows are written into its output. On CPU ``index`` measured 1.1x to 1.3x the time of
+    copying the output once (``benchmarks/README.md``). Neither synchronises with the host.
+    """
+    table = embedding_table(embedding)
+    if device.type == "cuda" and table is not None and fused_supported(device, table.dtype):
         return "fused"
     return "index"
 
 
 def merge_embeddings(
     tokens: torch.Tensor,
-    weight: torch.Tensor,
+    embedding: Embedding,
     encoder_rows: Mapping[str, EncoderRows],
     encoder_tokens: Mapping[str, int],
     *,
     impl: str = "auto",
+    vocab_size: int | None = None,
     eager_checks: bool | None = None,
 ) -> torch.Tensor:
-    """Embed ``tokens`` with ``weight`` and write each encoder's rows at its placeholders.
+    """Embed the text of ``tokens`` and write each encoder's rows at its placeholders.
 
     Args:
         tokens: ids [b, s]. Placeholder ids may lie inside or outside the vocabulary; they
-            never reach the embedding table. Every other id must lie in ``[0, vocab)``.
-        weight: the embedding table [vocab, d].
+            never reach the embedding (placeholders are embedded as id 0, then overwritten).
+        embedding: what embeds text ids: a module (or callable) mapping ids [b, s] to
+            [b, s, d], e.g. ``decoder.tok_embeddings`` whatever wraps it, called exactly like
+            the decoder calls it; or a table tensor [vocab, d].
         encoder_rows: encoder name -> rows, a :class:`Packed` or :class:`Padded` layout (a
             bare tensor is packed). An encoder in ``encoder_tokens`` without rows has none.
-        encoder_tokens: encoder name -> placeholder id.
-        impl: ``"auto"`` (see :func:`default_impl`) or a key of ``IMPLEMENTATIONS``:
-            ``"reference"`` (embed all, then ``masked_scatter``), ``"index"`` (embed all, then
-            ``index_copy_``), ``"fused"`` (one Triton kernel; CUDA, needs Triton).
+        encoder_tokens: encoder name -> placeholder id (a Python int).
+        impl: ``"auto"`` (see :func:`default_impl`), ``"reference"`` (embed, then
+            ``masked_scatter``), ``"index"`` (embed, then ``index_copy_``) or ``"fused"`` (one
+            Triton kernel reading the table itself; CUDA, needs Triton and a plain table, see
+            :func:`embedding_table`).
+        vocab_size: text ids must lie in ``[0, vocab_size)``. Default: the table's rows, or
+            the module's ``num_embeddings``; unchecked if neither exists.
         eager_checks: check placeholder counts on the host and raise ``ValueError`` (a host
             synchronisation on accelerators). Default: eager on CPU; elsewhere a device-side
             assertion that fails as ``RuntimeError`` without synchronising.
 
     Returns:
-        embeddings [b, s, d] in ``weight``'s dtype; differentiable w.r.t. ``weight`` and rows.
-        Every implementation returns the same bits, and the same gradients.
+        embeddings [b, s, d] in the text embeddings' dtype; differentiable w.r.t. the
+        embedding and the rows. Every implementation returns the same bits and gradients for a
+        table. Rows of another floating dtype are cast under ``torch.autocast`` and refused
+        outside it.
 
     Raises:
         ValueError: unknown ``impl``; bad shapes, dtypes or devices; unknown encoder names;
             packed row counts different from the placeholder count; more placeholders in a
-            sample than the padded width; text ids outside the vocabulary. All raised before
-            any row is written.
+            sample than the padded width; text ids outside the vocabulary; an embedding output
+            that is not [b, s, d] floating. All raised before any row is written.
+        TypeError: an argument of the wrong type (e.g. rows that are not tensors).
         ImportError: ``impl="fused"`` without Triton installed.
-        ValueError: ``impl="fused"`` on a device or dtype it does not support.
     """
+    table = embedding_table(embedding)
     if impl == "auto":
-        impl = default_impl(tokens.device, weight.dtype)
+        impl = default_impl(tokens.device, embedding)
     if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"impl: expected 'auto' or one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
+        raise ValueError(f"impl: expected 'auto' or one of {list(IMPLEMENTATIONS)}, got {impl!r}")
+    if isinstance(embedding, torch.Tensor):
+        if embedding.dim() != 2 or not embedding.is_floating_point():
+            raise ValueError(
+                f"embedding: expected a floating table [vocab, d], got {describe(embedding)}"
+            )
+        if embedding.device != tokens.device:
+            raise ValueError(
+                f"embedding: expected device {tokens.device} (the tokens'), got {embedding.device}"
+            )
+    elif not callable(embedding):
+        raise TypeError(
+            "embedding: expected a module mapping ids to rows, or a table tensor, got "
+            f"{type(embedding).__name__}"
+        )
     if impl == "fused":
-        for device in (tokens.device, weight.device):
-            check_fused(device, weight.dtype)
+        if table is None:
+            raise ValueError(
+                "impl: 'fused' reads the embedding table directly, which is the same as calling "
+                "the embedding only for a plain table or nn.Embedding (no hooks, no subclass, no "
+                f"DTensor weight); got {type(embedding).__name__}: use impl='auto' or 'index'"
+            )
+        for device in (tokens.device, table.device):
+            check_fused(device, table.dtype)
+    if vocab_size is None:
+        vocab_size = (
+            table.size(0) if table is not None else getattr(embedding, "num_embeddings", None)
+        )
     placements, text_ids = resolve_placements(
-        tokens, weight, encoder_rows, encoder_tokens, eager_checks
+        tokens, encoder_rows, encoder_tokens, vocab_size=vocab_size, eager_checks=eager_checks
     )
-    return IMPLEMENTATIONS[impl](text_ids, weight, placements)
+    if impl == "fused":
+        return merge_fused(text_ids, table, placements)
+    embed = _checked(_lookup(embedding) if isinstance(embedding, torch.Tensor) else embedding)
+    merge = merge_index if impl == "index" else merge_reference
+    return merge(text_ids, embed, placements)
+
+
+def _lookup(table: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda ids: F.embedding(ids, table)
+
+
+def _checked(
+    embedding: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``embedding``, refusing an output that is not a local floating tensor [*ids.shape, d]."""
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:
+        out = embedding(ids)
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.shape[:-1] != ids.shape
+            or out.dim() != ids.dim() + 1
+            or not out.is_floating_point()
+        ):
+            got = describe(out) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(
+                f"embedding: expected floating rows [{', '.join(map(str, ids.shape))}, d] for "
+                f"ids {list(ids.shape)}, got {got}"
+            )
+        if is_dtensor(out):
+            raise ValueError(
+                "embedding: returned a DTensor; the merge writes local rows, so its output must "
+                "be a local tensor (e.g. RowwiseParallel(output_layouts=Replicate()), the "
+                "default use_local_output=True)"
+            )
+        return out
+
+    return embed

@@ -1,5 +1,6 @@
 """Where each encoder row goes: resolved, validated inputs shared by every merge implementation."""
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -23,55 +24,68 @@ class Placement:
     width: int | None
     is_placeholder: torch.Tensor
 
-    def destinations(self) -> torch.Tensor:
-        """Flat output row ``[0, b * s]`` of each of ``rows``; padding rows get ``b * s``.
+    def destinations(self, *, spill_column: bool = False) -> torch.Tensor:
+        """Output row of each of ``rows``, in the flat ``[b * s]`` output, or with
+        ``spill_column`` in the flat ``[b * (s + 1)]`` output whose last column is dropped.
 
         Row ``r`` goes to the ``r``-th placeholder (per sample when padded), found by a
         binary search in the running placeholder count: O(tokens) metadata, no host
-        synchronisation and no data-dependent shapes. Output row ``b * s`` is a spill row
-        that the implementations allocate and drop, so padding rows need no filtering.
+        synchronisation and no data-dependent shapes. Padding rows (and, if counts were not
+        checked on the host, missing placeholders) go to a spill row that the implementations
+        allocate and drop, so they need no filtering: row ``b * s`` of the flat output, or
+        their sample's spill column.
         """
         batch, seq_len = self.is_placeholder.shape
+        stride = seq_len + spill_column
         device = self.rows.device
         if self.width is None:
             running = self.is_placeholder.reshape(-1).cumsum(0)
             wanted = torch.arange(1, self.rows.size(0) + 1, device=device)
-            return torch.searchsorted(running, wanted)  # b * s when missing
+            flat = torch.searchsorted(running, wanted)  # b * s when missing
+            if not spill_column:
+                return flat
+            sample = torch.div(flat, max(seq_len, 1), rounding_mode="floor")
+            moved = sample * stride + flat - sample * seq_len
+            return torch.where(flat < batch * seq_len, moved, batch * stride - 1)
         running = self.is_placeholder.cumsum(1)
         wanted = torch.arange(1, self.width + 1, device=device).expand(batch, self.width)
         position = torch.searchsorted(running, wanted.contiguous())  # [b, width], s when missing
-        sample_start = torch.arange(batch, device=device)[:, None] * seq_len
+        sample_start = torch.arange(batch, device=device)[:, None] * stride
+        if spill_column:  # position s is the sample's own spill column
+            return (sample_start + position).reshape(-1)
         spill = torch.full_like(position, batch * seq_len)
         return torch.where(position < seq_len, sample_start + position, spill).reshape(-1)
 
 
 def resolve_placements(
     tokens: torch.Tensor,
-    weight: torch.Tensor,
     encoder_rows: Mapping[str, EncoderRows],
     encoder_tokens: Mapping[str, int],
+    *,
+    vocab_size: int | None,
     eager_checks: bool | None,
 ) -> tuple[list[Placement], torch.Tensor]:
-    """Validate every input of a merge and return the placements and the text ids.
+    """Validate the inputs of a merge and return the placements and the text ids.
 
     Text ids are ``tokens`` with every placeholder replaced by 0, so out-of-vocabulary
-    placeholder ids never reach the embedding table; the remaining ids must lie in
-    ``[0, vocab_size)``.
+    placeholder ids never reach the embedding; with ``vocab_size``, the remaining ids must lie
+    in ``[0, vocab_size)``. Rows are checked against each other and the tokens here; their
+    width and dtype against the text embeddings by :func:`match_text`.
     """
     check_token_ids(tokens)
-    if weight.dim() != 2:
-        raise ValueError(f"weight: expected an embedding table [vocab, d], got {describe(weight)}")
+    if not isinstance(encoder_rows, Mapping):
+        raise TypeError(
+            f"encoder_rows: expected a mapping of encoder name -> rows, got "
+            f"{type(encoder_rows).__name__}"
+        )
+    check_encoder_tokens(encoder_tokens)
     unknown = sorted(set(encoder_rows) - set(encoder_tokens))
     if unknown:
         raise ValueError(
             f"encoder_rows: names {unknown} have no placeholder id in encoder_tokens "
             f"(known: {sorted(encoder_tokens)})"
         )
-    ids = sorted(encoder_tokens.values())
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"encoder_tokens: expected distinct placeholder ids, got {encoder_tokens}")
 
-    dim = weight.size(1)
     eager = tokens.device.type == "cpu" if eager_checks is None else eager_checks
     eager = eager and not torch.compiler.is_compiling()
     placements = []
@@ -79,37 +93,84 @@ def resolve_placements(
     for name, token_id in encoder_tokens.items():
         is_placeholder = tokens == token_id
         any_placeholder |= is_placeholder
-        layout = as_layout(encoder_rows.get(name, weight.new_empty(0, dim)))
-        rows = _check_rows(name, layout.rows, weight, tokens, isinstance(layout, Padded))
-        width = rows.size(1) if isinstance(layout, Padded) else None
-        placement = Placement(name, token_id, rows.reshape(-1, dim), width, is_placeholder)
+        if name in encoder_rows:
+            layout = as_layout(encoder_rows[name], f"encoder {name!r} rows")
+            rows = _check_rows(name, layout.rows, tokens, isinstance(layout, Padded))
+            width = rows.size(1) if isinstance(layout, Padded) else None
+            rows = rows.reshape(-1, rows.size(-1))
+        else:  # no rows: its placeholders must not appear
+            rows, width = tokens.new_empty(0, 0, dtype=torch.float32), None
+        placement = Placement(name, token_id, rows, width, is_placeholder)
         _check_counts(placement, eager)
         placements.append(placement)
     text_ids = tokens.masked_fill(any_placeholder, 0)
-    check_in_range(text_ids, "tokens (text positions)", 0, weight.size(0))
+    if vocab_size is not None:
+        check_in_range(text_ids, "tokens (text positions)", 0, vocab_size)
     return placements, text_ids
 
 
-def _check_rows(
-    name: str, rows: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, padded: bool
-) -> torch.Tensor:
-    dim = weight.size(1)
+def check_encoder_tokens(encoder_tokens: Mapping[str, int]) -> None:
+    """Raise unless ``encoder_tokens`` maps names to distinct Python int placeholder ids."""
+    if not isinstance(encoder_tokens, Mapping):
+        raise TypeError(
+            "encoder_tokens: expected a mapping of encoder name -> placeholder id, got "
+            f"{type(encoder_tokens).__name__}"
+        )
+    for name, token_id in encoder_tokens.items():
+        if not isinstance(name, str) or isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise TypeError(
+                "encoder_tokens: expected str names and int placeholder ids, got "
+                f"{name!r}: {token_id!r} ({type(token_id).__name__})"
+            )
+    ids = list(encoder_tokens.values())
+    if len(set(ids)) != len(ids):
+        raise ValueError(
+            f"encoder_tokens: expected distinct placeholder ids, got {dict(encoder_tokens)}"
+        )
+
+
+def match_text(placements: list[Placement], text: torch.Tensor) -> list[Placement]:
+    """Check each encoder's rows against the text embeddings ``text`` [..., d]: same width,
+    same dtype (under ``torch.autocast``, floating rows are cast to the text's dtype)."""
+    dim, dtype = text.size(-1), text.dtype
+    autocast = torch.is_autocast_enabled(text.device.type)
+    matched = []
+    for p in placements:
+        rows = p.rows
+        what = f"encoder {p.name!r} rows"
+        if rows.numel() == 0 and rows.size(-1) != dim:  # no rows at all: any empty shape
+            rows = text.new_empty(rows.size(0), dim)
+        if rows.size(-1) != dim:
+            raise ValueError(
+                f"{what}: expected width {dim} (the text embeddings'), got {describe(rows)}"
+            )
+        if rows.dtype != dtype:
+            if not autocast:
+                raise ValueError(
+                    f"{what}: expected dtype {dtype} (the text embeddings'), got {rows.dtype}; "
+                    "cast the encoder output, or run under torch.autocast, which casts it"
+                )
+            rows = rows.to(dtype)
+        matched.append(dataclasses.replace(p, rows=rows))
+    return matched
+
+
+def _check_rows(name: str, rows: torch.Tensor, tokens: torch.Tensor, padded: bool) -> torch.Tensor:
     what = f"encoder {name!r} rows"
     if padded:
-        expected = f"padded rows [{tokens.size(0)}, max_tokens, {dim}]"
-        ok = rows.dim() == 3 and rows.size(0) == tokens.size(0) and rows.size(2) == dim
+        expected = f"padded rows [{tokens.size(0)}, max_tokens, d]"
+        ok = rows.dim() == 3 and rows.size(0) == tokens.size(0)
     else:
-        expected = f"packed rows [n_rows, {dim}] or [n_media, tokens_per_media, {dim}]"
-        ok = rows.dim() in (2, 3) and rows.size(-1) == dim
+        expected = "packed rows [n_rows, d] or [n_media, tokens_per_media, d]"
+        ok = rows.dim() in (2, 3)
     if not ok:
         raise ValueError(f"{what}: expected {expected}, got {describe(rows)}")
-    if rows.dtype != weight.dtype:
-        raise ValueError(
-            f"{what}: expected dtype {weight.dtype} (the embedding table's), got {rows.dtype}; "
-            "cast the encoder output"
-        )
+    if not rows.is_floating_point():
+        raise ValueError(f"{what}: expected floating rows, got {describe(rows)}")
     if rows.device != tokens.device:
-        raise ValueError(f"{what}: expected device {tokens.device}, got {rows.device}")
+        raise ValueError(
+            f"{what}: expected device {tokens.device} (the tokens'), got {rows.device}"
+        )
     return rows
 
 

@@ -4,17 +4,20 @@ The correctness oracle and the baseline of the benchmarks. It writes placeholder
 and its padded layout uses boolean indexing, which synchronises with the host on accelerators.
 """
 
-import torch
-import torch.nn.functional as F
+from collections.abc import Callable
 
-from fusion.merge.placement import Placement
+import torch
+
+from fusion.merge.placement import Placement, match_text
 
 
 def merge_reference(
-    text_ids: torch.Tensor, weight: torch.Tensor, placements: list[Placement]
+    text_ids: torch.Tensor,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    placements: list[Placement],
 ) -> torch.Tensor:
-    embeds = F.embedding(text_ids, weight)
-    for p in placements:
+    embeds = embed(text_ids)
+    for p in match_text(placements, embeds):
         rows = p.rows
         if p.width is not None:
             batch = p.is_placeholder.size(0)

@@ -20,7 +20,14 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from fusion.merge import IMPLEMENTATIONS, Packed, Padded, default_impl, merge_embeddings
+from fusion.merge import (
+    IMPLEMENTATIONS,
+    Packed,
+    Padded,
+    default_impl,
+    embedding_table,
+    merge_embeddings,
+)
 from fusion.merge.fused import triton
 from fusion.testing import MergeCase, merge_inputs
 
@@ -171,13 +178,58 @@ def test_same_errors_as_reference_on_count_mismatch(impl, case, data, eager_chec
 
 
 def test_default_rule():
-    assert default_impl(torch.device("cpu"), torch.float32) == "index"
-    assert default_impl(torch.device("cpu"), torch.bfloat16) == "index"
+    table = torch.zeros(4, 2)
+    assert default_impl(torch.device("cpu"), table) == "index"
+    assert default_impl(torch.device("cpu"), table.bfloat16()) == "index"
     with implementation("fused"):  # the interpreter is for tests; auto never picks it
-        assert default_impl(torch.device("cpu"), torch.float32) == "index"
+        assert default_impl(torch.device("cpu"), table) == "index"
     expected = "index" if triton is None else "fused"
-    assert default_impl(torch.device("cuda"), torch.bfloat16) == expected
-    assert default_impl(torch.device("cuda"), torch.complex128) == "index"  # 16-byte elements
+    cuda = torch.device("cuda")
+    assert default_impl(cuda, table.bfloat16()) == expected
+    assert default_impl(cuda, torch.nn.Embedding(4, 2)) == expected
+    assert default_impl(cuda, table.to(torch.complex128)) == "index"  # 16-byte elements
+
+
+class _Subclass(torch.nn.Embedding):
+    pass
+
+
+class _SubclassTensor(torch.Tensor):
+    pass
+
+
+def _with_hook() -> torch.nn.Embedding:
+    embedding = torch.nn.Embedding(4, 2)
+    embedding.register_forward_hook(lambda module, args, out: out * 2)
+    return embedding
+
+
+@pytest.mark.parametrize(
+    "embedding",
+    [
+        pytest.param(_with_hook(), id="forward hook"),
+        pytest.param(_Subclass(4, 2), id="subclass (FSDP2, parametrize)"),
+        pytest.param(torch.nn.Embedding(4, 2, padding_idx=0), id="padding_idx"),
+        pytest.param(torch.nn.Embedding(4, 2, max_norm=1.0), id="max_norm"),
+        pytest.param(torch.nn.Sequential(torch.nn.Embedding(4, 2)), id="wrapper module"),
+        pytest.param(torch.zeros(4, 2).as_subclass(_SubclassTensor), id="tensor subclass"),
+    ],
+)
+def test_anything_but_a_plain_table_is_called_not_read(embedding):
+    """The fused kernel reads the table itself: ``auto`` never picks it, and asking for it
+    fails, unless reading the table is provably what calling the embedding does."""
+    assert embedding_table(embedding) is None
+    assert default_impl(torch.device("cuda"), embedding) == "index"
+    tokens = torch.tensor([[1, 2]])
+    with pytest.raises(ValueError, match="impl: 'fused' reads the embedding table directly"):
+        merge_embeddings(tokens, embedding, {}, {"image": 5}, impl="fused")
+
+
+def test_plain_tables_may_be_read():
+    embedding = torch.nn.Embedding(4, 2)
+    assert embedding_table(embedding) is embedding.weight
+    table = torch.zeros(4, 2)
+    assert embedding_table(table) is table
 
 
 def _tiny_merge_args() -> tuple:
@@ -207,7 +259,7 @@ import sys
 sys.modules["triton"] = None  # makes `import triton` raise ImportError
 import torch
 from fusion.merge import default_impl, merge_embeddings
-assert default_impl(torch.device("cuda"), torch.bfloat16) == "index"
+assert default_impl(torch.device("cuda"), torch.zeros(4, 2, dtype=torch.bfloat16)) == "index"
 tokens = torch.tensor([[5, 1]])
 weight = torch.arange(8.0).view(4, 2)
 rows = torch.full((1, 2), -1.0)

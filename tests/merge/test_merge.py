@@ -108,7 +108,7 @@ def test_padding_never_moves_across_samples():
         ({"impl": "magic"}, r"impl: expected 'auto' or one of .* got 'magic'"),
         (
             {"encoder_rows": {"image": Padded(torch.zeros(3, 1, 2))}},
-            r"expected padded rows \[2, max_tokens, 2\]",
+            r"expected padded rows \[2, max_tokens, d\]",
         ),
         (
             {"tokens": torch.tensor([[9, 8], [1, 2]])},
@@ -119,7 +119,7 @@ def test_padding_never_moves_across_samples():
 def test_bad_input(kwargs, match):
     args = {
         "tokens": torch.tensor([[9, 1], [1, 2]]),
-        "weight": torch.zeros(8, 2),
+        "embedding": torch.zeros(8, 2),
         "encoder_rows": {"image": torch.zeros(1, 2)},
         "encoder_tokens": {"image": 9},
     }
