@@ -12,6 +12,7 @@ from helpers import (
     EMBED_DIM,
     FEATURES,
     IMAGE_ID,
+    VOCAB,
     TinyEncoder,
     build_tiny_decoder,
     build_tiny_fusion,
@@ -215,3 +216,197 @@ class TestBadInput:
         encoder_input["image"] = torch.zeros(5, EMBED_DIM, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match=r"expected dtype torch.float32 .*got torch.bfloat16"):
             model(tokens, encoder_input=encoder_input)
+
+
+# ---------------------------------------------------------------- through the decoder's modules
+
+
+class LoRAEmbedding(nn.Module):
+    """LoRA-style: the base table plus a low-rank update; no ``weight`` of its own."""
+
+    def __init__(self, base: nn.Embedding, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_a = nn.Parameter(torch.randn(base.num_embeddings, rank) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(rank, base.embedding_dim) * 0.1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.base(ids) + nn.functional.embedding(ids, self.lora_a) @ self.lora_b
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma-style: the looked-up rows times sqrt(d)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embedding_dim**0.5
+
+
+def merged_rows(model: EarlyFusion, tokens, encoder_input=None) -> torch.Tensor:
+    """The input of the first layer: the merged embeddings [b, s, d]."""
+    model.output_hidden_states = [0]
+    try:
+        return model(tokens, encoder_input=encoder_input)[0]
+    finally:
+        model.output_hidden_states = []
+
+
+class TestThroughTheDecodersModules:
+    @pytest.mark.parametrize("wrap", ["lora", "scaled"])
+    @pytest.mark.parametrize("impl", ["reference", "index"])
+    def test_text_rows_are_what_the_embedding_module_returns(self, wrap, impl):
+        decoder = build_tiny_decoder(tie_word_embeddings=False)
+        encoders = {"image": TinyEncoder(), "audio": TinyEncoder()}
+        model = EarlyFusion(
+            decoder, encoders, {"image": IMAGE_ID, "audio": AUDIO_ID}, merge_impl=impl
+        )
+        if wrap == "lora":
+            decoder.tok_embeddings = LoRAEmbedding(decoder.tok_embeddings)
+        else:
+            scaled = ScaledEmbedding(decoder.vocab_size, decoder.embed_dim)
+            scaled.load_state_dict(decoder.tok_embeddings.state_dict())
+            decoder.tok_embeddings = scaled
+        tokens, encoder_input = multimodal_batch()
+        merged = merged_rows(model, tokens, encoder_input)
+        text = (tokens != IMAGE_ID) & (tokens != AUDIO_ID)
+        expected = decoder.tok_embeddings(tokens.masked_fill(~text, 0))
+        assert torch.equal(merged[text], expected[text])
+        rows = model.encode(encoder_input)
+        assert torch.equal(merged[tokens == IMAGE_ID], rows["image"].reshape(-1, EMBED_DIM))
+        assert torch.equal(model(text_tokens(2, 6)), decoder(text_tokens(2, 6)))
+
+    def test_gradients_reach_a_wrapped_embedding(self):
+        decoder = build_tiny_decoder(tie_word_embeddings=False)
+        encoders = {"image": TinyEncoder(), "audio": TinyEncoder()}
+        model = EarlyFusion(
+            decoder, encoders, {"image": IMAGE_ID, "audio": AUDIO_ID}, decoder_trainable=True
+        )
+        model.decoder.tok_embeddings = LoRAEmbedding(model.decoder.tok_embeddings)
+        tokens, encoder_input = multimodal_batch()
+        model(tokens, encoder_input=encoder_input).sum().backward()
+        lora = model.decoder.tok_embeddings
+        assert lora.lora_a.grad is not None and lora.lora_a.grad.abs().sum() > 0
+        unused = sorted(set(range(VOCAB)) - set(tokens.unique().tolist()) - {0})
+        assert lora.lora_a.grad[unused].abs().sum() == 0  # only embedded ids get a gradient
+
+    def test_tied_output_needs_the_wrappers_weight(self):
+        model = build_tiny_fusion()
+        model.decoder.tok_embeddings = LoRAEmbedding(model.decoder.tok_embeddings)
+        with pytest.raises(RuntimeError, match=r"tied output: tok_embeddings \(LoRAEmbedding\)"):
+            model(text_tokens(1, 3))
+
+    def test_hooks_on_the_embedding_and_output_run(self):
+        decoder = build_tiny_decoder(tie_word_embeddings=False)
+        model = EarlyFusion(decoder, {"image": TinyEncoder()}, {"image": IMAGE_ID})
+        calls = []
+        decoder.tok_embeddings.register_forward_hook(lambda m, a, out: calls.append("embed"))
+        decoder.output.register_forward_hook(lambda m, a, out: calls.append("output") or out * 2)
+        tokens = text_tokens(2, 5)
+        doubled = model(tokens)
+        assert calls == ["embed", "output"]
+        decoder.output._forward_hooks.clear()
+        assert torch.equal(doubled, 2 * model(tokens))
+
+    def test_decoder_embedding_runs_inside_the_decoders_forward(self):
+        """So that hooks on the decoder (FSDP's unshard when it is its own unit) come first."""
+        model = build_tiny_fusion()
+        order = []
+        model.decoder.register_forward_pre_hook(lambda m, a: order.append("decoder"))
+        model.decoder.tok_embeddings.register_forward_pre_hook(lambda m, a: order.append("embed"))
+        model(*multimodal_batch()[:1], encoder_input=multimodal_batch()[1])
+        assert order == ["decoder", "embed"]
+
+
+class TestAutocast:
+    def test_low_precision_rows_are_merged_in_the_text_dtype(self):
+        model = build_tiny_fusion(encoders_trainable=True)
+        tokens, encoder_input = multimodal_batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rows = model.encode(encoder_input)
+            assert rows["image"].dtype == torch.bfloat16  # the encoders' Linear ran in bf16
+            merged = merged_rows(model, tokens, rows)
+            logits = model(tokens, encoder_input=encoder_input)
+        assert merged.dtype == torch.float32  # the table's dtype: embedding is not autocast
+        image = rows["image"].reshape(-1, EMBED_DIM).float()
+        assert torch.equal(merged[tokens == IMAGE_ID], image)
+        logits.sum().backward()
+        grads = [p.grad for p in model.encoders["image"].parameters()]
+        assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+    def test_text_only_logits_equal_the_decoders_under_the_same_autocast(self):
+        model = build_tiny_fusion()
+        tokens = text_tokens(2, 7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(model(tokens), model.decoder(tokens))
+
+    def test_outside_autocast_other_dtypes_are_refused(self):
+        model = build_tiny_fusion()
+        tokens, _ = multimodal_batch()
+        rows = {"image": torch.zeros(5, EMBED_DIM, dtype=torch.bfloat16)}
+        with pytest.raises(ValueError, match=r"encoder 'image' rows: expected dtype torch.float32"):
+            model(tokens, encoder_input={**rows, "audio": torch.zeros(1, EMBED_DIM)})
+        rows = {"image": torch.zeros(5, EMBED_DIM, dtype=torch.long)}
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # integers: never cast
+            with pytest.raises(ValueError, match=r"encoder 'image' rows: expected floating rows"):
+                model(tokens, encoder_input={**rows, "audio": torch.zeros(1, EMBED_DIM)})
+
+
+class TestBadArguments:
+    """Each bad argument is refused with its name, before any encoder or layer runs."""
+
+    @pytest.mark.parametrize(
+        "dtype", [torch.int8, torch.uint8, torch.int16, torch.bool, torch.float32]
+    )
+    def test_token_dtypes(self, dtype):
+        model = build_tiny_fusion()
+        with pytest.raises(ValueError, match=r"tokens: expected integer ids \[b, s\] of dtype"):
+            model(text_tokens(2, 4).to(dtype))
+
+    def test_int32_tokens_work(self):
+        model = build_tiny_fusion()
+        tokens, encoder_input = multimodal_batch()
+        expected = model(tokens, encoder_input=encoder_input)
+        assert torch.equal(model(tokens.int(), encoder_input=encoder_input), expected)
+
+    @pytest.mark.parametrize("shape", [(0, 4), (2, 0)])
+    def test_empty(self, shape):
+        model = build_tiny_fusion()
+        with pytest.raises(ValueError, match=r"tokens: expected a non-empty batch and sequence"):
+            model(torch.zeros(shape, dtype=torch.long))
+
+    def test_wrong_device(self):
+        model = build_tiny_fusion()
+        tokens, _ = multimodal_batch()
+        with pytest.raises(ValueError, match=r"tokens: expected device cpu .*got meta"):
+            model(tokens.to("meta"))
+        rows = {"image": torch.zeros(5, EMBED_DIM, device="meta"), "audio": torch.zeros(1, 32)}
+        with pytest.raises(ValueError, match=r"encoder 'image' rows: expected device cpu"):
+            model(tokens, encoder_input=rows)
+        with pytest.raises(ValueError, match=r"mask: expected device cpu, got meta"):
+            model(tokens, mask=torch.ones(1, 10, 10, dtype=torch.bool, device="meta"))
+        with pytest.raises(ValueError, match=r"input_pos: expected device cpu, got meta"):
+            model(tokens, input_pos=torch.arange(10, device="meta"))
+
+    def test_encoder_returning_something_else(self):
+        class Bad(nn.Module):
+            def forward(self, features):
+                return [features]
+
+        model = EarlyFusion(build_tiny_decoder(), {"image": Bad()}, {"image": IMAGE_ID})
+        tokens, encoder_input = multimodal_batch()
+        with pytest.raises(TypeError, match=r"encoder 'image' rows: expected a tensor, or a Pa"):
+            model(tokens, encoder_input={"image": encoder_input["image"]})
+        with pytest.raises(TypeError, match=r"encoder 'image' rows: expected a tensor"):
+            model(tokens, encoder_input={"image": Padded([1, 2])})
+
+    @pytest.mark.parametrize("token_id", [69.0, "69", torch.tensor(69), True])
+    def test_placeholder_ids_must_be_ints(self, token_id):
+        with pytest.raises(TypeError, match=r"encoder_tokens: expected str names and int"):
+            EarlyFusion(build_tiny_decoder(), {"image": TinyEncoder()}, {"image": token_id})
+
+    def test_constructor_types(self):
+        with pytest.raises(TypeError, match=r"decoder: expected a fusion TransformerDecoder"):
+            EarlyFusion(torch.compile(build_tiny_decoder()), {}, {})
+        with pytest.raises(TypeError, match=r"encoders: expected a mapping of name -> nn.Module"):
+            EarlyFusion(build_tiny_decoder(), {"image": lambda x: x}, {"image": IMAGE_ID})
+        with pytest.raises(ValueError, match=r"merge_impl: expected 'auto' or one of"):
+            EarlyFusion(build_tiny_decoder(), {}, {}, merge_impl="fast")

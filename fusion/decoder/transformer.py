@@ -242,12 +242,18 @@ class TransformerDecoder(nn.Module):
         one reads ``tok_embeddings.weight``, which must then be a whole tensor here.
 
         Raises:
-            RuntimeError: tied output whose embedding weight is sharded (a DTensor) outside the
-                embedding's own forward, e.g. when ``tok_embeddings`` is its own FSDP unit.
+            RuntimeError: tied output whose embedding has no ``weight``, or whose weight is
+                sharded (a DTensor) outside the embedding's own forward, e.g. when
+                ``tok_embeddings`` is its own FSDP unit.
         """
         if self.output is not None:
             return self.output(h).float()
-        weight = self.tok_embeddings.weight
+        weight = getattr(self.tok_embeddings, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise RuntimeError(
+                f"tied output: tok_embeddings ({type(self.tok_embeddings).__name__}) has no "
+                "weight tensor to project with; give the wrapper a `weight` or untie the output"
+            )
         if is_dtensor(weight):
             raise RuntimeError(
                 "tied output: tok_embeddings.weight is sharded (a DTensor) outside the "

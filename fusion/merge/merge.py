@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion._validation import describe, is_dtensor
+from fusion._validation import check_token_ids, describe, is_dtensor
 from fusion.merge.fused import check_fused, fused_supported, merge_fused
 from fusion.merge.index import merge_index
 from fusion.merge.layouts import EncoderRows
@@ -105,6 +105,7 @@ def merge_embeddings(
         TypeError: an argument of the wrong type (e.g. rows that are not tensors).
         ImportError: ``impl="fused"`` without Triton installed.
     """
+    check_token_ids(tokens)
     table = embedding_table(embedding)
     if impl == "auto":
         impl = default_impl(tokens.device, embedding)

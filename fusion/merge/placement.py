@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusion._validation import check_in_range, check_token_ids, describe
+from fusion._validation import check_in_range, describe
 from fusion.merge.layouts import EncoderRows, Padded, as_layout
 
 
@@ -65,14 +65,14 @@ def resolve_placements(
     vocab_size: int | None,
     eager_checks: bool | None,
 ) -> tuple[list[Placement], torch.Tensor]:
-    """Validate the inputs of a merge and return the placements and the text ids.
+    """Validate the inputs of a merge (``tokens`` already checked to be ids [b, s]) and return
+    the placements and the text ids.
 
     Text ids are ``tokens`` with every placeholder replaced by 0, so out-of-vocabulary
     placeholder ids never reach the embedding; with ``vocab_size``, the remaining ids must lie
     in ``[0, vocab_size)``. Rows are checked against each other and the tokens here; their
     width and dtype against the text embeddings by :func:`match_text`.
     """
-    check_token_ids(tokens)
     if not isinstance(encoder_rows, Mapping):
         raise TypeError(
             f"encoder_rows: expected a mapping of encoder name -> rows, got "

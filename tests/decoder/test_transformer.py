@@ -193,14 +193,16 @@ class TestBadInput:
         )
         tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=16)
         self.check(
-            r"mask: expected a boolean mask \[2, 12, 16\] or \[1, 12, 16\], got shape \[2, 12, 12\]",
+            r"mask: expected a boolean mask \[2, 12, 16\] or \[1, 12, 16\], "
+            r"got shape \[2, 12, 12\]",
             lambda: tiny_decoder(tokens, mask=torch.ones(2, 12, 12, dtype=torch.bool)),
         )
 
     def test_input_pos(self, tiny_decoder):
         tokens = random_tokens()
         self.check(
-            r"input_pos: expected int64 or int32 positions \[2, 12\] or \[1, 12\] or \[12\], got shape \[11\]",
+            r"input_pos: expected int64 or int32 positions \[2, 12\] or \[1, 12\] or \[12\], "
+            r"got shape \[11\]",
             lambda: tiny_decoder(tokens, input_pos=torch.arange(11)),
         )
         self.check(
@@ -225,3 +227,98 @@ class TestBadInput:
             r"batch_size: expected a positive integer, got 0",
             lambda: tiny_decoder.setup_caches(0, torch.float32),
         )
+
+
+class TestTorchtuneCallers:
+    """The shapes and attributes torchtune's generation and loss utilities use."""
+
+    def test_broadcast_mask(self, tiny_decoder):
+        tokens = random_tokens()
+        mask = packed_mask([5, 7])  # [1, 12, 12]
+        expected = tiny_decoder(tokens, mask=mask.expand(2, -1, -1).contiguous())
+        assert torch.equal(tiny_decoder(tokens, mask=mask), expected)
+
+    def test_one_position_per_sample_at_a_decode_step(self, tiny_decoder):
+        tokens = random_tokens()
+        tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=16)
+        tiny_decoder(tokens[:, :5])
+        positions = torch.tensor([5, 3])  # [b]: e.g. left-padded samples
+        step_mask = torch.ones(2, 1, 16, dtype=torch.bool)
+        by_sample = tiny_decoder(tokens[:, 5:6], input_pos=positions, mask=step_mask)
+        tiny_decoder.reset_caches()
+        tiny_decoder(tokens[:, :5])
+        expected = tiny_decoder(tokens[:, 5:6], input_pos=positions[:, None], mask=step_mask)
+        assert torch.equal(by_sample, expected)
+
+    def test_output_chunks(self, tiny_decoder):
+        tokens = random_tokens()
+        full = tiny_decoder(tokens)
+        tiny_decoder.set_num_output_chunks(5)
+        chunks = tiny_decoder(tokens)
+        assert isinstance(chunks, list) and len(chunks) == 5
+        assert all(c.dtype == torch.float32 for c in chunks)
+        # A GEMM over a chunk may sum in another order than over the whole: last bits differ.
+        torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
+        for bad in (-1, 1.5, True):
+            with pytest.raises(ValueError, match="num_output_chunks: expected a non-negative"):
+                tiny_decoder.set_num_output_chunks(bad)
+
+    def test_cache_attributes(self, tiny_decoder):
+        assert tiny_decoder.decoder_max_cache_seq_len is None
+        tiny_decoder.setup_caches(1, torch.float32, encoder_max_seq_len=None, decoder_max_seq_len=9)
+        assert tiny_decoder.decoder_max_cache_seq_len == 9
+        with pytest.raises(ValueError, match="encoder_max_seq_len: expected None"):
+            tiny_decoder.setup_caches(1, torch.float32, encoder_max_seq_len=4)
+
+    def test_unsupported_shapes_name_the_supported_ones(self, tiny_decoder):
+        tokens = random_tokens()
+        with pytest.raises(
+            ValueError, match=r"\[2, 12, 12\] or \[1, 12, 12\], got shape \[2, 1, 12, 12\]"
+        ):
+            tiny_decoder(tokens, mask=torch.ones(2, 1, 12, 12, dtype=torch.bool))
+        with pytest.raises(
+            ValueError, match=r"positions \[2, 12\] or \[1, 12\] or \[12\], got shape \[2\]"
+        ):
+            tiny_decoder(tokens, input_pos=torch.arange(2))
+
+
+class TestSweep:
+    """Odd inputs to every argument: a correct result or an error naming the argument."""
+
+    @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.bool])
+    def test_index_dtypes(self, tiny_decoder, dtype):
+        tokens = random_tokens()
+        with pytest.raises(ValueError, match=r"tokens: expected integer ids \[b, s\] of dtype"):
+            tiny_decoder(tokens.to(dtype))
+        with pytest.raises(ValueError, match=r"input_pos: expected int64 or int32 positions"):
+            tiny_decoder(tokens, input_pos=torch.arange(12).to(dtype))
+
+    def test_int32_ids_and_positions(self, tiny_decoder):
+        tokens = random_tokens()
+        expected = tiny_decoder(tokens, input_pos=torch.arange(12))
+        assert torch.equal(tiny_decoder(tokens.int(), input_pos=torch.arange(12).int()), expected)
+
+    @pytest.mark.parametrize("shape", [(0, 3), (2, 0)])
+    def test_empty(self, tiny_decoder, shape):
+        with pytest.raises(ValueError, match=r"tokens: expected a non-empty batch and sequence"):
+            tiny_decoder(torch.zeros(shape, dtype=torch.long))
+        with pytest.raises(ValueError, match=r"input_embeds: expected a non-empty batch"):
+            tiny_decoder(input_embeds=torch.zeros(*shape, EMBED_DIM))
+
+    def test_wrong_device(self, tiny_decoder):
+        tokens = random_tokens()
+        with pytest.raises(ValueError, match=r"tokens: expected device cpu \(the decoder's\)"):
+            tiny_decoder(tokens.to("meta"))
+        with pytest.raises(ValueError, match=r"input_embeds: expected device cpu"):
+            tiny_decoder(input_embeds=torch.zeros(2, 12, EMBED_DIM, device="meta"))
+
+    def test_input_embeds_not_a_tensor(self, tiny_decoder):
+        with pytest.raises(TypeError, match=r"input_embeds: expected a tensor, got list"):
+            tiny_decoder(input_embeds=[[0.0]])
+
+    def test_embed_must_return_the_right_rows(self, tiny_decoder):
+        tokens = random_tokens()
+        with pytest.raises(ValueError, match=r"embed: expected \[2, 12, 32\], got shape \[2, 12\]"):
+            tiny_decoder(tokens, embed=lambda module, ids: ids.float())
+        with pytest.raises(ValueError, match=r"embed: expected a callable"):
+            tiny_decoder(tokens, embed="tok_embeddings")

@@ -40,11 +40,16 @@ def loop_merge(case: MergeCase) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("as_module", [False, True], ids=["table", "module"])
 @pytest.mark.parametrize("impl", IMPLS)
 @given(case=merge_inputs())
-def test_equals_loop(impl, case):
+def test_equals_loop(impl, as_module, case):
+    embedding = case.weight
+    if as_module:  # called like the decoder calls it, whatever module it is
+        embedding = torch.nn.Embedding.from_pretrained(case.weight)
+        embedding.register_forward_hook(lambda module, args, out: out.clone())
     merged = merge_embeddings(
-        case.tokens, case.weight, case.encoder_rows, case.encoder_tokens, impl=impl
+        case.tokens, embedding, case.encoder_rows, case.encoder_tokens, impl=impl
     )
     assert merged.dtype == case.weight.dtype
     assert torch.equal(merged, loop_merge(case))
@@ -140,3 +145,65 @@ def test_device_side_checks_do_not_raise_eagerly_but_fail():
             {"image": 9},
             eager_checks=False,
         )
+
+
+def _args(**changes) -> dict:
+    args = {
+        "tokens": torch.tensor([[9, 1], [1, 2]]),
+        "embedding": torch.zeros(8, 2),
+        "encoder_rows": {"image": torch.zeros(1, 2)},
+        "encoder_tokens": {"image": 9},
+    }
+    return {**args, **changes}
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({"embedding": 3}, TypeError, r"embedding: expected a module mapping ids to rows"),
+        ({"embedding": torch.zeros(8)}, ValueError, r"embedding: expected a floating table"),
+        ({"embedding": torch.zeros(8, 2, device="meta")}, ValueError, r"embedding: expected dev"),
+        (
+            {"embedding": lambda ids: [ids]},
+            ValueError,
+            r"embedding: expected floating rows \[2, 2, d\]",
+        ),
+        ({"embedding": lambda ids: ids[..., None]}, ValueError, r"embedding: expected floating"),
+        ({"encoder_rows": {"image": [0.0, 1.0]}}, TypeError, r"encoder 'image' rows: expected a t"),
+        ({"encoder_rows": [torch.zeros(1, 2)]}, TypeError, r"encoder_rows: expected a mapping"),
+        ({"encoder_tokens": {"image": 9.0}}, TypeError, r"encoder_tokens: expected str names"),
+        ({"encoder_tokens": [9]}, TypeError, r"encoder_tokens: expected a mapping"),
+        ({"encoder_rows": {"image": torch.zeros(1, 3)}}, ValueError, r"expected width 2"),
+        ({"tokens": torch.tensor([[9, 1], [1, 2]], dtype=torch.uint8)}, ValueError, r"tokens: "),
+        ({"tokens": [[9, 1]]}, TypeError, r"tokens: expected a tensor of integer ids"),
+        (
+            {"encoder_rows": {"image": torch.zeros(1, 2, device="meta")}},
+            ValueError,
+            r"encoder 'image' rows: expected device cpu \(the tokens'\), got meta",
+        ),
+        (
+            {"encoder_rows": {"image": torch.zeros(1, 2, dtype=torch.float64)}},
+            ValueError,
+            r"encoder 'image' rows: expected dtype torch.float32 \(the text embeddings'\)",
+        ),
+    ],
+)
+def test_bad_arguments_are_named(changes, error, match):
+    with pytest.raises(error, match=match):
+        merge_embeddings(**_args(**changes))
+
+
+def test_rows_are_cast_under_autocast_only():
+    args = _args(encoder_rows={"image": torch.ones(1, 2, dtype=torch.bfloat16)})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        merged = merge_embeddings(**args)
+    assert merged.dtype == torch.float32 and merged[0, 0].tolist() == [1.0, 1.0]
+
+
+def test_vocab_size_of_a_module_is_checked():
+    embedding = torch.nn.Embedding(8, 2)
+    tokens = torch.tensor([[1, 8]])
+    with pytest.raises(ValueError, match=r"tokens \(text positions\): expected values in \[0, 8\)"):
+        merge_embeddings(**_args(tokens=tokens, embedding=embedding, encoder_rows={}))
+    with pytest.raises(ValueError, match=r"expected values in \[0, 4\)"):
+        merge_embeddings(**_args(tokens=tokens, embedding=embedding, encoder_rows={}, vocab_size=4))
