@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
             "load_average_end": os.getloadavg(),
         },
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "default_impl": default_impl(tokens.device, embeds.dtype),
+        "default_impl": default_impl(tokens.device, decoder.tok_embeddings),
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)

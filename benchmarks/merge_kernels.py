@@ -52,10 +52,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.benchmark import Timer
 
 from fusion.merge import IMPLEMENTATIONS, default_impl, merge_embeddings
-from fusion.merge.fused import fused_supported
+from fusion.merge.fused import fused_supported, merge_fused
+from fusion.merge.index import merge_index
 from fusion.merge.placement import Placement, resolve_placements
+from fusion.merge.reference import merge_reference
 
-BASELINES = ("bool_index", "torchtune")
+BASELINES = ("index_table", "bool_index", "torchtune")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 2**20
 
@@ -74,6 +76,7 @@ class Inputs:
 
     tokens: torch.Tensor  # [b, s]
     weight: torch.Tensor  # [vocab, d]
+    embedding: torch.nn.Embedding  # holds ``weight``: the module the fusion contestants call
     rows: dict[str, torch.Tensor]  # packed, [n_rows, d] per encoder
     encoder_tokens: dict[str, int]
     source: torch.Tensor  # [b, s, d]: what `copy` copies
@@ -130,17 +133,35 @@ def make_inputs(case: Case, args: argparse.Namespace, device: torch.device) -> I
     rows = {name: r.to(device) for name, r in rows.items()}
     source = torch.randn(batch, seq_len, case.dim, generator=gen).to(dtype).to(device)
     grad = torch.randn(batch, seq_len, case.dim, generator=gen).to(dtype).to(device)
-    if case.mode == "fwd+bwd":
-        weight.requires_grad_()
+    train = case.mode == "fwd+bwd"
+    embedding = torch.nn.Embedding(args.vocab, case.dim, _weight=weight, _freeze=not train)
+    weight = embedding.weight  # one table for every contestant: the module's own parameter
+    if train:
         source.requires_grad_()
         for r in rows.values():
             r.requires_grad_()
     with torch.no_grad():
-        placements, text_ids = resolve_placements(tokens, weight, rows, encoder_tokens, None)
-    return Inputs(tokens, weight, rows, encoder_tokens, source, grad, placements, text_ids)
+        placements, text_ids = resolve_placements(
+            tokens, rows, encoder_tokens, vocab_size=args.vocab, eager_checks=None
+        )
+    return Inputs(
+        tokens, weight, embedding, rows, encoder_tokens, source, grad, placements, text_ids
+    )
 
 
 # ------------------------------------------------------------------ contestants
+
+
+def index_table(inp: Inputs) -> torch.Tensor:
+    """The ``index`` merge as it was before it called the embedding module: read the table
+    with ``F.embedding`` over flat ids plus one spill row, then ``index_copy_`` (packed rows:
+    the spill row is never written). The module path must cost no more than this."""
+    batch, seq_len = inp.text_ids.shape
+    ids = torch.cat([inp.text_ids.reshape(-1), inp.text_ids.new_zeros(1)])
+    out = F.embedding(ids, inp.weight)
+    for p in inp.placements:  # resolved once; the rows themselves carry the autograd graph
+        out.index_copy_(0, p.destinations(), inp.rows[p.name])
+    return out[: batch * seq_len].view(batch, seq_len, -1)
 
 
 def bool_index(inp: Inputs) -> torch.Tensor:
@@ -173,17 +194,23 @@ def contestants(
 ) -> dict[str, tuple[Callable[[Inputs], torch.Tensor], Callable[[Inputs], torch.Tensor]]]:
     """name -> (the timed call, the call probed for host synchronisation)."""
     found: dict = {"copy": (lambda inp: inp.source.clone(), lambda inp: inp.source.clone())}
-    for name, impl in IMPLEMENTATIONS.items():
+    cores = {"reference": merge_reference, "index": merge_index}
+    for name in IMPLEMENTATIONS:
         if name == "fused" and not fused_supported(device, dtype):
             continue  # Triton runs on CPU only through its interpreter: not worth timing
 
         def public(inp: Inputs, name: str = name) -> torch.Tensor:
-            return merge_embeddings(inp.tokens, inp.weight, inp.rows, inp.encoder_tokens, impl=name)
+            return merge_embeddings(
+                inp.tokens, inp.embedding, inp.rows, inp.encoder_tokens, impl=name
+            )
 
-        def core(inp: Inputs, impl=impl) -> torch.Tensor:
-            return impl(inp.text_ids, inp.weight, inp.placements)
+        def core(inp: Inputs, name: str = name) -> torch.Tensor:
+            if name == "fused":
+                return merge_fused(inp.text_ids, inp.weight, inp.placements)
+            return cores[name](inp.text_ids, inp.embedding, inp.placements)
 
         found[name] = (public, core)
+    found["index_table"] = (index_table, index_table)
     found["bool_index"] = (bool_index, bool_index)
     found["torchtune"] = (torchtune, torchtune)
     if wanted:
@@ -444,7 +471,7 @@ def evaluate_targets(results: list[dict], device: torch.device, dtype: str) -> l
         return None
 
     targets = []
-    auto = default_impl(device, DTYPES[dtype])
+    auto = default_impl(device, torch.nn.Embedding(1, 1, dtype=DTYPES[dtype]))
     if device.type == "cpu" and dtype == "fp32":
         d = pick(16384, 2048, 0.25, auto)
         ref, tt = pick(16384, 2048, 0.25, "reference"), pick(16384, 2048, 0.25, "torchtune")
@@ -629,7 +656,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = {
         k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()
     }
-    settings["default_impl"] = default_impl(device, dtype)
+    settings["default_impl"] = default_impl(device, torch.nn.Embedding(1, 1, dtype=dtype))
     targets = evaluate_targets(results, device, args.dtype)
     report = {"machine": info, "settings": settings, "results": results, "targets": targets}
     args.out.mkdir(parents=True, exist_ok=True)

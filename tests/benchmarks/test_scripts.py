@@ -39,7 +39,7 @@ def test_merge_kernels_quick(tmp_path):
     results = report["results"]
     cases = {(r["tokens"], r["dim"], r["fraction"], r["mode"]) for r in results}
     assert cases == {(256, 64, f, m) for f in (0.0, 0.5) for m in ("fwd", "fwd+bwd")}
-    impls = {"copy", "reference", "index", "bool_index", "torchtune"}
+    impls = {"copy", "reference", "index", "index_table", "bool_index", "torchtune"}
     for case in cases:
         rows = {
             r["impl"]: r
