@@ -1,29 +1,83 @@
-"""``python -m fusion.generation``: generate from a Hugging Face Llama directory."""
+"""``python -m fusion.generation``: generate from a Hugging Face Llama directory.
+
+A checkpoint directory is untrusted input: nothing in it is ever executed (a tokenizer or config
+that asks for its own Python code is refused, never offered), no file in it is read unless it
+is a regular file of bounded size, and the command never reads stdin. Every error is one line
+on stderr (``error: ...``) and a non-zero exit status: 2 for a bad command line, 1 for a bad
+checkpoint or input, 130 when interrupted. Everything that can be checked without the weights
+is checked before they are loaded.
+"""
 
 import argparse
+import contextlib
+import io
 import json
+import math
+import os
+import stat
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 
 from fusion.checkpoint import CheckpointError, load_hf_llama
+from fusion.generation._checks import as_device
 from fusion.generation.autoregressive import generate_stream
 from fusion.generation.padding import left_pad
+from fusion.generation.sampling import check_sampling_args
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MAX_JSON_BYTES = 16 << 20  # config.json and generation_config.json are a few KiB
+_MAX_TOKENIZER_BYTES = 1 << 30  # tokenizer.json of a large vocabulary is tens of MiB
+_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {_one_line(message)} (see --help)\n")
+
+
+def _int_type(low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"expected an integer {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def _float_type(check: Callable[[float], bool], expected: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or not check(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m fusion.generation",
         description=(
             "Load a Hugging Face Llama directory (config.json + safetensors) and generate. "
             "Prompts are text (needs tokenizer.json in the directory and the `tokenizers` "
-            "package, or a tokenizer `transformers` can load offline) or comma-separated "
-            "token ids. One prompt streams its tokens as they come; several print one line each."
+            "package, or a tokenizer `transformers` can load offline without running code from "
+            "the directory) or comma-separated token ids. One prompt streams its tokens as they "
+            "come; several print one line each. Errors are one line on stderr: exit status 2 "
+            "for a bad command line, 1 for a bad checkpoint or input."
         ),
     )
     parser.add_argument("--checkpoint", required=True, type=Path, help="the model directory")
@@ -32,81 +86,138 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument(
         "--prompt-ids", action="append", help="a prompt as comma-separated token ids (repeatable)"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument("--max-new-tokens", type=_int_type(1), default=32)
+    parser.add_argument(
+        "--temperature",
+        type=_float_type(lambda t: t >= 0, "a finite number >= 0"),
+        default=1.0,
+        help="0 is greedy",
+    )
+    parser.add_argument("--top-k", type=_int_type(1), default=None)
+    parser.add_argument(
+        "--top-p", type=_float_type(lambda p: 0 < p <= 1, "a number in (0, 1]"), default=None
+    )
+    parser.add_argument(
+        "--seed", type=_int_type(*_SEED_RANGE), default=0, help="seed of the sampling generator"
+    )
     parser.add_argument(
         "--stop-token",
-        type=int,
+        type=_int_type(0),
         action="append",
         help="an id that ends a prompt's generation (repeatable); default: the config's EOS ids",
     )
     parser.add_argument("--ignore-eos", action="store_true", help="no stop tokens")
     parser.add_argument(
-        "--pad-id", type=int, default=None, help="left-padding id (default: pad_token_id, else 0)"
+        "--pad-id",
+        type=_int_type(0),
+        default=None,
+        help="left-padding id (default: pad_token_id, else 0)",
     )
     parser.add_argument(
         "--dtype", choices=["auto", *_DTYPES], default="auto", help="auto: as stored"
     )
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument(
-        "--max-seq-len", type=int, default=None, help="override max_position_embeddings"
+        "--max-seq-len", type=_int_type(1), default=None, help="override max_position_embeddings"
     )
     return parser
 
 
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 1 bad checkpoint or input)."""
+    """Run the command line; returns the exit status (0 ok, 1 bad checkpoint or input, 130
+    interrupted). A bad command line raises ``SystemExit(2)`` (argparse's convention)."""
     out = out or sys.stdout
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        device = as_device(args.device, "--device")
+    except ValueError as error:
+        parser.error(str(error))
+    if device.type == "meta":
+        parser.error("--device: the meta device holds no data; use cpu, cuda, ...")
+    try:
+        _run(parser, args, device, out)
+    except KeyboardInterrupt:
+        return _fail("interrupted", status=130)
+    except BrokenPipeError:  # e.g. `| head`: stop quietly, and keep Python's exit flush quiet
+        with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return _fail("the output was closed before generation ended")
+    except (CheckpointError, ValueError, OSError) as error:
+        return _fail(str(error))
+    except Exception as error:  # the command line shows no tracebacks
+        return _fail(f"{type(error).__name__}: {error}")
+    return 0
+
+
+def _run(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device, out: TextIO
+) -> None:
     directory: Path = args.checkpoint
-    tokenizer = None
+    _check_directory(directory)
+    config = _generation_config(directory)
+    vocab = _positive_int_or_none(config.get("vocab_size"))
     if args.prompt is not None:
-        tokenizer = load_tokenizer(directory)
+        tokenizer, reason = _load_tokenizer(directory)
         if tokenizer is None:
             parser.error(
-                f"--prompt: text needs a tokenizer: none could be loaded offline from "
-                f"{directory} (tokenizer.json with `tokenizers`, or `transformers`); "
-                "pass --prompt-ids instead"
+                f"--prompt: text needs a tokenizer, and none could be loaded from {directory} "
+                f"({reason}); pass --prompt-ids instead"
             )
         prompts = [tokenizer.encode(text) for text in args.prompt]
+        for text, ids in zip(args.prompt, prompts, strict=True):
+            if not ids:
+                raise ValueError(f"--prompt: the tokenizer gives no tokens for {text!r}")
+        _check_ids_in_vocab("--prompt (as tokenized)", [i for p in prompts for i in p], vocab)
     else:
+        tokenizer = None
         prompts = [_parse_ids(parser, text) for text in args.prompt_ids]
+        _check_ids_in_vocab("--prompt-ids", [i for p in prompts for i in p], vocab)
+
+    if args.ignore_eos:
+        stop_tokens: tuple[int, ...] = ()
+    elif args.stop_token is not None:
+        stop_tokens = tuple(args.stop_token)
+        _check_ids_in_vocab("--stop-token", stop_tokens, vocab)
+    else:
+        stop_tokens = _as_ids(config.get("eos_token_id"))
+        _check_ids_in_vocab("eos_token_id of the config", stop_tokens, vocab)
+    if args.pad_id is not None:
+        pad_id = args.pad_id
+        _check_ids_in_vocab("--pad-id", [pad_id], vocab)
+    else:
+        pad_id = _first(config.get("pad_token_id"), 0)
+        _check_ids_in_vocab("pad_token_id of the config", [pad_id], vocab)
+    check_sampling_args(args.temperature, args.top_k, args.top_p, vocab or sys.maxsize)
+    tokens = left_pad(prompts, pad_id)
+    max_len = args.max_seq_len or _positive_int_or_none(config.get("max_position_embeddings"))
+    needed = tokens.size(1) + args.max_new_tokens - 1  # the last new token is never fed back
+    if max_len is not None and needed > max_len:
+        raise ValueError(
+            f"--max-new-tokens: the longest prompt ({tokens.size(1)} tokens) plus "
+            f"{args.max_new_tokens} new tokens needs {needed} positions, more than the model's "
+            f"{max_len} (--max-seq-len, or max_position_embeddings of config.json)"
+        )
+
+    dtype = None if args.dtype == "auto" else _DTYPES[args.dtype]
+    model = load_hf_llama(directory, dtype=dtype, device=device, max_seq_len=args.max_seq_len)
+    model.eval()
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    steps = generate_stream(
+        model,
+        tokens.to(device),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop_tokens=stop_tokens,
+        pad_id=pad_id,
+        generator=generator,
+    )
     try:
-        config = _generation_config(directory)
-        stop_tokens = (
-            ()
-            if args.ignore_eos
-            else args.stop_token
-            if args.stop_token is not None
-            else _as_ids(config.get("eos_token_id"))
-        )
-        pad_id = args.pad_id if args.pad_id is not None else _first(config.get("pad_token_id"), 0)
-        dtype = None if args.dtype == "auto" else _DTYPES[args.dtype]
-        model = load_hf_llama(
-            directory, dtype=dtype, device=args.device, max_seq_len=args.max_seq_len
-        ).eval()
-        tokens = left_pad(prompts, pad_id, device=args.device)
-        generator = torch.Generator(device=args.device).manual_seed(args.seed)
-        steps = generate_stream(
-            model,
-            tokens,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            stop_tokens=stop_tokens,
-            pad_id=pad_id,
-            generator=generator,
-        )
         _print(steps, len(prompts), stop_tokens, tokenizer, out)
-    except (CheckpointError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
+    finally:
+        steps.close()  # an error while printing still frees the KV cache
 
 
 class Tokenizer:
@@ -119,31 +230,70 @@ class Tokenizer:
 
 
 def load_tokenizer(directory: Path) -> Tokenizer | None:
-    """The directory's tokenizer, loaded offline, or None when there is none or no library."""
-    if (directory / "tokenizer.json").is_file():
+    """The directory's tokenizer, loaded offline, or None when there is none or no library.
+
+    No code from the directory is ever run, and stdin is never read: a tokenizer that needs
+    its own code (an ``auto_map`` in ``tokenizer_config.json`` or ``config.json``) is not
+    loaded (None).
+
+    Raises:
+        CheckpointError: ``tokenizer.json`` is there but unreadable, too large or corrupt.
+    """
+    return _load_tokenizer(Path(directory))[0]
+
+
+def _load_tokenizer(directory: Path) -> tuple[Tokenizer | None, str]:
+    """The tokenizer, or None and why not."""
+    file = directory / "tokenizer.json"
+    if file.exists():
         try:
             from tokenizers import Tokenizer as HFTokenizer
         except ImportError:
             pass
         else:
-            fast = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+            data = _read_regular_file(file, _MAX_TOKENIZER_BYTES)
+            try:
+                fast = HFTokenizer.from_str(data.decode("utf-8"))
+            except Exception as error:  # `tokenizers` raises plain Exception
+                raise CheckpointError(file, None, f"unreadable tokenizer: {error}") from error
             return Tokenizer(
                 lambda text: fast.encode(text).ids,
                 lambda ids: fast.decode(ids, skip_special_tokens=True),
-            )
+            ), ""
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        return None
+        return None, "no tokenizer.json, and `transformers` is not installed"
     try:
-        loaded = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError):
-        return None
-    return Tokenizer(loaded.encode, lambda ids: loaded.decode(ids, skip_special_tokens=True))
+        with _stdin_never_read():
+            loaded = AutoTokenizer.from_pretrained(
+                directory, local_files_only=True, trust_remote_code=False
+            )
+    except Exception as error:  # transformers raises many kinds; report why
+        reason = _one_line(str(error))
+        reason = reason if len(reason) <= 300 else reason[:297] + "..."
+        return None, f"transformers: {type(error).__name__}: {reason}"
+    return Tokenizer(loaded.encode, lambda ids: loaded.decode(ids, skip_special_tokens=True)), ""
+
+
+@contextlib.contextmanager
+def _stdin_never_read() -> Iterator[None]:
+    """Swap in an empty stdin: any prompt a library might show reads end-of-file at once and
+    counts as "no", instead of waiting for, or taking, an answer."""
+    saved = sys.stdin
+    sys.stdin = io.StringIO("")
+    try:
+        yield
+    finally:
+        sys.stdin = saved
 
 
 def _print(
-    steps, n_prompts: int, stop_tokens: Sequence[int], tokenizer: Tokenizer | None, out: TextIO
+    steps: Iterator[torch.Tensor],
+    n_prompts: int,
+    stop_tokens: Sequence[int],
+    tokenizer: Tokenizer | None,
+    out: TextIO,
 ) -> None:
     generated: list[list[int]] = [[] for _ in range(n_prompts)]
     finished = [False] * n_prompts
@@ -173,23 +323,98 @@ def _parse_ids(parser: argparse.ArgumentParser, text: str) -> list[int]:
         ids = [int(part) for part in text.split(",")]
     except ValueError:
         parser.error(f"--prompt-ids: expected comma-separated integers, got {text!r}")
+    negative = [i for i in ids if i < 0]
+    if negative:
+        parser.error(f"--prompt-ids: expected ids >= 0, got {negative[0]} in {text!r}")
     return ids
 
 
-def _generation_config(directory: Path) -> dict:
-    """``generation_config.json`` over ``config.json`` (for EOS and pad ids)."""
-    config = {}
+def _check_ids_in_vocab(what: str, ids: Sequence[int], vocab: int | None) -> None:
+    """Before loading the weights: ids the config's vocabulary cannot embed are refused."""
+    if vocab is not None:
+        outside = sorted({i for i in ids if not 0 <= i < vocab})
+        if outside:
+            raise ValueError(
+                f"{what}: ids {outside[:5]} are outside the vocabulary [0, {vocab}) of config.json"
+            )
+
+
+def _check_directory(directory: Path) -> None:
+    """The checkpoint is a directory with a ``config.json`` and no special files (a FIFO or a
+    link to a device would be read forever or block)."""
+    if not directory.exists():
+        raise ValueError(f"--checkpoint: {directory} does not exist")
+    if not directory.is_dir():
+        raise ValueError(f"--checkpoint: {directory} is not a directory")
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            try:
+                mode = os.stat(entry.path).st_mode  # through links: what a reader would open
+            except OSError:
+                continue  # a dangling link: whoever needs the file reports it
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise CheckpointError(entry.path, None, "not a regular file (a FIFO or device?)")
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(
+            directory / "config.json", None, "missing: not a Hugging Face model directory"
+        )
+
+
+def _read_regular_file(file: Path, limit: int) -> bytes:
+    """The bytes of ``file``, which must be a regular file of at most ``limit`` bytes."""
+    # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it.
+    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(file, None, "not a regular file (a FIFO or device?)")
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(file, None, f"larger than the {limit} bytes this file may have")
+    return data
+
+
+def _generation_config(directory: Path) -> dict[str, Any]:
+    """``generation_config.json`` over ``config.json``, for the EOS and pad ids, the vocabulary
+    size and the maximum length (the loader checks the rest of ``config.json``).
+
+    Raises:
+        CheckpointError: naming the file (and key): unreadable, too large, not a JSON object,
+            or ``eos_token_id`` / ``pad_token_id`` not an id or a list of ids.
+    """
+    config: dict[str, Any] = {}
     for name in ("config.json", "generation_config.json"):
         file = directory / name
-        if file.is_file():
-            try:
-                content = json.loads(file.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-                raise CheckpointError(file, None, f"unreadable: {error}") from error
-            if not isinstance(content, dict):
-                raise CheckpointError(file, None, "expected a JSON object")
-            config |= {k: v for k, v in content.items() if v is not None}
+        if not file.exists():
+            continue
+        try:
+            content = json.loads(_read_regular_file(file, _MAX_JSON_BYTES).decode("utf-8"))
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, RecursionError) as error:  # ValueError: bad UTF-8 or JSON
+            raise CheckpointError(file, None, f"unreadable: {_one_line(str(error))}") from error
+        if not isinstance(content, dict):
+            raise CheckpointError(file, None, "expected a JSON object")
+        for key in ("eos_token_id", "pad_token_id"):
+            value = content.get(key)
+            if value is not None and not _is_ids(value):
+                raise CheckpointError(
+                    file, key, f"expected an id >= 0 or a list of them, got {_short(value)}"
+                )
+        config |= {k: v for k, v in content.items() if v is not None}
     return config
+
+
+def _is_id(value: Any) -> bool:
+    return type(value) is int and value >= 0  # not bool, not float
+
+
+def _is_ids(value: Any) -> bool:
+    return _is_id(value) or (isinstance(value, list) and all(_is_id(v) for v in value))
+
+
+def _positive_int_or_none(value: Any) -> int | None:
+    """A config number used for early checks only; anything odd is left to the loader."""
+    return value if type(value) is int and value > 0 else None
 
 
 def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
@@ -201,3 +426,17 @@ def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
 def _first(value: int | list[int] | None, default: int) -> int:
     ids = _as_ids(value)
     return ids[0] if ids else default
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def _fail(message: str, status: int = 1) -> int:
+    print(f"error: {_one_line(message)}", file=sys.stderr)
+    return status

@@ -7,9 +7,12 @@ The KV cache is filled left to right by slot, so slot ``j`` holds the same colum
 samples, real or pad.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+
+from fusion.generation._checks import INTEGER_DTYPES, as_device, as_int, show
 
 
 def left_pad(
@@ -20,16 +23,29 @@ def left_pad(
 ) -> torch.Tensor:
     """Right-align ``prompts`` in a [b, max_len] int64 tensor, padding on the left with ``pad_id``.
 
+    Args:
+        prompts: the prompts, each a sequence of integer ids (Python or NumPy integers) or a
+            1-D integer tensor; a 2-D tensor is read as one prompt per row.
+        pad_id: the padding id, an integer >= 0.
+        device: where the batch goes (default: the CPU).
+
     Raises:
-        ValueError: no prompts, an empty prompt, or a prompt whose first token is ``pad_id``
-            (it would be taken for padding).
+        ValueError: no prompts; a prompt that is empty, not 1-D, or holds anything but
+            integers >= 0 that fit in int64 (a float or a bool is never rounded into an id);
+            a prompt whose first token is ``pad_id`` (it would be taken for padding); a bad
+            ``pad_id``; a ``device`` that does not exist here.
     """
+    pad_id = as_int(pad_id, "pad_id")
+    if pad_id < 0:
+        raise ValueError(f"pad_id: expected an id >= 0, got {pad_id}")
+    if device is not None:
+        device = as_device(device, "device")
+    if isinstance(prompts, str | bytes | Mapping) or not hasattr(prompts, "__len__"):
+        raise ValueError(f"prompts: expected a sequence of prompts, got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts: expected at least one prompt, got none")
-    rows = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+    rows = [_prompt_row(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
     for i, row in enumerate(rows):
-        if row.numel() == 0:
-            raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
         if int(row[0]) == pad_id:
             raise ValueError(
                 f"prompts[{i}]: starts with pad_id={pad_id}, which would be read as padding; "
@@ -40,6 +56,30 @@ def left_pad(
     for i, row in enumerate(rows):
         batch[i, width - row.numel() :] = row
     return batch.to(device)
+
+
+def _prompt_row(prompt: Any, name: str) -> torch.Tensor:
+    """One prompt as a non-empty 1-D int64 CPU tensor of ids >= 0."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype not in INTEGER_DTYPES or prompt.device.type == "meta":
+            raise ValueError(
+                f"{name}: expected a 1-D tensor of integer ids, got shape {list(prompt.shape)}, "
+                f"dtype {prompt.dtype} on {prompt.device}"
+            )
+        row = prompt.detach().to("cpu", torch.long)  # uint64 above int64 wraps negative: refused
+    else:
+        if isinstance(prompt, str | bytes | Mapping) or not hasattr(prompt, "__iter__"):
+            raise ValueError(f"{name}: expected a sequence of integer ids, got {show(prompt)}")
+        ids = [as_int(token, name) for token in prompt]
+        try:
+            row = torch.tensor(ids, dtype=torch.long)
+        except (OverflowError, RuntimeError, ValueError) as error:
+            raise ValueError(f"{name}: expected ids that fit in int64, got {show(ids)}") from error
+    if row.numel() == 0:
+        raise ValueError(f"{name}: expected at least one token, got an empty prompt")
+    if int(row.min()) < 0:
+        raise ValueError(f"{name}: expected ids >= 0, got {int(row.min())}")
+    return row
 
 
 def leading_pad_counts(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:

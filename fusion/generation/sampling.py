@@ -1,8 +1,11 @@
 """Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus)."""
 
 import math
+from typing import Any
 
 import torch
+
+from fusion.generation._checks import as_finite_float, as_int, same_device, show
 
 
 def check_sampling_args(
@@ -10,21 +13,31 @@ def check_sampling_args(
 ) -> None:
     """Raise ``ValueError`` naming the argument unless the sampling arguments are valid.
 
-    ``temperature`` finite and >= 0; ``top_k`` None or an integer in ``[1, vocab_size]``;
-    ``top_p`` None or in ``(0, 1]``.
+    ``temperature`` a finite number >= 0; ``top_k`` None or an integer in ``[1, vocab_size]``;
+    ``top_p`` None or a number in ``(0, 1]``. Numbers may be Python or NumPy scalars; bools
+    are refused, and so is a float ``top_k``.
     """
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
-    if not math.isfinite(temperature) or temperature < 0:
+    sampling_args(temperature, top_k, top_p, vocab_size)
+
+
+def sampling_args(
+    temperature: Any, top_k: Any, top_p: Any, vocab_size: int
+) -> tuple[float, int | None, float | None]:
+    """:func:`check_sampling_args`, returning the arguments as plain Python numbers."""
+    temperature = as_finite_float(temperature, "temperature")
+    if temperature < 0:
         raise ValueError(f"temperature: expected a finite number >= 0, got {temperature}")
-    if top_k is not None and (
-        isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab_size
-    ):
-        raise ValueError(f"top_k: expected None or an integer in [1, {vocab_size}], got {top_k!r}")
-    if top_p is not None and (
-        isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1
-    ):
-        raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p!r}")
+    if top_k is not None:
+        top_k = as_int(top_k, "top_k")
+        if not 1 <= top_k <= vocab_size:
+            raise ValueError(
+                f"top_k: expected None or an integer in [1, {vocab_size}], got {show(top_k)}"
+            )
+    if top_p is not None:
+        top_p = as_finite_float(top_p, "top_p")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p}")
+    return temperature, top_k, top_p
 
 
 def sample_next_token(
@@ -38,26 +51,41 @@ def sample_next_token(
     """Draw one token per row of ``logits`` [b, vocab]; returns int64 ids [b].
 
     ``temperature == 0`` is greedy (argmax; ``top_k``/``top_p`` then change nothing). Otherwise
-    the logits are divided by ``temperature``; ``top_k`` keeps the k largest (ties with the k-th
+    the logits are divided by ``temperature`` (after subtracting each row's maximum, so that a
+    tiny temperature cannot overflow them); ``top_k`` keeps the k largest (ties with the k-th
     are kept too); ``top_p`` keeps the smallest set of most likely tokens whose probability
     reaches ``top_p`` (the most likely token always stays). The draw is
     ``argmax(p / Exp(1))``, which is distributed as ``p`` and needs no host synchronisation.
 
     Args:
-        logits: [b, vocab], any float dtype (computed in float32).
+        logits: [b, vocab] with ``vocab >= 1``, any float dtype (computed in float32).
         generator: source of randomness, on ``logits``' device; None uses the global one.
 
     Raises:
-        ValueError: bad arguments (see :func:`check_sampling_args`) or ``logits`` not [b, vocab].
+        ValueError: bad arguments (see :func:`check_sampling_args`); ``logits`` not a float
+            [b, vocab] tensor; ``generator`` not a ``torch.Generator`` on ``logits``' device.
     """
-    if logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(
-            f"logits: expected float [b, vocab], got shape {list(logits.shape)}, {logits.dtype}"
+    if (
+        not isinstance(logits, torch.Tensor)
+        or logits.dim() != 2
+        or not logits.is_floating_point()
+        or logits.size(-1) == 0
+    ):
+        given = (
+            f"shape {list(logits.shape)}, {logits.dtype}"
+            if isinstance(logits, torch.Tensor)
+            else type(logits).__name__
         )
-    check_sampling_args(temperature, top_k, top_p, logits.size(-1))
+        raise ValueError(f"logits: expected float [b, vocab] with vocab >= 1, got {given}")
+    temperature, top_k, top_p = sampling_args(temperature, top_k, top_p, logits.size(-1))
+    check_generator(generator, logits.device)
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    shifted = logits - logits.amax(-1, keepdim=True)
+    # The row maxima stay exactly 0: a temperature that underflows to 0 in float32 would
+    # otherwise turn them into 0 / 0 = NaN.
+    logits = torch.where(shifted == 0, shifted, shifted / temperature)
     if top_k is not None and top_k < logits.size(-1):
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -70,3 +98,15 @@ def sample_next_token(
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     # An exact 0 draw would turn a removed token's 0 / 0 into NaN, which argmax would pick.
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
+
+
+def check_generator(generator: Any, device: torch.device) -> None:
+    """Raise ``ValueError`` unless ``generator`` is None or a ``torch.Generator`` on ``device``."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator: expected None or a torch.Generator, got {show(generator)}")
+    if not same_device(generator.device, device):
+        raise ValueError(
+            f"generator: expected a generator on {device}, got one on {generator.device}"
+        )

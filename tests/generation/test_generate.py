@@ -233,3 +233,13 @@ class TestBadInput:
             left_pad([[]], pad_id=0)
         with pytest.raises(ValueError, match="at least one prompt"):
             left_pad([], pad_id=0)
+
+
+def test_models_wrapped_by_torch_compile():
+    # backend="eager": dynamo traces and guards, without compiling kernels (seconds on a CPU).
+    tokens = left_pad(PROMPTS[:2], pad_id=0)
+    for model in (lively_decoder(), tiny_fusion()):
+        expected = generate(model, tokens, max_new_tokens=3, temperature=0)
+        compiled = torch.compile(model, backend="eager")
+        assert torch.equal(generate(compiled, tokens, max_new_tokens=3, temperature=0), expected)
+        assert not model.caches_are_setup()
