@@ -2,23 +2,46 @@
 files read with ``torch.load(weights_only=True)``. Nothing is ever unpickled beyond tensors and
 plain containers.
 
-Every failure is a :class:`CheckpointError` naming the file and, where one is at fault, the key.
-Safetensors headers are parsed and checked against the file size before any tensor is read, so a
-truncated file is reported with the first key whose bytes are missing. (Safetensors has no
-checksums: flipped bytes inside a tensor's data cannot be detected by any reader.)
+A checkpoint directory is untrusted input. Every failure is a :class:`CheckpointError` naming
+the file and, where one is at fault, the key. Only regular files are read (symlinks to them are
+followed; FIFOs and devices are refused); JSON files and safetensors headers are size-capped and
+parsed strictly; a safetensors header must describe tensors that tile its data section exactly
+(as safetensors itself requires), and is checked against the file size before any tensor is read,
+so a truncated file is reported with the first key whose bytes are missing; a torch file's tensors
+must be dense CPU tensors backed by the bytes they claim (no stride-0 views inflating a few bytes
+into a model), and its zip members must be stored, not compressed. (Safetensors has no checksums:
+flipped bytes inside a tensor's data cannot be detected by any reader.)
+
+Writes never touch the checkpoint being replaced until the new one is complete: every file is
+written and fsynced in a fresh private directory, then renamed into place (see
+:func:`save_state_dict`).
 """
 
 import json
+import math
 import os
 import pickle
-from collections.abc import Mapping
+import re
+import secrets
+import shutil
+import stat
+import tempfile
+import zipfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from fusion.checkpoint._checks import (
+    as_path,
+    check_positive_int,
+    check_state_dict,
+    short_repr,
+)
 from fusion.checkpoint.errors import CheckpointError
 
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -26,6 +49,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_SINGLE = "pytorch_model.bin"
 TORCH_INDEX = "pytorch_model.bin.index.json"
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+MAX_JSON_BYTES = 32 * 2**20  # config.json and indexes: real ones are kilobytes
+MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -36,11 +61,21 @@ _SAFETENSORS_DTYPES = {
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "C64": torch.complex64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+_DTYPE_NAMES = set(_SAFETENSORS_DTYPES.values())
+# The names a checkpoint of this library or Hugging Face uses; an overwrite replaces them all.
+_CHECKPOINT_FILE = re.compile(
+    r"model(-\d+-of-\d+(-[0-9a-f]+)?)?\.safetensors|model\.safetensors\.index\.json"
+    r"|pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json"
+)
 
 
 @dataclass(frozen=True)
@@ -56,25 +91,35 @@ class CheckpointFiles:
     """The tensors of a checkpoint, listed from headers (safetensors) without reading data.
 
     Args:
-        path: a ``.safetensors`` file; a torch file (``.bin``, ``.pt``, ``.pth``); an index
-            (``*.index.json`` with a ``weight_map`` of key -> shard file name); or a directory
-            holding ``model.safetensors``, ``model.safetensors.index.json``,
-            ``pytorch_model.bin`` or ``pytorch_model.bin.index.json`` (safetensors preferred).
+        path: a ``.safetensors`` file; a torch file (``.bin``, ``.pt``, ``.pth``, either
+            serialization format); an index (``*.index.json`` with a ``weight_map`` of key ->
+            shard file name); or a directory holding ``model.safetensors``,
+            ``model.safetensors.index.json``, ``pytorch_model.bin`` or
+            ``pytorch_model.bin.index.json`` (safetensors preferred). str, bytes or PathLike.
 
     Attributes:
         path: the file or directory given.
         entries: key -> :class:`TensorEntry`, in file order.
+        stored_bytes: the bytes of tensor data the files hold (storage shared by several
+            tensors of a torch file counted once).
 
     Raises:
+        TypeError, ValueError: ``path`` is not a path.
         CheckpointError: no such file or no checkpoint in the directory; an unknown format; a
-            corrupt or truncated file or index; a missing shard; a key listed in the index but
-            not in its shard, or the other way round; a key in two shards.
+            file that is not a regular file, too large a header or JSON file; a corrupt,
+            truncated or malformed file, header or index (wrong types, non-finite or absurd
+            numbers, deep nesting); a missing shard; a key listed in the index but not in its
+            shard, or the other way round; a key in two shards; a torch file with objects other
+            than tensors, compressed members, or tensors that are sparse, quantized, on the meta
+            device or larger than the storage behind them.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | bytes | os.PathLike) -> None:
+        self.path = as_path(path, "path")
         self._torch_files: dict[Path, dict[str, torch.Tensor]] = {}
+        self._ranges: dict[str, tuple[int, int]] = {}  # safetensors key -> byte range in file
         self.entries: dict[str, TensorEntry] = {}
+        self.stored_bytes = 0
         file = _resolve(self.path)
         if file.name.endswith(".index.json"):
             self._read_index(file)
@@ -88,11 +133,8 @@ class CheckpointFiles:
         file = self.entries[key].file
         if file in self._torch_files:
             return self._torch_files[file][key]
-        try:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                return f.get_tensor(key)
-        except (SafetensorError, OSError) as error:
-            raise CheckpointError(file, key, f"unreadable tensor: {error}") from error
+        with _open_regular(file) as f:
+            return self._read_tensor(f, key)
 
     def load_all(self) -> dict[str, torch.Tensor]:
         """Read every tensor: key -> tensor (CPU, stored dtype), in file order."""
@@ -104,23 +146,41 @@ class CheckpointFiles:
             if file in self._torch_files:
                 tensors.update({key: self._torch_files[file][key] for key in keys})
                 continue
-            key = None
-            try:
-                with safe_open(file, framework="pt", device="cpu") as f:
-                    for key in keys:
-                        tensors[key] = f.get_tensor(key)
-            except (SafetensorError, OSError) as error:
-                raise CheckpointError(file, key, f"unreadable tensor: {error}") from error
+            with _open_regular(file) as f:
+                tensors.update({key: self._read_tensor(f, key) for key in keys})
         return {key: tensors[key] for key in self.entries}
 
     # ------------------------------------------------------------------ reading
 
+    def _read_tensor(self, f: BinaryIO, key: str) -> torch.Tensor:
+        entry, (start, end) = self.entries[key], self._ranges[key]
+        if start == end:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        data = bytearray(end - start)
+        try:
+            f.seek(start)
+            complete = f.readinto(data) == len(data)
+        except OSError as error:
+            raise CheckpointError(entry.file, key, f"unreadable tensor: {error}") from error
+        if not complete:
+            raise CheckpointError(entry.file, key, "truncated since its header was read")
+        # Read through our own descriptor, not safetensors.safe_open: that one refuses file
+        # names that are not UTF-8. The header was checked as strictly as safetensors does.
+        return torch.frombuffer(data, dtype=torch.uint8).view(entry.dtype).view(entry.shape)
+
     def _read_file(self, file: Path) -> dict[str, TensorEntry]:
         if file.suffix == ".safetensors":
-            return _read_safetensors_header(file)
+            ranges = _read_safetensors_header(file)
+            self._ranges.update({key: (start, end) for key, (_, start, end) in ranges.items()})
+            self.stored_bytes += sum(end - start for _, start, end in ranges.values())
+            return {key: entry for key, (entry, _, _) in ranges.items()}
         if file.suffix in TORCH_SUFFIXES:
             tensors = _torch_load(file)
             self._torch_files[file] = tensors
+            storages = {
+                t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors.values()
+            }
+            self.stored_bytes += sum(s.nbytes() for s in storages.values())
             return {k: TensorEntry(file, tuple(t.shape), t.dtype) for k, t in tensors.items()}
         raise CheckpointError(
             file, None, f"unknown format: expected .safetensors, {', '.join(TORCH_SUFFIXES)}"
@@ -133,7 +193,7 @@ class CheckpointFiles:
             shards.setdefault(name, []).append(key)
         for name, keys in shards.items():
             shard = index.parent / name
-            if not shard.is_file():
+            if not os.path.lexists(shard):
                 raise CheckpointError(
                     shard,
                     keys[0],
@@ -159,84 +219,155 @@ class CheckpointFiles:
 
 def _resolve(path: Path) -> Path:
     """The file to start reading from: ``path`` itself, or the checkpoint in a directory."""
-    if path.is_file():
-        return path
     if not path.is_dir():
-        raise CheckpointError(path, None, "no such file or directory")
-    single, index = path / SAFETENSORS_SINGLE, path / SAFETENSORS_INDEX
-    if single.is_file() and index.is_file():
+        if not os.path.lexists(path):
+            raise CheckpointError(path, None, "no such file or directory")
+        return path  # anything but a regular file is refused when opened
+    present = [
+        name
+        for name in (SAFETENSORS_SINGLE, SAFETENSORS_INDEX, TORCH_SINGLE, TORCH_INDEX)
+        if os.path.lexists(path / name)
+    ]
+    if SAFETENSORS_SINGLE in present and SAFETENSORS_INDEX in present:
         raise CheckpointError(
-            path, None, f"ambiguous: holds both {single.name} and {index.name}; remove one"
+            path,
+            None,
+            f"ambiguous: holds both {SAFETENSORS_SINGLE} and {SAFETENSORS_INDEX}; remove one",
         )
-    for name in (SAFETENSORS_SINGLE, SAFETENSORS_INDEX, TORCH_SINGLE, TORCH_INDEX):
-        if (path / name).is_file():
-            return path / name
-    raise CheckpointError(
-        path,
-        None,
-        f"no checkpoint: expected one of {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
-        f"{TORCH_SINGLE}, {TORCH_INDEX}",
-    )
+    if not present:
+        raise CheckpointError(
+            path,
+            None,
+            f"no checkpoint: expected one of {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
+            f"{TORCH_SINGLE}, {TORCH_INDEX}",
+        )
+    return path / present[0]
+
+
+def _open_regular(file: Path, what: str = "file") -> BinaryIO:
+    """Open ``file`` for reading, refusing anything but a regular file (after symlinks).
+
+    ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for a writer.
+    """
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as error:
+        raise CheckpointError(file, None, f"unreadable {what}: {error.strerror}") from error
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(file, None, f"{what} is not a regular file (a FIFO, device, ...)")
+    return os.fdopen(fd, "rb")
+
+
+class _LongInteger:
+    """A JSON integer with more digits than any meaningful value: fails every type check
+    (instead of Python's int parser raising, or a huge int reaching an allocator)."""
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+def _parse_int(text: str) -> int | _LongInteger:
+    return int(text) if len(text) <= 40 else _LongInteger(text)
+
+
+def parse_json(raw: bytes, file: Path, problem: str) -> Any:
+    """Parse untrusted JSON; every failure is a :class:`CheckpointError` starting with
+    ``problem`` (e.g. ``"unreadable config"``). ``Infinity``/``NaN`` parse to floats and long
+    integers to a placeholder, so that the caller's type checks name the key at fault."""
+    try:
+        return json.loads(raw, parse_int=_parse_int)
+    except RecursionError:
+        raise CheckpointError(file, None, f"{problem}: nested too deeply") from None
+    except ValueError as error:  # includes JSONDecodeError and UnicodeDecodeError
+        raise CheckpointError(file, None, f"{problem}: {error}") from error
+
+
+def read_json(file: Path, what: str) -> Any:
+    """Read a JSON file of at most :data:`MAX_JSON_BYTES` (``what`` names it in errors)."""
+    with _open_regular(file, what) as f:
+        raw = f.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise CheckpointError(file, None, f"{what} larger than {MAX_JSON_BYTES} bytes: refused")
+    return parse_json(raw, file, f"unreadable {what}")
 
 
 def _read_weight_map(index: Path) -> dict[str, str]:
-    try:
-        content = json.loads(index.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(index, None, f"unreadable index: {error}") from error
+    content = read_json(index, "index")
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(index, "weight_map", "expected an object of key -> shard file name")
     for key, name in weight_map.items():
         # Shards live next to the index: a path elsewhere is refused, not followed.
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise CheckpointError(index, key, f"expected a shard file name, got {name!r}")
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "\x00" in name
+            or Path(name).name != name
+        ):
+            raise CheckpointError(index, key, f"expected a shard file name, got {short_repr(name)}")
     return weight_map
 
 
-def _read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
-    """Parse and check the header of a safetensors file without reading tensor data."""
-    size = file.stat().st_size
-    with file.open("rb") as f:
+def _is_int_list(value: object, length: int | None = None) -> bool:
+    return (
+        isinstance(value, list)
+        and (length is None or len(value) == length)
+        and all(type(n) is int and 0 <= n < 2**63 for n in value)
+    )
+
+
+def _read_safetensors_header(file: Path) -> dict[str, tuple[TensorEntry, int, int]]:
+    """Parse and check the header of a safetensors file without reading tensor data.
+
+    Returns key -> (entry, start, end) with the byte range in the file, in file order.
+    """
+    with _open_regular(file) as f:
+        size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
             raise CheckpointError(file, None, f"truncated: {size} bytes, shorter than a header")
         header_len = int.from_bytes(prefix, "little")
-        if header_len > size - 8:
+        if header_len > min(size - 8, MAX_HEADER_BYTES):
             raise CheckpointError(
                 file,
                 None,
                 f"truncated or corrupt: the header claims {header_len} bytes, the file has "
-                f"{size - 8} after the length field",
+                f"{size - 8} after the length field (and headers are capped at "
+                f"{MAX_HEADER_BYTES})",
             )
-        raw = f.read(header_len)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(file, None, f"corrupt header: {error}") from error
+        header = parse_json(f.read(header_len), file, "corrupt header")
     if not isinstance(header, dict):
         raise CheckpointError(file, None, "corrupt header: expected a JSON object")
-    data_len = size - 8 - header_len
-    entries = {}
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(file, "__metadata__", "expected an object of strings")
+    data_start, data_len = 8 + header_len, size - 8 - header_len
+    ranges = []
     for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-            shape = tuple(int(n) for n in info["shape"])
-            begin, end = (int(n) for n in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise CheckpointError(file, key, f"corrupt header entry {info!r}") from error
-        expected = dtype.itemsize
-        for n in shape:
-            expected *= n
-        if end - begin != expected or begin < 0:
+        fields = info if isinstance(info, dict) else {}
+        name = fields.get("dtype")
+        dtype = _SAFETENSORS_DTYPES.get(name) if isinstance(name, str) else None
+        if isinstance(name, str) and dtype is None:
+            raise CheckpointError(file, key, f"unsupported dtype {short_repr(name)}")
+        shape, offsets = fields.get("shape"), fields.get("data_offsets")
+        if dtype is None or not _is_int_list(shape) or not _is_int_list(offsets, 2):
+            raise CheckpointError(file, key, f"corrupt header entry {short_repr(info)}")
+        (begin, end), nbytes = offsets, math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes:
             raise CheckpointError(
                 file,
                 key,
-                f"corrupt header: data offsets [{begin}, {end}) do not hold {list(shape)} "
-                f"{dtype} ({expected} bytes)",
+                f"corrupt header: data offsets [{begin}, {end}) do not hold {short_repr(shape)} "
+                f"{dtype} ({nbytes} bytes)",
             )
+        ranges.append((begin, end, key, TensorEntry(file, tuple(shape), dtype)))
+    ranges.sort(key=lambda r: r[:2])
+    position = 0
+    for begin, end, key, _ in ranges:
         if end > data_len:
             raise CheckpointError(
                 file,
@@ -244,22 +375,47 @@ def _read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
                 f"truncated: its data ends at byte {end} of the data section, which holds only "
                 f"{data_len} bytes",
             )
-        entries[key] = (begin, TensorEntry(file, shape, dtype))
-    return {key: entry for key, (_, entry) in sorted(entries.items(), key=lambda kv: kv[1][0])}
+        if begin != position:  # tensors must tile the data: no overlap (aliasing), no gap
+            raise CheckpointError(
+                file, key, f"corrupt header: data starts at byte {begin}, expected {position}"
+            )
+        position = end
+    if position != data_len:
+        raise CheckpointError(
+            file, None, f"corrupt: {data_len - position} bytes after the last tensor's data"
+        )
+    return {key: (entry, data_start + b, data_start + e) for b, e, key, entry in ranges}
 
 
 def _torch_load(file: Path) -> dict[str, torch.Tensor]:
     """``torch.load(weights_only=True)``: tensors and plain containers only, never objects."""
-    try:
-        content = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as error:
-        raise CheckpointError(
-            file,
-            None,
-            f"refused by torch.load(weights_only=True), which never unpickles objects: {error}",
-        ) from error
-    except (RuntimeError, OSError, EOFError, ValueError) as error:
-        raise CheckpointError(file, None, f"unreadable (truncated or corrupt?): {error}") from error
+    with _open_regular(file) as f:
+        try:
+            is_zip = zipfile.is_zipfile(f)
+            if is_zip:
+                with zipfile.ZipFile(f) as archive:
+                    packed = [i.filename for i in archive.infolist() if i.compress_type]
+                if packed:  # torch.save never compresses; inflating could dwarf the file
+                    raise CheckpointError(file, None, f"compressed zip member {packed[0]!r}")
+            f.seek(0)
+            # Zip files are memory-mapped (nothing read up front) when torch can open the name,
+            # which it cannot for names that are not UTF-8; legacy files are read whole.
+            mmap = is_zip and _is_utf8(file)
+            content = torch.load(
+                file if mmap else f, map_location="cpu", weights_only=True, mmap=mmap
+            )
+        except CheckpointError:
+            raise
+        except pickle.UnpicklingError as error:
+            raise CheckpointError(
+                file,
+                None,
+                f"refused by torch.load(weights_only=True), which never unpickles objects: {error}",
+            ) from error
+        except Exception as error:  # a hostile file can make torch raise nearly anything
+            raise CheckpointError(
+                file, None, f"unreadable (truncated or corrupt?): {error}"
+            ) from error
     if not isinstance(content, dict):
         raise CheckpointError(
             file, None, f"expected a state dict (key -> tensor), got {type(content).__name__}"
@@ -269,16 +425,40 @@ def _torch_load(file: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(
                 file, str(key), f"expected a tensor under a string key, got {type(value).__name__}"
             )
+        if value.layout != torch.strided or value.device.type != "cpu" or value.is_quantized:
+            raise CheckpointError(
+                file,
+                key,
+                f"expected a dense CPU tensor, got layout {value.layout}, device "
+                f"{value.device.type}, dtype {value.dtype}",
+            )
+        claimed, held = value.numel() * value.element_size(), value.untyped_storage().nbytes()
+        if claimed > held:
+            raise CheckpointError(
+                file,
+                key,
+                f"claims {claimed} bytes but its storage holds {held} (an expanded or "
+                "overlapping view): refused",
+            )
     return content
 
 
-def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def _is_utf8(path: Path) -> bool:
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def load_state_dict(path: str | bytes | os.PathLike) -> dict[str, torch.Tensor]:
     """Read a whole checkpoint: a file, an index or a directory, as :class:`CheckpointFiles`.
 
     Returns:
         key -> tensor, on the CPU, in the stored dtypes, keys exactly as stored.
 
     Raises:
+        TypeError, ValueError: ``path`` is not a path.
         CheckpointError: as :class:`CheckpointFiles`, naming the file and key.
     """
     return CheckpointFiles(path).load_all()
@@ -289,88 +469,164 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def save_state_dict(
     state_dict: Mapping[str, torch.Tensor],
-    path: str | os.PathLike,
+    path: str | bytes | os.PathLike,
     *,
     max_shard_size: int | None = None,
     overwrite: bool = False,
 ) -> list[Path]:
-    """Write ``state_dict`` (key -> tensor) to ``path``; each file is written atomically.
+    """Write ``state_dict`` (key -> tensor) to ``path``, crash-safely.
+
+    Every file is written and fsynced in a fresh private directory (created exclusively next to
+    its destination, so no planted link is ever written through), then renamed into place:
+    shards first, under names the replaced checkpoint does not use, then the file a reader
+    starts from (``model.safetensors`` or the index), each rename atomic. Until then the old
+    checkpoint is untouched; a failed save removes what it wrote. Stale files of the old
+    checkpoint are removed last. A crash between renames can leave both ``model.safetensors``
+    and an index only when the layout changes (single file <-> shards): loading then refuses
+    it as ambiguous rather than guessing.
 
     Args:
-        state_dict: the tensors (any device; written from the CPU, bit for bit).
+        state_dict: the tensors (any device; written from the CPU, bit for bit; views and
+            tensors sharing memory are stored as copies of their own).
         path: ``*.safetensors`` (one file); ``*.bin``/``*.pt``/``*.pth`` (``torch.save`` of a
             plain dict, readable with ``weights_only=True``); anything else is a directory,
             written as ``model.safetensors``, or as ``model-0000i-of-0000n.safetensors`` shards
             plus ``model.safetensors.index.json`` when the tensors exceed ``max_shard_size``.
         max_shard_size: bytes per shard (directories only); a tensor larger than it gets a shard
             of its own. None: one file.
-        overwrite: replace an existing file, or the checkpoint files already in the directory
-            (other files there are left alone). Otherwise their presence is an error, so that a
-            stale index or shard is never mixed with the new ones.
+        overwrite: replace an existing file (a symlink there is replaced, not followed), or the
+            checkpoint files already in the directory (other files there are left alone).
+            Otherwise their presence is an error, so that a stale index or shard is never mixed
+            with the new ones.
 
     Returns:
         the files written.
 
     Raises:
-        CheckpointError: the target exists and ``overwrite`` is False.
-        ValueError: a non-string key or non-tensor value; ``max_shard_size`` not positive or
-            given for a single file.
+        TypeError: ``state_dict`` not a mapping, ``path`` not a path, ``max_shard_size`` not an
+            int, ``overwrite`` not a bool.
+        ValueError: a non-string key or non-tensor value; a tensor on the meta device, sparse
+            or quantized; for safetensors, the reserved key ``__metadata__`` or a dtype it
+            cannot store; ``max_shard_size`` not positive or given for a single file.
+        CheckpointError: the target exists and ``overwrite`` is False; the target directory is
+            a file.
+        OSError: the file system failed (the old checkpoint is then left as it was).
     """
-    path = Path(path)
-    tensors = _prepare_tensors(state_dict)
+    path = as_path(path, "path")
+    check_save_options(max_shard_size, overwrite)
     is_file = path.suffix == ".safetensors" or path.suffix in TORCH_SUFFIXES
-    if max_shard_size is not None and (max_shard_size <= 0 or is_file):
+    if max_shard_size is not None and is_file:
         raise ValueError(
-            "max_shard_size: expected a positive byte count with a directory path, got "
-            f"{max_shard_size} with path {path}"
+            f"max_shard_size: applies to directories only, got {max_shard_size} with file {path}"
         )
-    if is_file:
-        if path.exists() and not overwrite:
-            raise CheckpointError(path, None, "exists; pass overwrite=True to replace it")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write(tensors, path)
-        return [path]
-
-    path.mkdir(parents=True, exist_ok=True)
-    existing = _existing_checkpoint_files(path)
-    if existing and not overwrite:
-        names = ", ".join(sorted(f.name for f in existing))
-        raise CheckpointError(
-            path, None, f"already holds a checkpoint ({names}); pass overwrite=True to replace it"
-        )
-    for file in existing:
-        file.unlink()
-    shards = _split(tensors, max_shard_size)
-    if len(shards) == 1:
-        _write(shards[0], path / SAFETENSORS_SINGLE)
-        return [path / SAFETENSORS_SINGLE]
-    written, weight_map = [], {}
-    for i, shard in enumerate(shards, start=1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _write(shard, path / name)
-        weight_map.update(dict.fromkeys(shard, name))
-        written.append(path / name)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _atomic_write_text(path / SAFETENSORS_INDEX, json.dumps(index, indent=2) + "\n")
-    return [*written, path / SAFETENSORS_INDEX]
+    tensors = prepare_tensors(
+        state_dict, "state_dict", safetensors=path.suffix not in TORCH_SUFFIXES
+    )
+    if not is_file:
+        return write_checkpoint(tensors, path, max_shard_size=max_shard_size, overwrite=overwrite)
+    if path.is_dir():
+        raise CheckpointError(path, None, "is a directory; expected a file name")
+    if os.path.lexists(path) and not overwrite:
+        raise CheckpointError(path, None, "exists; pass overwrite=True to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _staging(path.parent) as staging:
+        _write_tensors(tensors, staging / path.name)
+        _commit(staging, path.parent, [path.name], stale=[])
+    return [path]
 
 
-def _prepare_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def check_save_options(max_shard_size: object, overwrite: object) -> None:
+    """Raise TypeError/ValueError naming ``max_shard_size`` or ``overwrite`` when invalid."""
+    if max_shard_size is not None:
+        check_positive_int(max_shard_size, "max_shard_size")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite: expected a bool, got {type(overwrite).__name__}")
+
+
+def prepare_tensors(
+    state_dict: Mapping[str, torch.Tensor], argument: str, *, safetensors: bool
+) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors owning their storage, checked to be storable before any write."""
+    check_state_dict(state_dict, argument)
     tensors, storages = {}, set()
     for key, value in state_dict.items():
-        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+        if value.is_meta or value.layout != torch.strided or value.is_quantized:
             raise ValueError(
-                f"state_dict: expected string keys and tensor values, got {key!r} -> "
-                f"{type(value).__name__}"
+                f"{argument}: {key!r} has no dense data to save (device {value.device.type}, "
+                f"layout {value.layout}, dtype {value.dtype})"
+            )
+        if safetensors and (key == "__metadata__" or value.dtype not in _DTYPE_NAMES):
+            raise ValueError(
+                f"{argument}: {key!r} ({value.dtype}) cannot be stored in safetensors (the key "
+                "__metadata__ is reserved; dtypes: "
+                f"{', '.join(sorted(str(d) for d in _DTYPE_NAMES))}); save to a .pt file"
             )
         tensor = value.detach().cpu().contiguous()
-        # safetensors refuses tensors that share memory (tied weights, views): store copies.
-        if tensor.untyped_storage().data_ptr() in storages:
+        # A view into a larger storage, or storage shared with another key (tied weights): store
+        # a copy of its own, as safetensors requires and so that no file holds unrelated bytes.
+        storage = tensor.untyped_storage()
+        shared = tensor.numel() > 0 and storage.data_ptr() in storages
+        if shared or storage.nbytes() != tensor.numel() * tensor.element_size():
             tensor = tensor.clone()
         storages.add(tensor.untyped_storage().data_ptr())
         tensors[key] = tensor
     return tensors
+
+
+def write_checkpoint(
+    tensors: dict[str, torch.Tensor],
+    directory: Path,
+    *,
+    max_shard_size: int | None,
+    overwrite: bool,
+    extra_files: Mapping[str, str] | None = None,
+) -> list[Path]:
+    """Write prepared ``tensors`` (and ``extra_files``: name -> text, e.g. ``config.json``) into
+    ``directory`` as :func:`save_state_dict` describes; the extra files are renamed in last."""
+    if os.path.lexists(directory) and not directory.is_dir():
+        raise CheckpointError(directory, None, "exists and is not a directory")
+    existing = _checkpoint_files(directory) if directory.is_dir() else []
+    if existing and not overwrite:
+        raise CheckpointError(
+            directory,
+            None,
+            f"already holds a checkpoint ({', '.join(existing)}); pass overwrite=True to "
+            "replace it",
+        )
+    for name in {SAFETENSORS_SINGLE, SAFETENSORS_INDEX, *existing, *(extra_files or {})}:
+        if (directory / name).is_dir() and not (directory / name).is_symlink():
+            raise CheckpointError(directory / name, None, "is a directory; remove it first")
+    if not directory.is_dir():
+        directory.mkdir(parents=True)
+        _fsync(directory.parent)
+    shards = _split(tensors, max_shard_size)
+    with _staging(directory) as staging:
+        if len(shards) == 1:
+            names = [SAFETENSORS_SINGLE]
+            _write_tensors(shards[0], staging / SAFETENSORS_SINGLE)
+        else:
+            names = [
+                f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+            ]
+            if set(names) & set(existing):  # keep the old shards intact until the index flips
+                tag = secrets.token_hex(4)
+                names = [name.replace(".safetensors", f"-{tag}.safetensors") for name in names]
+            weight_map = {}
+            for name, shard in zip(names, shards, strict=True):
+                _write_tensors(shard, staging / name)
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            _write_text(staging / SAFETENSORS_INDEX, json.dumps(index, indent=2) + "\n")
+            names.append(SAFETENSORS_INDEX)
+        for name, text in (extra_files or {}).items():
+            _write_text(staging / name, text)
+            names.append(name)
+        _commit(staging, directory, names, stale=[f for f in existing if f not in names])
+    return [directory / name for name in names]
 
 
 def _split(tensors: dict[str, torch.Tensor], max_shard_size: int | None) -> list[dict]:
@@ -386,27 +642,67 @@ def _split(tensors: dict[str, torch.Tensor], max_shard_size: int | None) -> list
     return shards
 
 
-def _existing_checkpoint_files(directory: Path) -> list[Path]:
-    patterns = ("model.safetensors*", "model-*-of-*.safetensors", "pytorch_model*.bin*")
-    return sorted({f for pattern in patterns for f in directory.glob(pattern) if f.is_file()})
+def _checkpoint_files(directory: Path) -> list[str]:
+    """The names in ``directory`` a checkpoint uses (links too, even dangling ones)."""
+    return sorted(name for name in os.listdir(directory) if _CHECKPOINT_FILE.fullmatch(name))
 
 
-def _write(tensors: dict[str, torch.Tensor], file: Path) -> None:
-    tmp = file.with_name(file.name + ".tmp")
+@contextmanager
+def _staging(directory: Path) -> Iterator[Path]:
+    """A fresh private directory in ``directory`` (created exclusively, mode 0700: nothing can
+    be planted in it), removed with whatever is left in it on exit."""
+    staging = Path(tempfile.mkdtemp(prefix=".fusion-save-", suffix=".tmp", dir=directory))
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_tensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
     if file.suffix == ".safetensors":
-        save_file(tensors, tmp, metadata={"format": "pt"})
+        save_file(tensors, file, metadata={"format": "pt"})
     else:
-        torch.save(tensors, tmp)
-    _fsync_replace(tmp, file)
+        torch.save(tensors, file)
+    _fsync(file)
 
 
-def _atomic_write_text(file: Path, text: str) -> None:
-    tmp = file.with_name(file.name + ".tmp")
-    tmp.write_text(text)
-    _fsync_replace(tmp, file)
+def _write_text(file: Path, text: str) -> None:
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(fd)
 
 
-def _fsync_replace(tmp: Path, file: Path) -> None:
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, file)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(staging: Path, directory: Path, names: list[str], stale: list[str]) -> None:
+    """Rename the durable staged ``names`` into ``directory`` in order, then remove ``stale``.
+
+    Each rename is atomic and replaces a link rather than following it. If a rename fails
+    before the file a reader starts from is in place, the shards already moved are unlinked:
+    nothing references them, and a retry must not find them.
+    """
+    moved = []
+    try:
+        for name in names:
+            os.replace(staging / name, directory / name)
+            moved.append(name)
+    except BaseException:
+        if SAFETENSORS_SINGLE not in moved and SAFETENSORS_INDEX not in moved:
+            for name in moved:
+                (directory / name).unlink(missing_ok=True)
+        raise
+    _fsync(directory)
+    # Entry points first: a crash in between then leaves shards nothing refers to, not two
+    # entry points (model.safetensors and an index) that loading refuses as ambiguous.
+    for name in sorted(stale, key=lambda name: name not in (SAFETENSORS_SINGLE, SAFETENSORS_INDEX)):
+        (directory / name).unlink(missing_ok=True)
+    if stale:
+        _fsync(directory)

@@ -1,15 +1,15 @@
 """Hugging Face Llama ``config.json`` <-> the arguments of :func:`fusion.models.llama3_2`."""
 
-import json
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from fusion.checkpoint._checks import as_path, short_repr
 from fusion.checkpoint.errors import CheckpointError
+from fusion.checkpoint.files import read_json
 from fusion.decoder import (
     FeedForward,
     MultiHeadAttention,
@@ -32,25 +32,24 @@ _REQUIRED = (
 )
 
 
-def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+def read_hf_config(path: str | bytes | os.PathLike) -> dict[str, Any]:
     """Read ``config.json`` (``path`` is the file or its directory).
 
     Raises:
-        CheckpointError: missing, unreadable or not a JSON object.
+        TypeError, ValueError: ``path`` is not a path.
+        CheckpointError: missing, not a regular file, larger than
+            :data:`~fusion.checkpoint.files.MAX_JSON_BYTES`, unreadable or not a JSON object.
     """
-    path = Path(path)
+    path = as_path(path, "path")
     file = path / CONFIG_NAME if path.is_dir() else path
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(file, None, f"unreadable config: {error}") from error
+    config = read_json(file, "config")
     if not isinstance(config, dict):
         raise CheckpointError(file, None, "expected a JSON object")
     return config
 
 
 def llama3_2_kwargs_from_hf_config(
-    config: Mapping[str, Any], *, source: str | os.PathLike = CONFIG_NAME
+    config: Mapping[str, Any], *, source: str | bytes | os.PathLike = CONFIG_NAME
 ) -> dict[str, Any]:
     """Keyword arguments of :func:`fusion.models.llama3_2` for a Hugging Face Llama config.
 
@@ -65,75 +64,111 @@ def llama3_2_kwargs_from_hf_config(
         source: the file it came from, for error messages.
 
     Raises:
-        CheckpointError: naming ``source`` and the key: a missing required key, a value of the
-            wrong type, or a feature ``llama3_2`` cannot express (biases, another activation,
-            another rope type, ``head_dim != hidden_size / num_attention_heads``, a model type
-            other than ``llama``).
+        TypeError: ``config`` is not a mapping or ``source`` not a path.
+        CheckpointError: naming ``source``, the key and the value: a missing required key; a
+            value of the wrong type; a size that is not an integer in [1, 2**31); a number that
+            is not finite or is degenerate (``rope_theta``, ``rms_norm_eps``, the rope scaling
+            ``factor`` and ``low_freq_factor`` not positive, ``high_freq_factor`` not above
+            ``low_freq_factor``, ``attention_dropout`` outside [0, 1]); head counts that do not
+            divide (``hidden_size`` by ``num_attention_heads``, that by
+            ``num_key_value_heads``) or an odd head dimension; or a feature ``llama3_2`` cannot
+            express (biases, another activation, another rope type,
+            ``head_dim != hidden_size / num_attention_heads``, a model type other than
+            ``llama``).
     """
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config: expected a mapping, got {type(config).__name__}")
+    source = as_path(source, "source")
 
     def fail(key: str, message: str) -> CheckpointError:
         return CheckpointError(source, key, message)
 
-    def integer(key: str, default: int | None = None) -> int:
-        value = config.get(key, default)
+    def integer(mapping: Mapping[str, Any], key: str, default: int | None = None) -> int:
+        value = mapping.get(key.rpartition(".")[2], default)
         if value is None:
             raise fail(key, "missing; expected a positive integer")
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise fail(key, f"expected a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+            raise fail(key, f"expected an integer in [1, 2**31), got {short_repr(value)}")
         return value
 
-    def number(mapping: Mapping[str, Any], key: str, default: float | None = None) -> float:
-        value = mapping.get(key, default)
+    def number(
+        mapping: Mapping[str, Any],
+        key: str,
+        default: float,
+        low: float,
+        *,
+        closed: bool = False,
+        high: float = math.inf,
+    ) -> float:
+        """A finite number in (low, high], or in [low, high] with ``closed``."""
+        value = mapping.get(key.rpartition(".")[2], default)
         is_number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not is_number or not math.isfinite(value):
-            raise fail(key, f"expected a number, got {value!r}")
+        in_range = is_number and (low <= value <= high if closed else low < value <= high)
+        if not in_range or not math.isfinite(value):
+            bounds = f"{'>=' if closed else '>'} {low:g}" + (
+                f", <= {high:g}" if high < 1e308 else ""
+            )
+            raise fail(key, f"expected a finite number {bounds}, got {short_repr(value)}")
         return float(value)
 
     model_type = config.get("model_type", "llama")
     if model_type != "llama":
-        raise fail("model_type", f"expected 'llama', got {model_type!r}")
+        raise fail("model_type", f"expected 'llama', got {short_repr(model_type)}")
     for key in _REQUIRED:
         if key not in config:
             raise fail(key, "missing; a Llama config needs it")
     for key, expected in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if config.get(key, expected) != expected:
-            raise fail(key, f"expected {expected!r} (Llama 3), got {config[key]!r}")
+            raise fail(key, f"expected {expected!r} (Llama 3), got {short_repr(config[key])}")
 
-    hidden_size, num_heads = integer("hidden_size"), integer("num_attention_heads")
-    num_kv_heads = integer("num_key_value_heads", num_heads)
+    hidden_size = integer(config, "hidden_size")
+    num_heads = integer(config, "num_attention_heads")
+    num_kv_heads = integer(config, "num_key_value_heads", num_heads)
     if hidden_size % num_heads:
-        raise fail("hidden_size", f"expected a multiple of num_attention_heads={num_heads}")
+        raise fail(
+            "hidden_size",
+            f"expected a multiple of num_attention_heads={num_heads}, got {hidden_size}",
+        )
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim != hidden_size // num_heads:
         raise fail(
             "head_dim",
             f"expected hidden_size / num_attention_heads = {hidden_size // num_heads}, got "
-            f"{head_dim!r}",
+            f"{short_repr(head_dim)}",
+        )
+    if (hidden_size // num_heads) % 2:
+        raise fail(
+            "hidden_size",
+            f"expected an even head dimension (rotary pairs), got {hidden_size} / {num_heads}",
         )
     if num_heads % num_kv_heads:
         raise fail("num_key_value_heads", f"expected a divisor of {num_heads}, got {num_kv_heads}")
     tied = config.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
-        raise fail("tie_word_embeddings", f"expected true or false, got {tied!r}")
+        raise fail("tie_word_embeddings", f"expected true or false, got {short_repr(tied)}")
 
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = config.get(rope_key) or {}
     if not isinstance(rope, Mapping):
-        raise fail("rope_scaling", f"expected an object or null, got {rope!r}")
+        raise fail(rope_key, f"expected an object or null, got {short_repr(rope)}")
     theta = config.get("rope_theta", rope.get("rope_theta", 10_000.0))
     if "rope_theta" in config and "rope_theta" in rope and rope["rope_theta"] != theta:
-        raise fail("rope_theta", f"{theta!r} disagrees with rope_parameters' {rope['rope_theta']}")
+        raise fail(
+            "rope_theta",
+            f"{short_repr(theta)} disagrees with {rope_key}' {short_repr(rope['rope_theta'])}",
+        )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     kwargs: dict[str, Any] = {
-        "vocab_size": integer("vocab_size"),
-        "num_layers": integer("num_hidden_layers"),
+        "vocab_size": integer(config, "vocab_size"),
+        "num_layers": integer(config, "num_hidden_layers"),
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
         "embed_dim": hidden_size,
-        "max_seq_len": integer("max_position_embeddings", 2048),
-        "attn_dropout": number(config, "attention_dropout", 0.0),
-        "rope_base": number({"rope_theta": theta}, "rope_theta"),
-        "intermediate_dim": integer("intermediate_size"),
-        "norm_eps": number(config, "rms_norm_eps", 1e-6),
+        "max_seq_len": integer(config, "max_position_embeddings", 2048),
+        "attn_dropout": number(config, "attention_dropout", 0.0, 0.0, closed=True, high=1.0),
+        "rope_base": number({"rope_theta": theta}, "rope_theta", 10_000.0, 0.0),
+        "intermediate_dim": integer(config, "intermediate_size"),
+        "norm_eps": number(config, "rms_norm_eps", 1e-6, 0.0, high=1.0),
         "tie_word_embeddings": tied,
         "scale_factor": None,
     }
@@ -146,17 +181,18 @@ def llama3_2_kwargs_from_hf_config(
         )
         for key in needed:
             if key not in rope:
-                raise fail(f"rope_scaling.{key}", "missing; rope type llama3 needs it")
+                raise fail(f"{rope_key}.{key}", "missing; rope type llama3 needs it")
+        low = number(rope, f"{rope_key}.low_freq_factor", 0.0, 0.0)
         kwargs |= {
-            "scale_factor": number(rope, "factor"),
-            "rope_low_freq_factor": number(rope, "low_freq_factor"),
-            "rope_high_freq_factor": number(rope, "high_freq_factor"),
-            "rope_old_context_len": int(number(rope, "original_max_position_embeddings")),
+            "scale_factor": number(rope, f"{rope_key}.factor", 0.0, 0.0),
+            "rope_low_freq_factor": low,
+            "rope_high_freq_factor": number(rope, f"{rope_key}.high_freq_factor", 0.0, low),
+            "rope_old_context_len": integer(rope, f"{rope_key}.original_max_position_embeddings"),
         }
-        if kwargs["rope_high_freq_factor"] <= kwargs["rope_low_freq_factor"]:
-            raise fail("rope_scaling.high_freq_factor", "expected more than low_freq_factor")
     elif rope_type != "default":
-        raise fail("rope_scaling", f"rope type {rope_type!r} unsupported: expected llama3 or none")
+        raise fail(
+            rope_key, f"rope type {short_repr(rope_type)} unsupported: expected llama3 or none"
+        )
     return kwargs
 
 
@@ -167,9 +203,12 @@ def hf_config_from_decoder(decoder: TransformerDecoder) -> dict[str, Any]:
     ``transformers`` reads. ``torch_dtype`` is the embedding table's dtype.
 
     Raises:
+        TypeError: ``decoder`` is not a ``TransformerDecoder``.
         ValueError: ``decoder`` is not a homogeneous Llama (as :func:`fusion.models.llama3_2`
             builds): layers of other types or with differing head layouts, norms or rope.
     """
+    if not isinstance(decoder, TransformerDecoder):
+        raise TypeError(f"decoder: expected a TransformerDecoder, got {type(decoder).__name__}")
     layers = list(decoder.layers)
     if not layers or not all(_is_llama_layer(layer) for layer in layers):
         raise ValueError(

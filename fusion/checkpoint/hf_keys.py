@@ -8,9 +8,11 @@ pure relabelling: no arithmetic, bitwise reversible.
 """
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
+
+from fusion.checkpoint._checks import check_positive_int, check_state_dict
 
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _FUSION_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -72,7 +74,10 @@ def needs_rope_permutation(fusion_key: str) -> bool:
 
 
 def _check_rows(weight: torch.Tensor, num_heads: int, name: str) -> tuple[int, int]:
-    if weight.dim() != 2 or num_heads <= 0 or weight.size(0) % (2 * num_heads):
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(weight).__name__}")
+    check_positive_int(num_heads, "num_heads")
+    if weight.dim() != 2 or weight.size(0) % (2 * num_heads):
         raise ValueError(
             f"{name}: expected a weight [num_heads * head_dim, d] with num_heads={num_heads} and "
             f"an even head_dim, got shape {list(weight.shape)}"
@@ -83,14 +88,20 @@ def _check_rows(weight: torch.Tensor, num_heads: int, name: str) -> tuple[int, i
 def rotate_half_to_interleaved(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Reorder the rows of a q/k projection [num_heads * head_dim, d] from Hugging Face's
     rotate-half layout (per head: all first halves, then all second halves) to Meta's
-    interleaved pairs. A permutation: the values are the same bits."""
+    interleaved pairs. A permutation: the values are the same bits.
+
+    Raises:
+        TypeError: ``weight`` not a tensor or ``num_heads`` not an int.
+        ValueError: ``num_heads`` not positive, or ``weight`` not [num_heads * head_dim, d]
+            with an even ``head_dim``.
+    """
     head_dim, d = _check_rows(weight, num_heads, "weight")
     rows = weight.reshape(num_heads, 2, head_dim // 2, d).transpose(1, 2)
     return rows.reshape(num_heads * head_dim, d)
 
 
 def interleaved_to_rotate_half(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """The inverse of :func:`rotate_half_to_interleaved`."""
+    """The inverse of :func:`rotate_half_to_interleaved` (same errors)."""
     head_dim, d = _check_rows(weight, num_heads, "weight")
     rows = weight.reshape(num_heads, head_dim // 2, 2, d).transpose(1, 2)
     return rows.reshape(num_heads * head_dim, d)
@@ -98,6 +109,24 @@ def interleaved_to_rotate_half(weight: torch.Tensor, num_heads: int) -> torch.Te
 
 def _heads(fusion_key: str, num_heads: int, num_kv_heads: int) -> int:
     return num_heads if fusion_key.endswith("q_proj.weight") else num_kv_heads
+
+
+def _check_arguments(state_dict: object, num_heads: object, num_kv_heads: object) -> None:
+    check_state_dict(state_dict)
+    check_positive_int(num_heads, "num_heads")
+    check_positive_int(num_kv_heads, "num_kv_heads")
+
+
+def _permute(
+    permutation: Callable[[torch.Tensor, int], torch.Tensor],
+    tensor: torch.Tensor,
+    heads: int,
+    key: str,
+) -> torch.Tensor:
+    try:
+        return permutation(tensor, heads)
+    except ValueError as error:  # name the key, not the helper's argument
+        raise ValueError(f"state_dict: {key!r}: {str(error).removeprefix('weight: ')}") from None
 
 
 def hf_to_fusion(
@@ -118,9 +147,11 @@ def hf_to_fusion(
         this library's key -> tensor; tensors other than q/k are the very same objects.
 
     Raises:
-        ValueError: a key that is not part of a Hugging Face Llama, or q/k shapes that do not
-            split into the given heads.
+        TypeError: ``state_dict`` not a mapping; ``num_heads``/``num_kv_heads`` not ints.
+        ValueError: a non-string key or non-tensor value; a key that is not part of a Hugging
+            Face Llama; head counts not positive, or q/k shapes that do not split into them.
     """
+    _check_arguments(state_dict, num_heads, num_kv_heads)
     converted = {}
     for key, tensor in state_dict.items():
         if HF_DERIVED_KEY.fullmatch(key):
@@ -130,9 +161,8 @@ def hf_to_fusion(
         except KeyError:
             raise ValueError(f"state_dict: unexpected key {key!r} for a Llama model") from None
         if needs_rope_permutation(new_key):
-            tensor = rotate_half_to_interleaved(
-                tensor, _heads(new_key, num_heads, num_kv_heads)
-            ).contiguous()
+            heads = _heads(new_key, num_heads, num_kv_heads)
+            tensor = _permute(rotate_half_to_interleaved, tensor, heads, key).contiguous()
         converted[new_key] = tensor
     return converted
 
@@ -146,9 +176,12 @@ def fusion_to_hf(
     Hugging Face's own tied checkpoints. ``hf_to_fusion(fusion_to_hf(sd)) == sd`` bitwise.
 
     Raises:
-        ValueError: a key that is not part of a ``llama3_2`` decoder, or q/k shapes that do not
-            split into the given heads.
+        TypeError: ``state_dict`` not a mapping; ``num_heads``/``num_kv_heads`` not ints.
+        ValueError: a non-string key or non-tensor value; a key that is not part of a
+            ``llama3_2`` decoder; head counts not positive, or q/k shapes that do not split
+            into them.
     """
+    _check_arguments(state_dict, num_heads, num_kv_heads)
     converted = {}
     for key, tensor in state_dict.items():
         try:
@@ -156,8 +189,7 @@ def fusion_to_hf(
         except KeyError:
             raise ValueError(f"state_dict: unexpected key {key!r} for a Llama decoder") from None
         if needs_rope_permutation(key):
-            tensor = interleaved_to_rotate_half(
-                tensor, _heads(key, num_heads, num_kv_heads)
-            ).contiguous()
+            heads = _heads(key, num_heads, num_kv_heads)
+            tensor = _permute(interleaved_to_rotate_half, tensor, heads, key).contiguous()
         converted[new_key] = tensor
     return converted

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 
 import torch
 
+from fusion.checkpoint._checks import check_state_dict
+
 _TOP_LEVEL = {
     "tok_embeddings.weight": "tok_embeddings.weight",
     "norm.weight": "norm.scale",
@@ -44,6 +46,7 @@ def _convert(
     per_layer: Mapping[str, str],
     what: str,
 ) -> dict[str, torch.Tensor]:
+    check_state_dict(state_dict)
     converted = {}
     for key, tensor in state_dict.items():
         new_key = _rename(key, top_level, per_layer)
@@ -58,7 +61,9 @@ def meta_to_fusion(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     keys; the tensors are the same objects.
 
     Raises:
-        ValueError: a key that is not part of a Meta Llama checkpoint.
+        TypeError: ``state_dict`` not a mapping.
+        ValueError: a non-string key or non-tensor value; a key that is not part of a Meta
+            Llama checkpoint.
     """
     return _convert(state_dict, _TOP_LEVEL, _PER_LAYER, "a Meta Llama checkpoint")
 
@@ -67,7 +72,9 @@ def fusion_to_meta(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     """The inverse of :func:`meta_to_fusion`.
 
     Raises:
-        ValueError: a key that is not part of a ``llama3_2`` decoder.
+        TypeError: ``state_dict`` not a mapping.
+        ValueError: a non-string key or non-tensor value; a key that is not part of a
+            ``llama3_2`` decoder.
     """
     top_level = {v: k for k, v in _TOP_LEVEL.items()}
     per_layer = {v: k for k, v in _PER_LAYER.items()}

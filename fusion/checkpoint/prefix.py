@@ -19,8 +19,17 @@ def select_prefix(state_dict: Mapping[str, torch.Tensor], prefix: str) -> dict[s
     design: this selects a sub-model's checkpoint.
 
     Raises:
-        ValueError: ``prefix`` does not end with ``"."``, or no key starts with it.
+        TypeError: ``state_dict`` not a mapping or ``prefix`` not a string.
+        ValueError: a key that is not a string; ``prefix`` does not end with ``"."``, or no key
+            starts with it.
     """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict: expected a mapping, got {type(state_dict).__name__}")
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
+    for key in state_dict:
+        if not isinstance(key, str):
+            raise ValueError(f"state_dict: expected string keys, got {key!r}")
     if not prefix.endswith("."):
         raise ValueError(f"prefix: expected a module path ending with '.', got {prefix!r}")
     selected = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}

@@ -131,3 +131,58 @@ class TestErrors:
         decoder.layers[1].sa_norm.eps = 1e-3
         with pytest.raises(ValueError, match="decoder: expected all layers configured alike"):
             hf_config_from_decoder(decoder)
+
+
+def scaling(**overrides) -> dict:
+    return {"rope_scaling": LLAMA3_SCALING | overrides}
+
+
+class TestDegenerateValues:
+    @pytest.mark.parametrize(
+        ("overrides", "key", "value"),
+        [
+            ({"rope_theta": 0}, "rope_theta", "0"),
+            ({"rope_theta": -10_000.0}, "rope_theta", "-10000.0"),
+            ({"rms_norm_eps": -1}, "rms_norm_eps", "-1"),
+            ({"rms_norm_eps": 0.0}, "rms_norm_eps", "0.0"),
+            ({"attention_dropout": 1.5}, "attention_dropout", "1.5"),
+            (scaling(factor=0), "rope_scaling.factor", "0"),
+            (scaling(low_freq_factor=0), "rope_scaling.low_freq_factor", "0"),
+            (scaling(high_freq_factor=1.0), "rope_scaling.high_freq_factor", "1.0"),
+            (scaling(high_freq_factor=0.5), "rope_scaling.high_freq_factor", "0.5"),
+            (
+                scaling(original_max_position_embeddings=0.5),
+                "rope_scaling.original_max_position_embeddings",
+                "0.5",
+            ),
+            ({"num_attention_heads": 0}, "num_attention_heads", "0"),
+            ({"num_attention_heads": -4}, "num_attention_heads", "-4"),
+            ({"num_key_value_heads": 0}, "num_key_value_heads", "0"),
+            ({"num_attention_heads": 5}, "hidden_size", "32"),  # 5 heads do not divide 32
+            ({"num_attention_heads": 8, "hidden_size": 24}, "hidden_size", "24 / 8"),  # odd
+            ({"max_position_embeddings": 0}, "max_position_embeddings", "0"),
+            ({"vocab_size": 2**40}, "vocab_size", str(2**40)),
+        ],
+    )
+    def test_refused_naming_key_and_value(self, overrides, key, value):
+        with pytest.raises(CheckpointError) as info:
+            llama3_2_kwargs_from_hf_config(legacy_config(**overrides), source="c.json")
+        assert info.value.key == key and f"got {value}" in str(info.value)
+
+    def test_rope_parameters_keys_are_named_as_written(self):
+        config = legacy_config()
+        del config["rope_scaling"]
+        config["rope_parameters"] = LLAMA3_SCALING | {"factor": 0, "rope_theta": 5e5}
+        with pytest.raises(CheckpointError) as info:
+            llama3_2_kwargs_from_hf_config(config)
+        assert info.value.key == "rope_parameters.factor"
+
+    def test_arguments_of_the_wrong_type(self, tmp_path):
+        with pytest.raises(TypeError, match="config: expected a mapping"):
+            llama3_2_kwargs_from_hf_config([("vocab_size", 96)])
+        with pytest.raises(TypeError, match="source: expected a path"):
+            llama3_2_kwargs_from_hf_config(legacy_config(), source=3)
+        with pytest.raises(TypeError, match="path: expected a path"):
+            read_hf_config(3)
+        with pytest.raises(TypeError, match="decoder: expected a TransformerDecoder"):
+            hf_config_from_decoder(torch.nn.Linear(2, 2))
