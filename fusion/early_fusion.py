@@ -51,10 +51,14 @@ class EarlyFusion(nn.Module):
             (packed: ``[n_rows, d]`` or ``[n_media, tokens_per_media, d]``, in order of
             appearance of the placeholders) or a :class:`fusion.Packed` / :class:`fusion.Padded`.
         encoder_tokens: encoder name -> placeholder token id (inside or outside the vocabulary).
-        decoder_trainable: whether the decoder's parameters require grad.
-        encoders_trainable: for all encoders, or per encoder name.
-        fusion_trainable: for parameters of modules marked with :func:`register_fusion_module`;
-            overrides the two flags above.
+        decoder_trainable, encoders_trainable, fusion_trainable: which parameters require
+            grad. With none of them given, no ``requires_grad`` is changed: the model trains
+            what the decoder and encoders you passed in train. Given any of them, torchtune's
+            semantics apply to all three, unspecified ones taking torchtune's defaults:
+            ``decoder_trainable`` (default False) for the decoder, ``encoders_trainable``
+            (default False) for all encoders or per encoder name, ``fusion_trainable``
+            (default True) for parameters of modules marked with
+            :func:`register_fusion_module`, overriding the other two.
         merge_impl, eager_checks: passed to :func:`fusion.merge_embeddings` (``eager_checks=True``
             checks placeholder counts on the host, with a synchronisation, on any device).
 
@@ -71,9 +75,9 @@ class EarlyFusion(nn.Module):
         encoders: Mapping[str, nn.Module],
         encoder_tokens: Mapping[str, int],
         *,
-        decoder_trainable: bool = False,
-        encoders_trainable: bool | Mapping[str, bool] = False,
-        fusion_trainable: bool = True,
+        decoder_trainable: bool | None = None,
+        encoders_trainable: bool | Mapping[str, bool] | None = None,
+        fusion_trainable: bool | None = None,
         merge_impl: str = "auto",
         eager_checks: bool | None = None,
     ) -> None:
@@ -105,9 +109,15 @@ class EarlyFusion(nn.Module):
         self.encoder_tokens = dict(encoder_tokens)
         self.merge_impl = merge_impl
         self.eager_checks = eager_checks
-        if not isinstance(encoders_trainable, Mapping):
-            encoders_trainable = dict.fromkeys(encoders, encoders_trainable)
-        self._set_trainable(decoder_trainable, encoders_trainable, fusion_trainable)
+        flags = (decoder_trainable, encoders_trainable, fusion_trainable)
+        if any(flag is not None for flag in flags):
+            if not isinstance(encoders_trainable, Mapping):
+                encoders_trainable = dict.fromkeys(encoders, bool(encoders_trainable))
+            self._set_trainable(
+                bool(decoder_trainable),
+                encoders_trainable,
+                True if fusion_trainable is None else fusion_trainable,
+            )
 
     def _set_trainable(self, decoder: bool, encoders: Mapping[str, bool], fusion: bool) -> None:
         trainable = (

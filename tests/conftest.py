@@ -1,7 +1,7 @@
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
 from fusion.decoder import TransformerDecoder
 from helpers import build_tiny_decoder
@@ -13,11 +13,8 @@ settings.register_profile(
     derandomize=True,
     deadline=None,
     print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
 )
-settings.register_profile(
-    "dev", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("dev", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 

@@ -167,6 +167,33 @@ def test_trainable_flags(decoder, encoders, fusion_flag):
     assert trainable == _expected_trainable(decoder, per_encoder, fusion_flag)
 
 
+class TestTrainableFlagsAreOptIn:
+    def test_no_flag_changes_no_requires_grad(self):
+        decoder = build_tiny_decoder()
+        decoder.layers[0].requires_grad_(False)  # the user froze a layer
+        encoder = TinyEncoder()
+        before = {n: p.requires_grad for n, p in decoder.named_parameters()}
+        model = EarlyFusion(decoder, {"image": encoder}, {"image": IMAGE_ID})
+        assert {n: p.requires_grad for n, p in decoder.named_parameters()} == before
+        assert all(p.requires_grad for p in encoder.parameters())
+        assert sum(p.requires_grad for p in model.parameters()) == sum(before.values()) + 4
+
+    @pytest.mark.parametrize(
+        ("flags", "decoder", "encoders", "fusion_flag"),
+        [
+            ({"fusion_trainable": True}, False, False, True),
+            ({"decoder_trainable": True}, True, False, True),
+            ({"encoders_trainable": {"image": True, "audio": False}}, False, None, True),
+            ({"fusion_trainable": False}, False, False, False),
+        ],
+    )
+    def test_any_flag_applies_torchtunes_semantics(self, flags, decoder, encoders, fusion_flag):
+        model = build_tiny_fusion(**flags)
+        per_encoder = flags.get("encoders_trainable") or dict.fromkeys(["image", "audio"], encoders)
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        assert trainable == _expected_trainable(decoder, per_encoder, fusion_flag)
+
+
 class TestBadInput:
     def test_name_mismatch_lists_both(self):
         decoder = build_tiny_decoder()

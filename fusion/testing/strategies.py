@@ -25,11 +25,22 @@ from fusion.merge import Packed, Padded
 ADVERSARIAL_NAMES = ("decoder", "tok_embeddings", "module", "_orig_mod", "encoders", "layers")
 
 
+_FIRST = "abcdefghijklmnopqrstuvwxyz_"
+_DIGITS = "0123456789"
+
+
 def module_names() -> st.SearchStrategy[str]:
     """Valid ``nn.Module`` attribute names, biased towards adversarial ones (``decoder``,
-    ``module``, ``_orig_mod``, ...) and names with digits."""
-    plain = st.from_regex(r"[a-z_][a-z0-9_]{0,7}", fullmatch=True)
-    with_digits = st.from_regex(r"[a-z_]{1,4}[0-9]{1,3}", fullmatch=True)
+    ``module``, ``_orig_mod``, ...) and names with digits.
+
+    Built from small explicit alphabets (not regular expressions, whose first use builds
+    Hypothesis' unicode tables: seconds on a cold start)."""
+    plain = st.builds(str.__add__, st.sampled_from(_FIRST), st.text(_FIRST + _DIGITS, max_size=7))
+    with_digits = st.builds(
+        str.__add__,
+        st.text(_FIRST, min_size=1, max_size=4),
+        st.text(_DIGITS, min_size=1, max_size=3),
+    )
     # `training` and dunder names are nn.Module's own attributes, not valid child names.
     return st.one_of(st.sampled_from(ADVERSARIAL_NAMES), plain, with_digits).filter(
         lambda name: not hasattr(nn.Module, name) and not name.startswith("__")
@@ -109,6 +120,9 @@ def wrapping_trees(n_models: int = 1, max_depth: int = 4) -> st.SearchStrategy[W
     """Trees of ``nn.Sequential`` (integer prefixes), ``nn.ModuleList``, ``nn.ModuleDict`` and
     custom modules with random (often adversarial) attribute names, nesting depth 0 to
     ``max_depth``, holding ``n_models`` models (e.g. policy and reference)."""
+    for name, value in (("n_models", n_models), ("max_depth", max_depth)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}: expected an integer, got {value!r}")
     if n_models < 1 or max_depth < (0 if n_models == 1 else 1):
         raise ValueError(
             f"n_models, max_depth: expected n_models >= 1 and room for a container around "
@@ -132,21 +146,54 @@ class MergeCase:
     encoder_tokens: dict[str, int]
 
 
-@st.composite
 def merge_inputs(
-    draw: st.DrawFn,
     max_batch: int = 4,
     max_seq_len: int = 24,
     vocab_size: int = 32,
     dims: Sequence[int] = (1, 4, 8),
     max_encoders: int = 3,
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
-) -> MergeCase:
+) -> st.SearchStrategy[MergeCase]:
     """Random merges: batch sizes, lengths, placeholder positions and densities (0% to 100%),
     uneven per-sample counts, several encoders, placeholder ids inside and outside the
     vocabulary, packed and padded layouts (padding wider than needed), non-contiguous rows.
 
-    ``vocab_size`` must exceed ``max_encoders`` (text ids never equal a placeholder id)."""
+    Raises:
+        ValueError: ``max_batch``, ``vocab_size``, ``max_encoders`` not positive integers,
+            ``max_seq_len`` negative, ``vocab_size <= max_encoders`` (text ids must never equal
+            a placeholder id), ``dims`` not positive integers, ``dtypes`` not floating dtypes;
+            raised when the strategy is built, not when it is drawn from.
+    """
+    for name, value, low in (
+        ("max_batch", max_batch, 1),
+        ("max_seq_len", max_seq_len, 0),
+        ("vocab_size", vocab_size, 1),
+        ("max_encoders", max_encoders, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    if vocab_size <= max_encoders:
+        raise ValueError(
+            f"vocab_size: expected more than max_encoders={max_encoders} ids, got {vocab_size}"
+        )
+    dims, dtypes = tuple(dims), tuple(dtypes)
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise ValueError(f"dims: expected positive integers, got {dims!r}")
+    if not dtypes or not all(isinstance(t, torch.dtype) and t.is_floating_point for t in dtypes):
+        raise ValueError(f"dtypes: expected floating torch dtypes, got {dtypes!r}")
+    return _merge_inputs(max_batch, max_seq_len, vocab_size, dims, max_encoders, dtypes)
+
+
+@st.composite
+def _merge_inputs(
+    draw: st.DrawFn,
+    max_batch: int,
+    max_seq_len: int,
+    vocab_size: int,
+    dims: Sequence[int],
+    max_encoders: int,
+    dtypes: Sequence[torch.dtype],
+) -> MergeCase:
     batch = draw(st.integers(1, max_batch))
     seq_len = draw(st.integers(0, max_seq_len))
     dim = draw(st.sampled_from(dims))
