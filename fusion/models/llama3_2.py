@@ -1,5 +1,6 @@
 """Llama 3.2 builders: the component builder and the 1B / 3B presets."""
 
+import torch
 from torch import nn
 
 from fusion.decoder import (
@@ -41,6 +42,12 @@ def llama3_2(
     ``scale_factor=None`` gives plain (unscaled) RoPE; the keyword-only ``rope_*`` arguments
     set the rest of the llama3 rope-scaling band (Hugging Face's ``rope_scaling``).
     ``intermediate_dim=None`` uses :func:`scale_hidden_dim_for_mlp`.
+
+    Initialisation, for training from scratch: PyTorch's defaults (``nn.Embedding`` N(0, 1),
+    ``nn.Linear`` Kaiming-uniform, norms 1), except that a tied embedding (the output
+    projection too) is scaled to std ``embed_dim ** -0.5``, as GPT-2 and OLMo scale tied
+    tables, so initial logits are O(1) and the initial loss is close to ``ln(vocab_size)``.
+    Untied, the output's Kaiming init already gives logits of std about 0.6.
     """
     for name, value in (
         ("vocab_size", vocab_size),
@@ -78,8 +85,16 @@ def llama3_2(
         )
         for _ in range(num_layers)
     ]
+    tok_embeddings = nn.Embedding(vocab_size, embed_dim)
+    if tie_word_embeddings:
+        # Tied, the table is also the output projection: rows of std d**-0.5 against RMS-normed
+        # hidden states give logits of std about 1, so training starts at a loss near ln(vocab)
+        # (nn.Embedding's std 1 would give logits of std sqrt(d)). Scaled in place: the same
+        # random draws as before, so seeded runs stay reproducible.
+        with torch.no_grad():
+            tok_embeddings.weight.mul_(embed_dim**-0.5)
     return TransformerDecoder(
-        tok_embeddings=nn.Embedding(vocab_size, embed_dim),
+        tok_embeddings=tok_embeddings,
         layers=layers,
         max_seq_len=max_seq_len,
         norm=RMSNorm(embed_dim, eps=norm_eps),

@@ -97,3 +97,17 @@ def test_builder_rejects_bad_config(kwargs, match):
     )
     with pytest.raises(ValueError, match=match):
         llama3_2(**{**config, **kwargs})
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_fresh_model_starts_near_the_uniform_loss(tied):
+    """Initial logits are O(1): the loss on random tokens is close to ln(vocab) (with
+    nn.Embedding's N(0, 1) as the tied output it was about 24x that at these sizes)."""
+    torch.manual_seed(0)
+    vocab, dim = 32_000, 256
+    decoder = llama3_2(vocab, 2, 8, 2, dim, 64, tie_word_embeddings=tied)
+    tokens = torch.randint(0, vocab, (2, 32))
+    with torch.no_grad():
+        logits = decoder(tokens)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    assert abs(loss.item() - torch.log(torch.tensor(float(vocab))).item()) < 1.0, loss

@@ -1,0 +1,66 @@
+"""Targets for next-token training of a decoder or an early-fusion model."""
+
+from collections.abc import Iterable
+
+import torch
+
+from fusion._validation import check_token_ids, describe
+
+
+def next_token_labels(
+    tokens: torch.Tensor,
+    *,
+    ignore_ids: Iterable[int] = (),
+    loss_start: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Labels for ``F.cross_entropy(logits.flatten(0, 1), labels.flatten())``.
+
+    ``labels[i, t]`` is ``tokens[i, t + 1]``, the token position ``t`` predicts, or
+    ``ignore_index`` where no loss belongs: the last position (nothing follows), targets that
+    are one of ``ignore_ids`` (placeholder ids, which may lie outside the vocabulary, and
+    padding), and targets before ``loss_start[i]`` (the prompt).
+
+    Args:
+        tokens: ids [b, s], placeholders included.
+        ignore_ids: ids never to predict, e.g. ``model.encoder_tokens.values()`` and a pad id.
+        loss_start: [b] index of each sample's first token to predict (tokens before it are
+            context only); None: every token after the first.
+        ignore_index: the label cross-entropy skips (PyTorch's default, -100).
+
+    Returns:
+        int64 labels [b, s].
+
+    Raises:
+        ValueError: ``tokens`` not ids [b, s]; ``loss_start`` not [b] integers on tokens'
+            device; ``ignore_ids`` or ``ignore_index`` not integers.
+    """
+    check_token_ids(tokens)
+    ignore_ids = list(ignore_ids)
+    for value in [*ignore_ids, ignore_index]:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(
+                f"ignore_ids, ignore_index: expected Python ints, got {value!r} "
+                f"({type(value).__name__})"
+            )
+    batch, seq_len = tokens.shape
+    targets = tokens.long().roll(-1, dims=1)
+    ignored = torch.zeros_like(targets, dtype=torch.bool)
+    ignored[:, -1:] = True
+    if ignore_ids:
+        ignored |= torch.isin(targets, torch.tensor(ignore_ids, device=tokens.device))
+    if loss_start is not None:
+        if (
+            not isinstance(loss_start, torch.Tensor)
+            or loss_start.shape != (batch,)
+            or loss_start.dtype.is_floating_point
+            or loss_start.dtype == torch.bool
+            or loss_start.device != tokens.device
+        ):
+            got = describe(loss_start) if isinstance(loss_start, torch.Tensor) else loss_start
+            raise ValueError(
+                f"loss_start: expected integer indices [{batch}] on {tokens.device}, got {got}"
+            )
+        predicted = torch.arange(1, seq_len + 1, device=tokens.device)  # position t predicts t+1
+        ignored |= predicted[None, :] < loss_start[:, None]
+    return targets.masked_fill(ignored, ignore_index)
