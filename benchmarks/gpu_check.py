@@ -1,10 +1,10 @@
 """The GPU checks of the fused merge, in one short script (about a minute on an H200).
 
-    python benchmarks/gpu_check.py                 # CUDA + Triton: the issue's GPU case
+    python benchmarks/gpu_check.py                 # CUDA + Triton: the GPU target case
     python benchmarks/gpu_check.py --cpu-smoke     # no GPU: the same code paths, tiny, on
                                                    # Triton's interpreter (timings meaningless)
 
-On the issue's case (bf16, 32k tokens x 4096, 25% placeholders in image blocks) it checks:
+On the GPU target case (bf16, 32k tokens x 4096, 25% placeholders in image blocks) it checks:
 
 1. bits: ``fused`` and ``index`` equal ``reference``, forward and gradients (table and rows).
 2. bandwidth: the fused kernel alone (metadata prepared, output preallocated) and the whole
@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,8 @@ CONFIGS = [  # (BLOCK_R, BLOCK_D, num_warps)
     (16, 1024, 8),
 ]
 
+RESULTS = Path(__file__).parent / "results"
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -51,8 +54,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--dtype", choices=sorted(mk.DTYPES), default="bf16")
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny, on the interpreter")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where to write (default: benchmarks/results/ for full runs, a new temporary "
+        "directory for checks, so the committed results are never overwritten by them)",
+    )
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp(prefix="fusion-bench-")) if args.cpu_smoke else RESULTS
     bench = mk.parse_args(["--quick"] if args.cpu_smoke else [])
     bench.dtype = args.dtype
     if args.cpu_smoke:

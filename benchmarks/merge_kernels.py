@@ -9,7 +9,7 @@ over ``reference``, the peak transient memory beyond what the call returns, and 
 contestant synchronises with the host.
 
     python benchmarks/merge_kernels.py                # the default sweep for the device
-    python benchmarks/merge_kernels.py --target       # the issue's target case only
+    python benchmarks/merge_kernels.py --target       # the CPU/GPU target case only
     python benchmarks/merge_kernels.py --quick        # seconds: checks that the script works
 
 Timing: ``torch.utils.benchmark.Timer`` on CPU, ``triton.testing.do_bench`` (CUDA events) on
@@ -43,6 +43,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -60,6 +61,7 @@ from fusion.merge.reference import merge_reference
 BASELINES = ("index_table", "bool_index", "torchtune")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 2**20
+RESULTS = Path(__file__).parent / "results"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,14 +155,23 @@ def make_inputs(case: Case, args: argparse.Namespace, device: torch.device) -> I
 
 
 def index_table(inp: Inputs) -> torch.Tensor:
-    """The ``index`` merge as it was before it called the embedding module: read the table
-    with ``F.embedding`` over flat ids plus one spill row, then ``index_copy_`` (packed rows:
-    the spill row is never written). The module path must cost no more than this."""
-    batch, seq_len = inp.text_ids.shape
-    ids = torch.cat([inp.text_ids.reshape(-1), inp.text_ids.new_zeros(1)])
-    out = F.embedding(ids, inp.weight)
-    for p in inp.placements:  # resolved once; the rows themselves carry the autograd graph
-        out.index_copy_(0, p.destinations(), inp.rows[p.name])
+    """``merge_embeddings(weight, impl="index")`` as it was before it called the embedding
+    module: the same validation, then ``F.embedding`` of the table over flat ids plus one
+    spill row, then ``index_copy_``. The module path must cost no more than this."""
+    placements, text_ids = resolve_placements(
+        inp.tokens, inp.rows, inp.encoder_tokens, vocab_size=inp.weight.size(0), eager_checks=None
+    )
+    return _index_table_core(text_ids, inp.weight, placements)
+
+
+def _index_table_core(
+    text_ids: torch.Tensor, weight: torch.Tensor, placements: list[Placement]
+) -> torch.Tensor:
+    batch, seq_len = text_ids.shape
+    ids = torch.cat([text_ids.reshape(-1), text_ids.new_zeros(1)])
+    out = F.embedding(ids, weight)
+    for p in placements:
+        out.index_copy_(0, p.destinations(), p.rows)
     return out[: batch * seq_len].view(batch, seq_len, -1)
 
 
@@ -210,7 +221,10 @@ def contestants(
             return cores[name](inp.text_ids, inp.embedding, inp.placements)
 
         found[name] = (public, core)
-    found["index_table"] = (index_table, index_table)
+    found["index_table"] = (
+        index_table,
+        lambda inp: _index_table_core(inp.text_ids, inp.weight, inp.placements),
+    )
     found["bool_index"] = (bool_index, bool_index)
     found["torchtune"] = (torchtune, torchtune)
     if wanted:
@@ -461,7 +475,8 @@ def machine(device: torch.device) -> dict:
 
 
 def evaluate_targets(results: list[dict], device: torch.device, dtype: str) -> list[dict]:
-    """The issue's targets, where the sweep holds their case."""
+    """The targets (see ``benchmarks/README.md``), where the sweep holds their case: CPU fp32
+    16k tokens x 2048 and GPU bf16 32k x 4096, 25% placeholders in image blocks."""
 
     def pick(tokens, dim, fraction, impl):
         for r in results:
@@ -504,6 +519,18 @@ def evaluate_targets(results: list[dict], device: torch.device, dtype: str) -> l
                 ),
                 _target(case, "transient % of output", d["transient_pct_of_output"], "<=", 1.0),
             ]
+        index, table = pick(16384, 2048, 0.25, "index"), pick(16384, 2048, 0.25, "index_table")
+        if index and table:  # the embedding module called vs the table read (same validation)
+            targets.append(
+                _target(
+                    "cpu fp32 16384x2048 25% blocks",
+                    "index (module) / index_table",
+                    paired(index["round_ms"], table["round_ms"]),
+                    "<=",
+                    1.05,
+                    index["min_ms"] / table["min_ms"],
+                )
+            )
     if device.type == "cuda" and dtype == "bf16":
         fused, copy = pick(32768, 4096, 0.25, "fused"), pick(32768, 4096, 0.25, "copy")
         if fused and copy:
@@ -605,13 +632,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-run-time", type=float, default=0.05, help="CPU: seconds per timing")
     p.add_argument("--rep-ms", type=int, default=100, help="GPU: do_bench repetition time")
     p.add_argument("--bwd-max-mib", type=float, default=None, help="skip larger fwd+bwd cases")
-    p.add_argument("--target", action="store_true", help="only the issue's target case")
+    p.add_argument(
+        "--target",
+        action="store_true",
+        help="only the target case (CPU: fp32 16384 x 2048, GPU: bf16 32768 x 4096, 25%%)",
+    )
     p.add_argument("--quick", action="store_true", help="a tiny sweep that checks the script")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where to write (default: benchmarks/results/ for full runs, a new temporary "
+        "directory for checks, so the committed results are never overwritten by them)",
+    )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = (
+            Path(tempfile.mkdtemp(prefix="fusion-bench-")) if args.quick or args.target else RESULTS
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -26,7 +26,7 @@ def run_script(name: str, *args: str) -> str:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    return done.stdout + done.stderr
 
 
 def test_merge_kernels_quick(tmp_path):
@@ -87,3 +87,14 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert set(report["bandwidth"]["median_us"]) >= {"copy_ (d2d)", "fused kernel"}
     assert report["failures"] == []
     assert "all checks passed" in stdout
+
+
+def test_checks_never_overwrite_the_committed_results():
+    """Without ``--out``, a check (``--quick``) writes to a new temporary directory."""
+    results = BENCHMARKS / "results"
+    before = {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()}
+    for script in ("merge_kernels.py", "fusion_forward.py"):
+        output = run_script(script, "--quick")
+        assert "fusion-bench-" in output and str(results) not in output
+    after = {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()}
+    assert after == before
