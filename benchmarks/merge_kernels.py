@@ -683,7 +683,7 @@ def main(argv: list[str] | None = None) -> dict:
         from tqdm import tqdm
     except ImportError:
         raise SystemExit(
-            "the benchmark needs the bench extra: pip install 'fusion[bench]'"
+            "the benchmark needs matplotlib and tqdm (the bench extra): pip install matplotlib tqdm"
         ) from None
     device = args.device
     dtype = DTYPES[args.dtype]

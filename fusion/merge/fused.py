@@ -10,7 +10,7 @@ graph (``benchmarks/gpu_check.py`` checks both on a GPU).
 The kernel moves raw bits (floats viewed as same-width integers), so it is bitwise exact for
 every dtype. It runs compiled on CUDA and, for tests, on CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``, read when the kernel is first used in that mode). Triton is an
-optional extra (``pip install 'fusion[triton]'``). The backward pass uses the same ATen ops
+optional extra (``triton``: ``pip install 'triton>=3.3'``). The backward pass uses the same ATen ops
 as the reference, so gradients are bitwise equal to it.
 """
 
@@ -47,7 +47,7 @@ def check_fused(device: torch.device, dtype: torch.dtype) -> None:
     """
     if triton is None:
         raise ImportError(
-            "impl: 'fused' needs Triton, which is not installed (pip install 'fusion[triton]'); "
+            "impl: 'fused' needs Triton, which is not installed (pip install 'triton>=3.3'); "
             "use impl='auto' or 'index'"
         )
     if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):

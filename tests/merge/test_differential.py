@@ -275,7 +275,7 @@ except ImportError as e:
     )
     assert done.returncode == 0, done.stderr
     assert "ImportError: impl: 'fused' needs Triton, which is not installed" in done.stdout
-    assert "pip install 'fusion[triton]'" in done.stdout
+    assert "pip install 'triton>=3.3'" in done.stdout
 
 
 @NEEDS_TRITON
