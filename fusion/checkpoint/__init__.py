@@ -7,7 +7,8 @@
   torchtune's own checkpoints already use this library's keys: load them as they are.
 - :func:`load_state_dict` / :func:`save_state_dict`: safetensors files, shards + index, and
   ``torch.load(weights_only=True)`` files, in this library's (torchtune's) key layout or any.
-- :func:`select_prefix`: an ``EarlyFusion`` checkpoint's ``decoder.`` part as a plain decoder's.
+- :func:`select_prefix`: an ``EarlyFusion`` checkpoint's ``decoder.`` part as a plain decoder's;
+  :func:`decoder_state_dict` finds the decoder's prefix behind any wrapper.
 """
 
 from fusion.checkpoint.errors import CheckpointError
@@ -32,12 +33,13 @@ from fusion.checkpoint.hf_keys import (
 )
 from fusion.checkpoint.hf_llama import load_hf_llama, save_hf_llama
 from fusion.checkpoint.meta_keys import fusion_to_meta, meta_to_fusion
-from fusion.checkpoint.prefix import select_prefix
+from fusion.checkpoint.prefix import decoder_state_dict, select_prefix
 
 __all__ = [
     "CheckpointError",
     "CheckpointFiles",
     "TensorEntry",
+    "decoder_state_dict",
     "fusion_key_to_hf",
     "fusion_to_hf",
     "fusion_to_meta",

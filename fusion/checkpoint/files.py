@@ -25,6 +25,7 @@ import re
 import secrets
 import shutil
 import stat
+import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -505,9 +506,10 @@ def save_state_dict(
     Raises:
         TypeError: ``state_dict`` not a mapping, ``path`` not a path, ``max_shard_size`` not an
             int, ``overwrite`` not a bool.
-        ValueError: a non-string key or non-tensor value; a tensor on the meta device, sparse
-            or quantized; for safetensors, the reserved key ``__metadata__`` or a dtype it
-            cannot store; ``max_shard_size`` not positive or given for a single file.
+        ValueError: a non-string key or non-tensor value; a tensor on the meta device, sparse,
+            quantized or sharded (a ``DTensor``: gather a full state dict first); for
+            safetensors, the reserved key ``__metadata__`` or a dtype it cannot store;
+            ``max_shard_size`` not positive or given for a single file.
         CheckpointError: the target exists and ``overwrite`` is False; the target directory is
             a file.
         OSError: the file system failed (the old checkpoint is then left as it was).
@@ -543,11 +545,29 @@ def check_save_options(max_shard_size: object, overwrite: object) -> None:
         raise TypeError(f"overwrite: expected a bool, got {type(overwrite).__name__}")
 
 
+def check_not_sharded(state_dict: Mapping[str, torch.Tensor], argument: str) -> None:
+    """Refuse ``DTensor`` values: each process holds a shard, not the tensor to save.
+
+    Raises:
+        ValueError: naming the first sharded key.
+    """
+    # No DTensor can exist unless its module was imported: do not import it here.
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    for key, value in state_dict.items():
+        if dtensor is not None and isinstance(value, dtensor):
+            raise ValueError(
+                f"{argument}: {key!r} is a DTensor, sharded (FSDP2, tensor parallelism): gather a "
+                "full state dict first, e.g. torch.distributed.checkpoint.state_dict."
+                "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))"
+            )
+
+
 def prepare_tensors(
     state_dict: Mapping[str, torch.Tensor], argument: str, *, safetensors: bool
 ) -> dict[str, torch.Tensor]:
     """CPU, contiguous tensors owning their storage, checked to be storable before any write."""
     check_state_dict(state_dict, argument)
+    check_not_sharded(state_dict, argument)
     tensors, storages = {}, set()
     for key, value in state_dict.items():
         if value.is_meta or value.layout != torch.strided or value.is_quantized:

@@ -4,14 +4,18 @@ import json
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from fusion.checkpoint._checks import as_path, check_positive_int
 from fusion.checkpoint.errors import CheckpointError
 from fusion.checkpoint.files import (
     CheckpointFiles,
+    check_not_sharded,
     check_save_options,
     prepare_tensors,
     write_checkpoint,
@@ -31,6 +35,7 @@ from fusion.checkpoint.hf_keys import (
     rotate_half_to_interleaved,
 )
 from fusion.decoder import RotaryPositionalEmbeddings, TransformerDecoder
+from fusion.early_fusion import EarlyFusion
 from fusion.models import llama3_2
 
 _LOADABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -276,7 +281,7 @@ def _check_tied_copy(checkpoint: CheckpointFiles, decoder: TransformerDecoder) -
 
 
 def save_hf_llama(
-    decoder: TransformerDecoder,
+    decoder: TransformerDecoder | EarlyFusion | nn.Module,
     directory: str | bytes | os.PathLike,
     *,
     max_shard_size: int | None = None,
@@ -291,8 +296,14 @@ def save_hf_llama(
     complete, and a failed save leaves nothing behind. Links named like its files are replaced,
     never written through.
 
+    The format holds a text decoder only. Given an :class:`~fusion.EarlyFusion`, its
+    ``decoder`` is saved and its encoders are **not**: save them separately, e.g.
+    ``save_state_dict(model.encoders.state_dict(), path)``.
+
     Args:
-        decoder: a ``llama3_2``-built decoder (any device and dtype; stored as they are).
+        decoder: a ``llama3_2``-built decoder (any device and dtype; stored as they are), or
+            an ``EarlyFusion`` over one (its decoder is saved); either may be wrapped by
+            ``torch.compile``, ``DistributedDataParallel`` or ``DataParallel``.
         directory: created if needed (str, bytes or PathLike).
         max_shard_size: bytes per safetensors shard (then with an index); None: one file.
         overwrite: replace a checkpoint already in ``directory``; other files there are kept.
@@ -301,14 +312,16 @@ def save_hf_llama(
         the files written.
 
     Raises:
-        TypeError: ``decoder`` not a ``TransformerDecoder``; ``directory``,
-            ``max_shard_size`` or ``overwrite`` of the wrong type.
+        TypeError: ``decoder`` neither a ``TransformerDecoder`` nor an ``EarlyFusion`` (once
+            unwrapped); ``directory``, ``max_shard_size`` or ``overwrite`` of the wrong type.
         ValueError: ``decoder`` is not a homogeneous Llama (see :func:`hf_config_from_decoder`)
-            or has tensors without data (meta device); ``max_shard_size`` not positive.
+            or has tensors without data (meta device) or sharded (FSDP2: load a full state dict
+            into a plain decoder and save that); ``max_shard_size`` not positive.
         CheckpointError: ``directory`` already holds a checkpoint or ``config.json`` and
             ``overwrite`` is False; it is a file.
         OSError: the file system failed (a checkpoint being replaced is then left as it was).
     """
+    decoder = _text_decoder(decoder)
     config = hf_config_from_decoder(decoder)
     directory = as_path(directory, "directory")
     check_save_options(max_shard_size, overwrite)
@@ -317,9 +330,9 @@ def save_hf_llama(
     except ValueError as error:
         raise ValueError(f"decoder: its config cannot be written as JSON: {error}") from None
     attn = decoder.layers[0].attn
-    state_dict = fusion_to_hf(
-        decoder.state_dict(), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads
-    )
+    state_dict = decoder.state_dict()
+    check_not_sharded(state_dict, "decoder")  # before permuting rows across shards
+    state_dict = fusion_to_hf(state_dict, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
     tensors = prepare_tensors(state_dict, "decoder", safetensors=True)
     if os.path.lexists(directory / CONFIG_NAME) and not overwrite:
         raise CheckpointError(directory / CONFIG_NAME, None, "exists; pass overwrite=True")
@@ -330,3 +343,28 @@ def save_hf_llama(
         overwrite=overwrite,
         extra_files={CONFIG_NAME: text},
     )
+
+
+def _text_decoder(model: object) -> TransformerDecoder:
+    """The ``TransformerDecoder`` that ``model`` is or holds, through wrappers that keep the
+    whole model inside them unchanged (``torch.compile``, DDP, DataParallel)."""
+    # No OptimizedModule can exist unless torch._dynamo was imported: do not import it here.
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    inner = model
+    while True:
+        if compiled is not None and isinstance(inner, compiled):
+            inner = inner._orig_mod
+        elif isinstance(inner, DistributedDataParallel | DataParallel):
+            inner = inner.module
+        else:
+            break
+    if isinstance(inner, EarlyFusion):
+        inner = inner.decoder
+    if not isinstance(inner, TransformerDecoder):
+        raise TypeError(
+            "decoder: expected a TransformerDecoder or an EarlyFusion (possibly wrapped by "
+            f"torch.compile, DistributedDataParallel or DataParallel), got "
+            f"{type(model).__name__}"
+            + (f" around a {type(inner).__name__}" if inner is not model else "")
+        )
+    return inner
