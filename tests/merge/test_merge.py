@@ -207,3 +207,17 @@ def test_vocab_size_of_a_module_is_checked():
         merge_embeddings(**_args(tokens=tokens, embedding=embedding, encoder_rows={}))
     with pytest.raises(ValueError, match=r"expected values in \[0, 4\)"):
         merge_embeddings(**_args(tokens=tokens, embedding=embedding, encoder_rows={}, vocab_size=4))
+
+
+def test_an_embedding_that_returns_a_view_is_not_written_through():
+    """Rows are written into a copy when the embedding returns a view (DTensor.to_local under
+    tensor parallelism does): its base stays untouched and autograd stays valid."""
+    table = torch.randn(8, 2)
+    base = torch.nn.functional.embedding(torch.tensor([[1, 1, 2]]), table).detach()
+    view_embedding = lambda ids: base[:, : ids.size(1)]  # noqa: E731
+    before = base.clone()
+    rows = torch.ones(1, 2, requires_grad=True)
+    merged = merge_embeddings(torch.tensor([[9, 1]]), view_embedding, {"image": rows}, {"image": 9})
+    merged.sum().backward()
+    assert torch.equal(base, before) and merged[0, 0].tolist() == [1.0, 1.0]
+    assert rows.grad.tolist() == [[1.0, 1.0]]
