@@ -17,6 +17,7 @@ written and fsynced in a fresh private directory, then renamed into place (see
 :func:`save_state_dict`).
 """
 
+import io
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, TypeGuard
 
 import torch
 from safetensors.torch import save_file
@@ -153,7 +154,7 @@ class CheckpointFiles:
 
     # ------------------------------------------------------------------ reading
 
-    def _read_tensor(self, f: BinaryIO, key: str) -> torch.Tensor:
+    def _read_tensor(self, f: io.BufferedReader, key: str) -> torch.Tensor:
         entry, (start, end) = self.entries[key], self._ranges[key]
         if start == end:
             return torch.empty(entry.shape, dtype=entry.dtype)
@@ -245,7 +246,7 @@ def _resolve(path: Path) -> Path:
     return path / present[0]
 
 
-def _open_regular(file: Path, what: str = "file") -> BinaryIO:
+def _open_regular(file: Path, what: str = "file") -> io.BufferedReader:
     """Open ``file`` for reading, refusing anything but a regular file (after symlinks).
 
     ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for a writer.
@@ -313,7 +314,7 @@ def _read_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _is_int_list(value: object, length: int | None = None) -> bool:
+def _is_int_list(value: object, length: int | None = None) -> TypeGuard[list[int]]:
     return (
         isinstance(value, list)
         and (length is None or len(value) == length)

@@ -3,7 +3,7 @@
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -209,15 +209,14 @@ def hf_config_from_decoder(decoder: TransformerDecoder) -> dict[str, Any]:
     """
     if not isinstance(decoder, TransformerDecoder):
         raise TypeError(f"decoder: expected a TransformerDecoder, got {type(decoder).__name__}")
-    layers = list(decoder.layers)
-    if not layers or not all(_is_llama_layer(layer) for layer in layers):
+    layers = [layer for layer in decoder.layers if _is_llama_layer(layer)]
+    if not layers or len(layers) != len(decoder.layers):
         raise ValueError(
             "decoder: expected llama3_2 layers (MultiHeadAttention with RoPE, FeedForward, "
             "RMSNorm), got another structure"
         )
     first = layers[0]
-    attn: MultiHeadAttention = first.attn
-    rope: RotaryPositionalEmbeddings = attn.pos_embeddings
+    attn, rope = first.attn, first.attn.pos_embeddings
 
     def signature(layer: TransformerSelfAttentionLayer) -> tuple:
         a, r = layer.attn, layer.attn.pos_embeddings
@@ -272,7 +271,7 @@ def hf_config_from_decoder(decoder: TransformerDecoder) -> dict[str, Any]:
     }
 
 
-def _is_llama_layer(layer: torch.nn.Module) -> bool:
+def _is_llama_layer(layer: torch.nn.Module) -> TypeGuard[TransformerSelfAttentionLayer]:
     return (
         isinstance(layer, TransformerSelfAttentionLayer)
         and isinstance(layer.attn, MultiHeadAttention)

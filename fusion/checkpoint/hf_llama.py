@@ -259,7 +259,7 @@ def _check_all_filled(decoder: TransformerDecoder, loaded: set[str]) -> None:
         for name, module in decoder.named_modules(remove_duplicate=False)
         if isinstance(module, RotaryPositionalEmbeddings)
     }
-    names = dict(decoder.named_parameters(remove_duplicate=False))
+    names: dict[str, torch.Tensor] = dict(decoder.named_parameters(remove_duplicate=False))
     names |= dict(decoder.named_buffers(remove_duplicate=False))
     unfilled = sorted(set(names) - loaded - rebuilt)
     if unfilled:
@@ -329,10 +329,13 @@ def save_hf_llama(
         text = json.dumps(config, indent=2, allow_nan=False) + "\n"
     except ValueError as error:
         raise ValueError(f"decoder: its config cannot be written as JSON: {error}") from None
-    attn = decoder.layers[0].attn
     state_dict = decoder.state_dict()
     check_not_sharded(state_dict, "decoder")  # before permuting rows across shards
-    state_dict = fusion_to_hf(state_dict, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
+    state_dict = fusion_to_hf(
+        state_dict,
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"],
+    )
     tensors = prepare_tensors(state_dict, "decoder", safetensors=True)
     if os.path.lexists(directory / CONFIG_NAME) and not overwrite:
         raise CheckpointError(directory / CONFIG_NAME, None, "exists; pass overwrite=True")

@@ -70,6 +70,7 @@ def decoder_state_dict(
             policy and a reference model), listing their prefixes: pick one with
             :func:`select_prefix`.
     """
+    state_dict: Mapping[str, torch.Tensor]
     if isinstance(source, nn.Module):
         state_dict = source.state_dict()
     elif isinstance(source, Mapping):
@@ -80,7 +81,7 @@ def decoder_state_dict(
             f"{type(source).__name__}"
         )
     _check_keys(state_dict, "source")
-    candidates = set()
+    candidates: set[str] = set()
     for key in state_dict:
         parts = key.split(".")
         # Every module boundary at which a ``tok_embeddings`` child starts.

@@ -141,7 +141,7 @@ def merge_embeddings(
     placements, text_ids = resolve_placements(
         tokens, encoder_rows, encoder_tokens, vocab_size=vocab_size, eager_checks=eager_checks
     )
-    if impl == "fused":
+    if impl == "fused" and table is not None:  # a fused call without a table was refused above
         return merge_fused(text_ids, table, placements)
     embed = _checked(_lookup(embedding) if isinstance(embedding, torch.Tensor) else embedding)
     merge = merge_index if impl == "index" else merge_reference

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fusion.decoder import TransformerDecoder
+from fusion.early_fusion import EarlyFusion
 
 
 def find_prefix(root: nn.Module, module: nn.Module) -> str:
@@ -24,7 +25,7 @@ def find_prefix(root: nn.Module, module: nn.Module) -> str:
 
 
 def assert_checkpoint_compatible(
-    root: nn.Module, fusion_model: nn.Module, plain_decoder: TransformerDecoder
+    root: nn.Module, fusion_model: EarlyFusion, plain_decoder: TransformerDecoder
 ) -> None:
     """Assert that ``fusion_model``'s decoder checkpoints exactly like ``plain_decoder``.
 

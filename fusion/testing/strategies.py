@@ -81,12 +81,12 @@ class WrappingTree:
             prefixes[children] = prefix
             return models[children]
         if kind in ("sequential", "list"):
-            built = [
+            items = [
                 self._build(c, models, prefixes, f"{prefix}{i}.") for i, c in enumerate(children)
             ]
-            return nn.Sequential(*built) if kind == "sequential" else nn.ModuleList(built)
-        built = {n: self._build(c, models, prefixes, f"{prefix}{n}.") for n, c in children.items()}
-        return nn.ModuleDict(built) if kind == "dict" else _Custom(built)
+            return nn.Sequential(*items) if kind == "sequential" else nn.ModuleList(items)
+        named = {n: self._build(c, models, prefixes, f"{prefix}{n}.") for n, c in children.items()}
+        return nn.ModuleDict(named) if kind == "dict" else _Custom(named)
 
 
 @st.composite
@@ -217,7 +217,7 @@ def _merge_inputs(
     tokens = torch.where(is_placeholder, torch.tensor(ids)[which], text)
     weight = torch.randn(vocab_size, dim, generator=gen).to(dtype)
 
-    rows = {}
+    rows: dict[str, Packed | Padded] = {}
     for i, name in enumerate(names):
         counts = (tokens == ids[i]).sum(1)
         if draw(st.booleans()):
