@@ -2,6 +2,9 @@
 
 - :func:`load_hf_llama` / :func:`save_hf_llama`: a Hugging Face Llama directory <-> a
   ``llama3_2`` decoder (config, key names and the q/k rotary row permutation).
+- :func:`load_hf_llava`, :func:`load_hf_idefics3` (also SmolVLM), :func:`load_hf_vlm` (either)
+  and :func:`save_hf_llava` / :func:`save_hf_idefics3`: vision-language directories <-> a ready
+  ``EarlyFusion``.
 - :func:`hf_to_fusion` / :func:`fusion_to_hf`: the same conversion on state dicts.
 - :func:`meta_to_fusion` / :func:`fusion_to_meta`: Meta's original ``consolidated.*.pth`` keys.
   torchtune's own checkpoints already use this library's keys: load them as they are.
@@ -32,6 +35,13 @@ from fusion.checkpoint.hf_keys import (
     rotate_half_to_interleaved,
 )
 from fusion.checkpoint.hf_llama import load_hf_llama, save_hf_llama
+from fusion.checkpoint.hf_vlm import (
+    load_hf_idefics3,
+    load_hf_llava,
+    load_hf_vlm,
+    save_hf_idefics3,
+    save_hf_llava,
+)
 from fusion.checkpoint.meta_keys import fusion_to_meta, meta_to_fusion
 from fusion.checkpoint.prefix import decoder_state_dict, select_prefix
 
@@ -48,12 +58,17 @@ __all__ = [
     "hf_to_fusion",
     "interleaved_to_rotate_half",
     "llama3_2_kwargs_from_hf_config",
+    "load_hf_idefics3",
     "load_hf_llama",
+    "load_hf_llava",
+    "load_hf_vlm",
     "load_state_dict",
     "meta_to_fusion",
     "read_hf_config",
     "rotate_half_to_interleaved",
+    "save_hf_idefics3",
     "save_hf_llama",
+    "save_hf_llava",
     "save_state_dict",
     "select_prefix",
 ]

@@ -1,5 +1,17 @@
 """Model builders, kept apart from the modules they assemble."""
 
+from fusion.models.idefics3 import Idefics3ImageEncoder, idefics3, smolvlm_256m
 from fusion.models.llama3_2 import llama3_2, llama3_2_1b, llama3_2_3b, scale_hidden_dim_for_mlp
+from fusion.models.llava import LlavaImageEncoder, llava
 
-__all__ = ["llama3_2", "llama3_2_1b", "llama3_2_3b", "scale_hidden_dim_for_mlp"]
+__all__ = [
+    "Idefics3ImageEncoder",
+    "LlavaImageEncoder",
+    "idefics3",
+    "llama3_2",
+    "llama3_2_1b",
+    "llama3_2_3b",
+    "llava",
+    "scale_hidden_dim_for_mlp",
+    "smolvlm_256m",
+]

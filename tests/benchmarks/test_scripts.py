@@ -98,3 +98,12 @@ def test_checks_never_overwrite_the_committed_results():
         assert "fusion-bench-" in output and str(results) not in output
     after = {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_vlm_generation_quick(tmp_path):
+    stdout = run_script("vlm_generation.py", "--quick", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "vlm_generation.json").read_text())
+    assert report["same_tokens"] and "same tokens: True" in stdout
+    for side in ("fusion", "transformers"):
+        assert report["results"][side]["new_tokens"] == 4
+        assert report["results"][side]["tokens_per_s"] > 0

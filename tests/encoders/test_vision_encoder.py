@@ -45,9 +45,9 @@ def test_patch_embedding_is_local_and_row_major():
 
 
 def test_projection_head_is_a_fusion_module():
-    fused = EarlyFusion(
-        build_tiny_decoder(), {"image": build_encoder()}, {"image": IMAGE_ID}
-    )  # defaults: decoder and encoders frozen, fusion modules trainable
+    fused = EarlyFusion(  # torchtune's defaults: decoder and encoders frozen, fusion trainable
+        build_tiny_decoder(), {"image": build_encoder()}, {"image": IMAGE_ID}, fusion_trainable=True
+    )
     trainable = {n for n, p in fused.named_parameters() if p.requires_grad}
     assert trainable == {"encoders.image.projection.weight", "encoders.image.projection.bias"}
 

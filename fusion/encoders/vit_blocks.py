@@ -1,0 +1,196 @@
+"""The transformer blocks CLIP and SigLIP vision towers share, named as their checkpoints name
+them (``encoder.layers.{i}.self_attn.q_proj``, ``layer_norm1``, ``mlp.fc1``, ...), so that
+real checkpoints load by prefix alone."""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    # Written out (not F.gelu(approximate="tanh")): the form checkpoints naming "gelu_new" use.
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+def _fast_gelu(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+# The activations vision towers and projectors name in their configs (``hidden_act``).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": _tanh_gelu,
+    "gelu_fast": _fast_gelu,
+    "quick_gelu": _quick_gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+class Activation(nn.Module):
+    """An activation chosen by its config name (see :data:`ACTIVATIONS`).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        if name not in ACTIVATIONS:
+            raise ValueError(f"hidden_act: expected one of {sorted(ACTIVATIONS)}, got {name!r}")
+        self.name = name
+        self._fn = ACTIVATIONS[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fn(x)
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional multi-head self-attention with biased q/k/v/out projections."""
+
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        if num_heads <= 0 or hidden_size % num_heads:
+            raise ValueError(
+                f"num_attention_heads: expected a divisor of hidden_size={hidden_size}, "
+                f"got {num_heads}"
+            )
+        self.num_heads = num_heads
+        self.q_proj = nn.Linear(hidden_size, hidden_size)
+        self.k_proj = nn.Linear(hidden_size, hidden_size)
+        self.v_proj = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, p, d] -> [n, p, d]; every position attends to every position."""
+        n, p, d = x.shape
+        shape = (n, p, self.num_heads, d // self.num_heads)
+        q, k, v = (
+            proj(x).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(out.transpose(1, 2).reshape(n, p, d))
+
+
+class VisionMLP(nn.Module):
+    """``fc2(act(fc1(x)))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, intermediate_size)
+        self.act = Activation(hidden_act)
+        self.fc2 = nn.Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionEncoderLayer(nn.Module):
+    """Pre-norm block: ``x + self_attn(layer_norm1(x))``, then ``x + mlp(layer_norm2(x))``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_heads: int,
+        hidden_act: str,
+        layer_norm_eps: float,
+    ) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.self_attn = VisionAttention(hidden_size, num_heads)
+        self.layer_norm2 = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.mlp = VisionMLP(hidden_size, intermediate_size, hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class VisionLayerStack(nn.Module):
+    """``num_layers`` :class:`VisionEncoderLayer` blocks, kept as ``self.layers``."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        hidden_size: int,
+        intermediate_size: int,
+        num_heads: int,
+        hidden_act: str,
+        layer_norm_eps: float,
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            VisionEncoderLayer(
+                hidden_size, intermediate_size, num_heads, hidden_act, layer_norm_eps
+            )
+            for _ in range(num_layers)
+        )
+
+
+def check_vision_sizes(
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    image_size: int,
+    patch_size: int,
+    num_channels: int,
+    layer_norm_eps: float,
+    hidden_act: str,
+) -> None:
+    """Raise ``ValueError`` naming the first argument a vision tower cannot be built from."""
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("intermediate_size", intermediate_size),
+        ("num_attention_heads", num_heads),
+        ("image_size", image_size),
+        ("patch_size", patch_size),
+        ("num_channels", num_channels),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+        raise ValueError(f"num_hidden_layers: expected a non-negative integer, got {num_layers!r}")
+    if image_size % patch_size:
+        raise ValueError(
+            f"image_size: expected a multiple of patch_size={patch_size}, got {image_size}"
+        )
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"num_attention_heads: expected a divisor of hidden_size={hidden_size}, got {num_heads}"
+        )
+    if not isinstance(layer_norm_eps, int | float) or not 0 < layer_norm_eps < 1:
+        raise ValueError(f"layer_norm_eps: expected a number in (0, 1), got {layer_norm_eps!r}")
+    if hidden_act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act: expected one of {sorted(ACTIVATIONS)}, got {hidden_act!r}")
+
+
+def check_pixels(
+    pixel_values: object, channels: int, size: int, name: str = "pixel_values"
+) -> None:
+    """Raise unless ``pixel_values`` is a floating tensor [n, channels, size, size]."""
+    if not isinstance(pixel_values, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(pixel_values).__name__}")
+    if (
+        pixel_values.dim() != 4
+        or tuple(pixel_values.shape[1:]) != (channels, size, size)
+        or not pixel_values.is_floating_point()
+    ):
+        raise ValueError(
+            f"{name}: expected floating images [n, {channels}, {size}, {size}], got shape "
+            f"{list(pixel_values.shape)}, dtype {pixel_values.dtype}"
+        )

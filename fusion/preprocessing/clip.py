@@ -1,0 +1,181 @@
+"""LLaVA's image processor (CLIP's, optionally padding to a square first), in torch."""
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fusion.preprocessing.config import ConfigReader
+from fusion.preprocessing.images import (
+    CLIP_MEAN,
+    CLIP_STD,
+    as_uint8_image,
+    normalize,
+    rescale,
+    to_rgb,
+)
+from fusion.preprocessing.resize import BICUBIC, resize
+
+
+@dataclass(frozen=True)
+class ClipImageProcessor:
+    """Images -> ``pixel_values`` [n, 3, crop_height, crop_width] as Hugging Face's
+    ``CLIPImageProcessor`` / ``LlavaImageProcessor`` compute them (their Pillow backend):
+    RGB (alpha over white), optionally padded to a square with the mean colour (``do_pad``,
+    LLaVA's), shortest edge resized to ``shortest_edge`` (or to ``height`` x ``width``),
+    centre crop (padding with zeros where the image is smaller), rescale, normalise.
+
+    Build it with :meth:`from_config` from ``preprocessor_config.json``, or
+    :meth:`for_image_size` with CLIP's defaults.
+    """
+
+    shortest_edge: int | None = 224
+    height: int | None = None
+    width: int | None = None
+    crop_height: int = 224
+    crop_width: int = 224
+    resample: int = BICUBIC
+    do_resize: bool = True
+    do_center_crop: bool = True
+    do_pad: bool = False
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+
+    @classmethod
+    def for_image_size(cls, image_size: int) -> "ClipImageProcessor":
+        """CLIP's defaults for a tower taking ``image_size`` square images."""
+        return cls(shortest_edge=image_size, crop_height=image_size, crop_width=image_size)
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], where: str = "preprocessor_config.json"
+    ) -> "ClipImageProcessor":
+        """From a ``CLIPImageProcessor`` or ``LlavaImageProcessor`` config.
+
+        Raises:
+            TypeError: ``config`` not a mapping.
+            ValueError: a value of the wrong type or range, or a size given in neither
+                supported form (``shortest_edge``, or ``height`` and ``width``), named with its
+                key.
+        """
+        read = ConfigReader(config, where)
+        size = read.size("size", config.get("size", {"shortest_edge": 224}))
+        if "shortest_edge" in size and ("height" not in size or "width" not in size):
+            resize_to: dict[str, int | None] = {"shortest_edge": size["shortest_edge"]}
+        elif "height" in size and "width" in size:
+            resize_to = {"shortest_edge": None, "height": size["height"], "width": size["width"]}
+        else:
+            raise read.fail("size", f"expected shortest_edge, or height and width, got {size}")
+        crop = config.get("crop_size", {"height": 224, "width": 224})
+        if isinstance(crop, int) and not isinstance(crop, bool):
+            crop = {"height": crop, "width": crop}
+        crop = read.size("crop_size", crop)
+        if "height" not in crop or "width" not in crop:
+            raise read.fail("crop_size", f"expected height and width, got {crop}")
+        return cls(
+            **resize_to,
+            crop_height=crop["height"],
+            crop_width=crop["width"],
+            resample=read.resample("resample", BICUBIC),
+            do_resize=read.flag("do_resize", True),
+            do_center_crop=read.flag("do_center_crop", True),
+            do_pad=read.flag("do_pad", False),
+            do_rescale=read.flag("do_rescale", True),
+            rescale_factor=read.number("rescale_factor", 1 / 255),
+            do_normalize=read.flag("do_normalize", True),
+            image_mean=read.triple("image_mean", CLIP_MEAN),
+            image_std=read.triple("image_std", CLIP_STD, positive=True),
+        )
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) an image of this size comes out with."""
+        if self.do_pad:
+            height = width = max(height, width)
+        if self.do_resize:
+            height, width = self._resized(height, width)
+        if self.do_center_crop:
+            height, width = self.crop_height, self.crop_width
+        return height, width
+
+    def _resized(self, height: int, width: int) -> tuple[int, int]:
+        if self.shortest_edge is None:
+            if self.height is None or self.width is None:
+                raise ValueError("height, width: expected both when shortest_edge is None")
+            return self.height, self.width
+        short, long = min(height, width), max(height, width)
+        new_long = int(self.shortest_edge * long / short)
+        if width <= height:
+            return new_long, self.shortest_edge
+        return self.shortest_edge, new_long
+
+    def process(self, image: object, name: str = "image") -> torch.Tensor:
+        """One image (uint8 tensor [1, 3 or 4, h, w], or a Pillow image) -> float32 [3, H, W].
+
+        Raises:
+            TypeError, ValueError: an image of a type, dtype, shape or mode that cannot be
+                taken (see :func:`fusion.preprocessing.as_uint8_image`).
+        """
+        image = to_rgb(as_uint8_image(image, name))
+        if self.do_pad:
+            image = _pad_to_square(image, tuple(int(m * 255) for m in self.image_mean))
+        if self.do_resize:
+            image = resize(image, self._resized(*image.shape[1:]), self.resample)
+        if self.do_center_crop:
+            image = _center_crop(image, self.crop_height, self.crop_width)
+        pixels = rescale(image, self.rescale_factor if self.do_rescale else 1.0)
+        return normalize(pixels, self.image_mean, self.image_std) if self.do_normalize else pixels
+
+    def __call__(self, images: Sequence[object]) -> torch.Tensor:
+        """Images -> ``pixel_values`` [n, 3, H, W] (all come out the same size).
+
+        Raises:
+            TypeError: ``images`` not a sequence.
+            ValueError: an image that cannot be taken (named by its index), or sizes that
+                differ after processing (no centre crop and no fixed size).
+        """
+        if not isinstance(images, Sequence) or isinstance(images, str | bytes):
+            raise TypeError(f"images: expected a sequence of images, got {type(images).__name__}")
+        processed = [self.process(image, f"images[{i}]") for i, image in enumerate(images)]
+        sizes = {tuple(p.shape) for p in processed}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"images: processed to different sizes {sorted(sizes)}; set do_center_crop or "
+                "a fixed height and width"
+            )
+        if not processed:
+            return torch.empty(0, 3, *self.output_size(1, 1))
+        return torch.stack(processed)
+
+
+def _pad_to_square(image: torch.Tensor, color: tuple[int, ...]) -> torch.Tensor:
+    _, height, width = image.shape
+    if height == width:
+        return image
+    side = max(height, width)
+    out = torch.tensor(color, dtype=torch.uint8).view(3, 1, 1).expand(3, side, side).clone()
+    if width > height:
+        top = (side - height) // 2
+        out[:, top : top + height] = image
+    else:
+        left = (side - width) // 2
+        out[:, :, left : left + width] = image
+    return out
+
+
+def _center_crop(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    _, in_height, in_width = image.shape
+    top, left = (in_height - height) // 2, (in_width - width) // 2
+    if top >= 0 and left >= 0:
+        return image[:, top : top + height, left : left + width]
+    # Smaller than the crop: centred on zeros, then cropped (as Hugging Face pads).
+    pad_h, pad_w = max(height - in_height, 0), max(width - in_width, 0)
+    top_pad, left_pad = math.ceil(pad_h / 2), math.ceil(pad_w / 2)
+    padded = F.pad(image, (left_pad, pad_w - left_pad, top_pad, pad_h - top_pad))
+    top, left = top + top_pad, left + left_pad
+    return padded[:, top : top + height, left : left + width]

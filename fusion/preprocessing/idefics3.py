@@ -1,0 +1,200 @@
+"""Idefics3 / SmolVLM's image processor (resize, split into tiles plus a global image), and
+the prompt text each image expands to, in torch."""
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusion.preprocessing.config import ConfigReader
+from fusion.preprocessing.images import (
+    STANDARD_MEAN,
+    STANDARD_STD,
+    as_uint8_image,
+    normalize,
+    rescale,
+    to_rgb,
+)
+from fusion.preprocessing.resize import LANCZOS, resize
+
+MAX_IMAGE_SIDE = 4096  # Idefics3's cap on either side after the first resize
+IMAGE_TOKEN = "<image>"
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
+GLOBAL_IMAGE_TOKEN = "<global-img>"
+
+
+@dataclass(frozen=True)
+class TiledImage:
+    """One processed image: ``tiles`` [k, 3, s, s] float32 (the crops in row-major order,
+    then the global image; just the image when it was not split) and the grid of crops
+    (``rows``, ``cols``; both 0 when not split)."""
+
+    tiles: torch.Tensor
+    rows: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class Idefics3ImageProcessor:
+    """Images -> tiles as Hugging Face's ``Idefics3ImageProcessor`` / ``SmolVLMImageProcessor``
+    compute them (their Pillow backend).
+
+    Each image is made RGB (alpha over white), its longest edge resized to ``longest_edge``
+    (the other keeping the aspect ratio, rounded up to even; no side above 4096). With
+    ``do_image_splitting``, both sides are then rounded up to multiples of
+    ``max_image_size`` (resized again), cut into ``max_image_size`` squares, and the whole image
+    resized to one more square (the global image); an image no larger than one square is kept
+    whole. Without splitting, each image is resized to one square. Tiles are rescaled and
+    normalised.
+
+    Build it with :meth:`from_config` from ``preprocessor_config.json``, or
+    :meth:`for_image_size` with Idefics3's defaults.
+    """
+
+    max_image_size: int = 364
+    longest_edge: int | None = 4 * 364
+    height: int | None = None
+    width: int | None = None
+    resample: int = LANCZOS
+    do_resize: bool = True
+    do_image_splitting: bool = True
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, ...] = STANDARD_MEAN
+    image_std: tuple[float, ...] = STANDARD_STD
+
+    @classmethod
+    def for_image_size(cls, image_size: int) -> "Idefics3ImageProcessor":
+        """Idefics3's defaults for a tower taking ``image_size`` square tiles: images resized
+        to a longest edge of 4 tiles."""
+        return cls(max_image_size=image_size, longest_edge=4 * image_size)
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], where: str = "preprocessor_config.json"
+    ) -> "Idefics3ImageProcessor":
+        """From an ``Idefics3ImageProcessor`` or ``SmolVLMImageProcessor`` config.
+
+        Raises:
+            TypeError: ``config`` not a mapping.
+            ValueError: a value of the wrong type or range, named with its key.
+        """
+        read = ConfigReader(config, where)
+        tile = read.size("max_image_size", config.get("max_image_size", {"longest_edge": 364}))
+        if "longest_edge" not in tile:
+            raise read.fail("max_image_size", f"expected longest_edge, got {tile}")
+        size = read.size("size", config.get("size", {"longest_edge": 4 * 364}))
+        if "longest_edge" in size:
+            target: dict[str, int | None] = {"longest_edge": size["longest_edge"]}
+        elif "height" in size and "width" in size:
+            target = {"longest_edge": None, "height": size["height"], "width": size["width"]}
+        else:
+            raise read.fail("size", f"expected longest_edge, or height and width, got {size}")
+        return cls(
+            max_image_size=tile["longest_edge"],
+            **target,
+            resample=read.resample("resample", LANCZOS),
+            do_resize=read.flag("do_resize", True),
+            do_image_splitting=read.flag("do_image_splitting", True),
+            do_rescale=read.flag("do_rescale", True),
+            rescale_factor=read.number("rescale_factor", 1 / 255),
+            do_normalize=read.flag("do_normalize", True),
+            image_mean=read.triple("image_mean", STANDARD_MEAN),
+            image_std=read.triple("image_std", STANDARD_STD, positive=True),
+        )
+
+    def _first_size(self, height: int, width: int) -> tuple[int, int]:
+        if self.longest_edge is None:
+            if self.height is None or self.width is None:
+                raise ValueError("height, width: expected both when longest_edge is None")
+            return self.height, self.width
+        # Longest edge to longest_edge, the other scaled and rounded up to even ...
+        longest, ratio = self.longest_edge, width / height
+        if width >= height:
+            width, height = longest, int(longest / ratio)
+            height += height % 2
+        else:
+            height, width = longest, int(longest * ratio)
+            width += width % 2
+        height, width = max(height, 1), max(width, 1)
+        # ... then both within the 4096 cap.
+        ratio = width / height
+        if width >= height and width > MAX_IMAGE_SIDE:
+            width, height = MAX_IMAGE_SIDE, int(MAX_IMAGE_SIDE / ratio)
+        elif height > width and height > MAX_IMAGE_SIDE:
+            height, width = MAX_IMAGE_SIDE, int(MAX_IMAGE_SIDE * ratio)
+        return max(height, 1), max(width, 1)
+
+    def _tiled_size(self, height: int, width: int) -> tuple[int, int]:
+        tile, ratio = self.max_image_size, width / height
+        if width >= height:
+            width = math.ceil(width / tile) * tile
+            height = math.ceil(int(width / ratio) / tile) * tile
+        else:
+            height = math.ceil(height / tile) * tile
+            width = math.ceil(int(height * ratio) / tile) * tile
+        return height, width
+
+    def process(self, image: object, name: str = "image") -> TiledImage:
+        """One image (uint8 tensor [1, 3 or 4, h, w], or a Pillow image) -> its tiles.
+
+        Raises:
+            TypeError, ValueError: an image of a type, dtype, shape or mode that cannot be
+                taken (see :func:`fusion.preprocessing.as_uint8_image`).
+        """
+        image = to_rgb(as_uint8_image(image, name))
+        if self.do_resize:
+            image = resize(image, self._first_size(*image.shape[1:]), self.resample)
+        tile = self.max_image_size
+        rows = cols = 0
+        if not self.do_image_splitting:
+            tiles = [resize(image, (tile, tile), self.resample)]
+        else:
+            image = resize(image, self._tiled_size(*image.shape[1:]), self.resample)
+            height, width = image.shape[1:]
+            if height > tile or width > tile:
+                rows, cols = height // tile, width // tile
+                tiles = [
+                    image[:, r * tile : (r + 1) * tile, c * tile : (c + 1) * tile]
+                    for r in range(rows)
+                    for c in range(cols)
+                ]
+                tiles.append(resize(image, (tile, tile), self.resample))
+            else:
+                tiles = [image]
+        factor = self.rescale_factor if self.do_rescale else 1.0
+        pixels = [rescale(t, factor) for t in tiles]
+        if self.do_normalize:
+            pixels = [normalize(p, self.image_mean, self.image_std) for p in pixels]
+        return TiledImage(torch.stack(pixels), rows, cols)
+
+    def __call__(self, images: Sequence[object]) -> list[TiledImage]:
+        """Each image's :class:`TiledImage`, in order.
+
+        Raises:
+            TypeError: ``images`` not a sequence.
+            ValueError: an image that cannot be taken (named by its index).
+        """
+        if not isinstance(images, Sequence) or isinstance(images, str | bytes):
+            raise TypeError(f"images: expected a sequence of images, got {type(images).__name__}")
+        return [self.process(image, f"images[{i}]") for i, image in enumerate(images)]
+
+
+def idefics3_image_text(rows: int, cols: int, tokens_per_tile: int) -> str:
+    """The text an image marker expands to, as Idefics3's and SmolVLM's processors write it:
+    per crop ``<fake_token_around_image><row_r_col_c>`` and ``tokens_per_tile`` ``<image>``
+    tokens, a newline after each row of crops, then a blank line and the global image
+    ``<fake_token_around_image><global-img><image>...<fake_token_around_image>``; an image not
+    split (``rows == cols == 0``) is just the global part."""
+    run = IMAGE_TOKEN * tokens_per_tile
+    whole = f"{FAKE_IMAGE_TOKEN}{GLOBAL_IMAGE_TOKEN}{run}{FAKE_IMAGE_TOKEN}"
+    if rows == 0 and cols == 0:
+        return whole
+    grid = "".join(
+        "".join(f"{FAKE_IMAGE_TOKEN}<row_{r + 1}_col_{c + 1}>{run}" for c in range(cols)) + "\n"
+        for r in range(rows)
+    )
+    return f"{grid}\n{whole}"

@@ -1,0 +1,292 @@
+"""Prompts and images -> token ids and pixels for a LLaVA or Idefics3 / SmolVLM model."""
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusion.checkpoint import CheckpointError, read_hf_config
+from fusion.checkpoint.hf_vlm import VlmImageLayout, hf_model_kind, read_hf_vlm_layout
+from fusion.early_fusion import EarlyFusion
+from fusion.generation import left_pad
+from fusion.models.idefics3 import Idefics3ImageEncoder
+from fusion.models.llava import LlavaImageEncoder
+from fusion.preprocessing.clip import ClipImageProcessor
+from fusion.preprocessing.idefics3 import IMAGE_TOKEN, Idefics3ImageProcessor, idefics3_image_text
+from fusion.preprocessing.prompts import check_marker_count, expand_markers
+
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
+PROCESSOR_CONFIG = "processor_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+Encode = Callable[[str], list[int]]
+
+
+def detect_model_kind(directory: str | bytes | os.PathLike) -> str:
+    """``"llama"``, ``"llava"`` or ``"idefics3"``: what a model directory's ``config.json``
+    describes (see :func:`fusion.checkpoint.hf_vlm.hf_model_kind`, whose errors it raises)."""
+    return hf_model_kind(directory)
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """What a prompt batch gives the model.
+
+    Attributes:
+        ids: the token ids of each prompt, image markers expanded to placeholder ids.
+        pixel_values: float32 [n, 3, s, s], the images (LLaVA) or tiles (Idefics3) of all
+            prompts in order; ``n`` is 0 without images.
+    """
+
+    ids: list[list[int]]
+    pixel_values: torch.Tensor
+
+    def tokens(self, pad_id: int, device: str | torch.device | None = None) -> torch.Tensor:
+        """The prompts as a left-padded [b, s] int64 batch (see
+        :func:`fusion.generation.left_pad`, whose errors it raises)."""
+        return left_pad(self.ids, pad_id, device=device)
+
+    def encoder_input(
+        self, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> dict[str, Any]:
+        """``encoder_input`` for ``EarlyFusion`` / :func:`fusion.generate`: ``{"image":
+        {"pixel_values": ...}}`` (moved to ``device`` / ``dtype`` if given), or ``{}`` without
+        images."""
+        if self.pixel_values.size(0) == 0:
+            return {}
+        return {"image": {"pixel_values": self.pixel_values.to(device=device, dtype=dtype)}}
+
+
+class VisionLanguageProcessor:
+    """Prompts with image markers, and images -> :class:`VisionInputs`.
+
+    Each marker (``"<image>"``) is replaced by the text of its image's placeholders, as the
+    model's Hugging Face processor writes it (LLaVA: the image token once per row; Idefics3:
+    per tile a ``<fake_token_around_image>``, a ``<row_r_col_c>`` or ``<global-img>`` tag
+    and the image token once per row, see
+    :func:`fusion.preprocessing.idefics3_image_text`), then the prompt is tokenized whole, as
+    the processor tokenizes it.
+
+    Args:
+        kind: ``"llava"`` or ``"idefics3"``.
+        image_processor: a :class:`ClipImageProcessor` (LLaVA) or
+            :class:`Idefics3ImageProcessor`.
+        tokens_per_image: rows per image (LLaVA) or tile (Idefics3).
+        image_size: the side of the square images or tiles the vision tower takes.
+        image_token_id: the placeholder id; the tokenizer must encode ``"<image>"`` as it.
+        encode: text -> ids, special tokens (BOS) added as the model expects.
+
+    Raises:
+        TypeError: ``encode`` not callable.
+        ValueError: an unknown ``kind``, an image processor of the other kind, a size that is
+            not a positive integer or a negative ``image_token_id``.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        image_processor: ClipImageProcessor | Idefics3ImageProcessor,
+        *,
+        tokens_per_image: int,
+        image_size: int,
+        image_token_id: int,
+        encode: Encode,
+    ) -> None:
+        expected = {"llava": ClipImageProcessor, "idefics3": Idefics3ImageProcessor}
+        if kind not in expected:
+            raise ValueError(f"kind: expected 'llava' or 'idefics3', got {kind!r}")
+        if not isinstance(image_processor, expected[kind]):
+            raise ValueError(
+                f"image_processor: expected a {expected[kind].__name__} for {kind}, got "
+                f"{type(image_processor).__name__}"
+            )
+        if not callable(encode):
+            raise TypeError(f"encode: expected a callable text -> ids, got {type(encode).__name__}")
+        for name, value, low in (
+            ("tokens_per_image", tokens_per_image, 1),
+            ("image_size", image_size, 1),
+            ("image_token_id", image_token_id, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        self.kind = kind
+        self.image_processor = image_processor
+        self.tokens_per_image = tokens_per_image
+        self.image_size = image_size
+        self.image_token_id = image_token_id
+        self.encode = encode
+
+    @classmethod
+    def for_model(
+        cls,
+        model: EarlyFusion,
+        encode: Encode,
+        image_processor: ClipImageProcessor | Idefics3ImageProcessor | None = None,
+    ) -> "VisionLanguageProcessor":
+        """For a model as :func:`fusion.models.llava` / :func:`fusion.models.idefics3` (or the
+        loaders) make it; ``image_processor`` defaults to the model family's defaults for its
+        image size.
+
+        Raises:
+            ValueError: ``model`` has no LLaVA or Idefics3 image encoder.
+        """
+        encoder = model.encoders["image"] if "image" in model.encoders else None
+        default: ClipImageProcessor | Idefics3ImageProcessor
+        if isinstance(encoder, LlavaImageEncoder):
+            kind, size = "llava", encoder.vision_tower.image_size
+            default = ClipImageProcessor.for_image_size(size)
+        elif isinstance(encoder, Idefics3ImageEncoder):
+            kind, size = "idefics3", encoder.vision_model.image_size
+            default = Idefics3ImageProcessor.for_image_size(size)
+        else:
+            raise ValueError(
+                "model: expected an 'image' encoder of LLaVA or Idefics3, got "
+                f"{type(encoder).__name__}"
+            )
+        return cls(
+            kind,
+            image_processor or default,
+            tokens_per_image=encoder.tokens_per_image,
+            image_size=size,
+            image_token_id=model.encoder_tokens["image"],
+            encode=encode,
+        )
+
+    @classmethod
+    def from_directory(
+        cls, directory: str | bytes | os.PathLike, *, encode: Encode | None = None
+    ) -> "VisionLanguageProcessor":
+        """From a model directory: ``config.json`` (the model), ``preprocessor_config.json``
+        (the image processor; without it, the family's defaults for the tower's image size),
+        ``processor_config.json`` (checked against the model if present) and, unless
+        ``encode`` is given, ``tokenizer.json`` (read with the ``tokenizers`` package).
+
+        Raises:
+            CheckpointError: naming the file and key: a config that describes no LLaVA or
+                Idefics3 model, an unreadable file, a processor config that contradicts the
+                model (``image_seq_len``), no ``tokenizer.json`` and no ``encode``.
+            ImportError: ``tokenizer.json`` must be read and ``tokenizers`` is missing.
+            ValueError: a bad value in ``preprocessor_config.json`` (named).
+        """
+        directory = Path(os.fsdecode(directory))
+        layout: VlmImageLayout = read_hf_vlm_layout(directory)
+        file = directory / PREPROCESSOR_CONFIG
+        image_processor: ClipImageProcessor | Idefics3ImageProcessor
+        if file.exists() and layout.kind == "llava":
+            image_processor = ClipImageProcessor.from_config(read_hf_config(file), str(file))
+        elif file.exists():
+            image_processor = Idefics3ImageProcessor.from_config(read_hf_config(file), str(file))
+        elif layout.kind == "llava":
+            image_processor = ClipImageProcessor.for_image_size(layout.image_size)
+        else:
+            image_processor = Idefics3ImageProcessor.for_image_size(layout.image_size)
+        file = directory / PROCESSOR_CONFIG
+        if file.exists():
+            seq_len = read_hf_config(file).get("image_seq_len")
+            if layout.kind == "idefics3" and seq_len not in (None, layout.tokens_per_image):
+                raise CheckpointError(
+                    file,
+                    "image_seq_len",
+                    f"{seq_len!r}, but the model gives {layout.tokens_per_image} rows per tile",
+                )
+        return cls(
+            layout.kind,
+            image_processor,
+            tokens_per_image=layout.tokens_per_image,
+            image_size=layout.image_size,
+            image_token_id=layout.image_token_id,
+            encode=encode or _tokenizer_encode(directory),
+        )
+
+    def __call__(self, prompts: str | Sequence[str], images: Sequence[object] = ()) -> VisionInputs:
+        """Expand, tokenize and process.
+
+        Args:
+            prompts: one prompt or several; each ``"<image>"`` marks where an image goes.
+            images: the images, in the order of the markers (through the first prompt, then
+                the next...): uint8 tensors [1, 3 or 4, h, w] (L, RGB, RGBA) or Pillow images.
+
+        Raises:
+            TypeError: ``prompts`` not strings; ``images`` not a sequence.
+            ValueError: before any image is processed, a number of markers other than the
+                number of images; an image that cannot be taken (named by its index, e.g. a
+                16-bit or 2-channel one); images processed to a size the vision tower does not
+                take (an image processor config at odds with the model); an empty prompt;
+                placeholder ids in the tokenized prompts that do not match the images' rows
+                (the tokenizer does not encode ``"<image>"`` as the one token
+                ``image_token_id``, or a prompt holds that token itself).
+        """
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not isinstance(images, Sequence) or isinstance(images, str | bytes):
+            raise TypeError(f"images: expected a sequence of images, got {type(images).__name__}")
+        check_marker_count(prompts, len(images), IMAGE_TOKEN)
+        pixel_values: torch.Tensor
+        if isinstance(self.image_processor, ClipImageProcessor):
+            pixel_values = self.image_processor(images)
+            texts = [IMAGE_TOKEN * self.tokens_per_image] * len(images)
+            tiles = len(images)
+        else:
+            tiled = self.image_processor(images)
+            pixel_values = (
+                torch.cat([t.tiles for t in tiled])
+                if tiled
+                else torch.empty(0, 3, self.image_size, self.image_size)
+            )
+            texts = [idefics3_image_text(t.rows, t.cols, self.tokens_per_image) for t in tiled]
+            tiles = pixel_values.size(0)
+        if images and pixel_values.shape[1:] != (3, self.image_size, self.image_size):
+            raise ValueError(
+                f"image_processor: gives images of {list(pixel_values.shape[2:])} pixels, but the "
+                f"vision tower takes {self.image_size} x {self.image_size}"
+            )
+        ids = []
+        for i, text in enumerate(expand_markers(prompts, texts, IMAGE_TOKEN)):
+            encoded = [int(t) for t in self.encode(text)]
+            if not encoded:
+                raise ValueError(f"prompts[{i}]: the tokenizer gives no tokens")
+            ids.append(encoded)
+        found = sum(row.count(self.image_token_id) for row in ids)
+        if found != tiles * self.tokens_per_image:
+            raise ValueError(
+                f"prompts: the tokenized prompts hold {found} placeholder ids "
+                f"({self.image_token_id}), but the images give {tiles * self.tokens_per_image} "
+                f"rows; the tokenizer must encode {IMAGE_TOKEN!r} as the single token "
+                f"{self.image_token_id}, and prompts must not hold it otherwise"
+            )
+        return VisionInputs(ids, pixel_values)
+
+
+def _tokenizer_encode(directory: Path) -> Encode:
+    file = directory / TOKENIZER_FILE
+    if not file.is_file():
+        raise CheckpointError(
+            file, None, "missing: text prompts need the model's tokenizer (or pass encode)"
+        )
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError(
+            "reading tokenizer.json needs the tokenizers package: pip install tokenizers "
+            "(or pass encode)"
+        ) from None
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as error:  # tokenizers raises plain Exception
+        raise CheckpointError(file, None, f"unreadable tokenizer: {error}") from error
+    return lambda text: tokenizer.encode(text).ids
+
+
+def prepare_inputs(
+    directory: str | bytes | os.PathLike,
+    prompts: str | Sequence[str],
+    images: Sequence[object] = (),
+    *,
+    encode: Encode | None = None,
+) -> VisionInputs:
+    """``VisionLanguageProcessor.from_directory(directory, encode=encode)(prompts, images)``:
+    what a command line needs to run a LLaVA or Idefics3 directory on image files
+    (decode them with :func:`fusion.preprocessing.load_image`). Raises as those two do."""
+    return VisionLanguageProcessor.from_directory(directory, encode=encode)(prompts, images)

@@ -1,0 +1,166 @@
+"""Resizing 8-bit images in torch, bit for bit as Pillow resizes them.
+
+Image processors of vision-language models resize with Pillow (``Image.resize``) before they
+rescale and normalise, so matching their pixels means matching Pillow's integer arithmetic:
+each output pixel is a weighted sum of input pixels, with the filter's weights normalised to sum
+to one, rounded to 22-bit fixed point, and the sum rounded and clipped to 8 bits after each of
+the two one-dimensional passes. Pillow 13 runs the vertical pass first when the height shrinks
+by more than twice as many pixels as the width does, the horizontal pass first otherwise
+(earlier Pillow versions always ran the horizontal pass first; results then differ by a level
+or two at some pixels of such resizes).
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+
+# Pillow's resampling filter numbers, which image processor configs store (``resample``).
+NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING = 0, 1, 2, 3, 4, 5
+_PRECISION_BITS = 22  # 32 bits, minus 8 for the value, minus 2 for overshoot and sign
+
+
+def _box(x: float) -> float:
+    return 1.0 if -0.5 < x <= 0.5 else 0.0
+
+
+def _bilinear(x: float) -> float:
+    x = abs(x)
+    return 1.0 - x if x < 1.0 else 0.0
+
+
+def _hamming(x: float) -> float:
+    x = abs(x)
+    if x == 0.0:
+        return 1.0
+    if x >= 1.0:
+        return 0.0
+    x = x * math.pi
+    # Pillow's constants are single-precision floats (0.54f, 0.46f).
+    return math.sin(x) / x * (_F32_054 + _F32_046 * math.cos(x))
+
+
+def _bicubic(x: float) -> float:
+    a = -0.5
+    x = abs(x)
+    if x < 1.0:
+        return ((a + 2.0) * x - (a + 3.0)) * x * x + 1
+    if x < 2.0:
+        return (((x - 5) * x + 8) * x - 4) * a
+    return 0.0
+
+
+def _sinc(x: float) -> float:
+    if x == 0.0:
+        return 1.0
+    x = x * math.pi
+    return math.sin(x) / x
+
+
+def _lanczos(x: float) -> float:
+    return _sinc(x) * _sinc(x / 3) if -3.0 <= x < 3.0 else 0.0
+
+
+_F32_054 = float(torch.tensor(0.54, dtype=torch.float32))
+_F32_046 = float(torch.tensor(0.46, dtype=torch.float32))
+FILTERS: dict[int, tuple[Callable[[float], float], float]] = {
+    BOX: (_box, 0.5),
+    BILINEAR: (_bilinear, 1.0),
+    HAMMING: (_hamming, 1.0),
+    BICUBIC: (_bicubic, 2.0),
+    LANCZOS: (_lanczos, 3.0),
+}
+FILTER_NAMES = {
+    BOX: "box",
+    BILINEAR: "bilinear",
+    HAMMING: "hamming",
+    BICUBIC: "bicubic",
+    LANCZOS: "lanczos",
+}
+
+
+def _coefficients(in_size: int, out_size: int, resample: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each output position: the input indices [out, k] and fixed-point weights [out, k]
+    (zero beyond each position's support), computed in Python's doubles in Pillow's order."""
+    fn, support = FILTERS[resample]
+    scale = in_size / out_size
+    filter_scale = max(scale, 1.0)
+    support *= filter_scale
+    width = math.ceil(support) * 2 + 1
+    inverse = 1.0 / filter_scale
+    indices = torch.zeros(out_size, width, dtype=torch.long)
+    weights = torch.zeros(out_size, width, dtype=torch.int32)
+    one = 1 << _PRECISION_BITS
+    for out in range(out_size):
+        center = (out + 0.5) * scale
+        first = max(int(center - support + 0.5), 0)
+        count = min(int(center + support + 0.5), in_size) - first
+        taps = [fn((i + first - center + 0.5) * inverse) for i in range(count)]
+        total = 0.0
+        for tap in taps:  # summed in order, as Pillow does
+            total += tap
+        if total != 0.0:
+            taps = [tap / total for tap in taps]
+        # Rounded half away from zero, as Pillow converts them.
+        fixed = [int(tap * one - 0.5) if tap < 0 else int(tap * one + 0.5) for tap in taps]
+        indices[out, :count] = torch.arange(first, first + count)
+        weights[out, :count] = torch.tensor(fixed, dtype=torch.int32)
+    return indices, weights
+
+
+def _resample_last(image: torch.Tensor, out_size: int, resample: int) -> torch.Tensor:
+    """Resample the last dimension of a uint8 tensor to ``out_size``."""
+    indices, weights = _coefficients(image.size(-1), out_size, resample)
+    acc = torch.full((*image.shape[:-1], out_size), 1 << (_PRECISION_BITS - 1), dtype=torch.int32)
+    source = image.to(torch.int32)
+    for k in range(indices.size(1)):
+        acc += source[..., indices[:, k]] * weights[:, k]
+    # Floor division by 2**22, then clip: what Pillow's lookup table does.
+    return (acc >> _PRECISION_BITS).clamp_(0, 255).to(torch.uint8)
+
+
+def resize(image: torch.Tensor, size: tuple[int, int], resample: int = BICUBIC) -> torch.Tensor:
+    """Resize an 8-bit image as Pillow's ``Image.resize(size[::-1], resample)`` does.
+
+    Args:
+        image: uint8 [channels, height, width] (each channel is resized alone, as Pillow
+            resizes each band of an RGB or L image).
+        size: (height, width) of the output, each >= 1.
+        resample: :data:`BOX`, :data:`BILINEAR`, :data:`HAMMING`, :data:`BICUBIC` or
+            :data:`LANCZOS` (Pillow's numbers).
+
+    Returns:
+        uint8 [channels, height, width]; a copy when the size is unchanged.
+
+    Raises:
+        TypeError: ``image`` not a tensor.
+        ValueError: ``image`` not uint8 [c, h, w] with h, w >= 1; ``size`` not two integers
+            >= 1; an unsupported filter (e.g. nearest).
+    """
+    if not isinstance(image, torch.Tensor):
+        raise TypeError(f"image: expected a uint8 tensor [c, h, w], got {type(image).__name__}")
+    if image.dtype != torch.uint8 or image.dim() != 3 or min(image.shape[1:], default=0) < 1:
+        raise ValueError(
+            f"image: expected a uint8 tensor [c, h, w], got shape {list(image.shape)}, dtype "
+            f"{image.dtype}"
+        )
+    if (
+        not isinstance(size, tuple | list)
+        or len(size) != 2
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in size)
+    ):
+        raise ValueError(f"size: expected (height, width), two integers >= 1, got {size!r}")
+    if resample not in FILTERS:
+        names = ", ".join(f"{n} ({FILTER_NAMES[n]})" for n in sorted(FILTERS))
+        raise ValueError(f"resample: expected one of {names}, got {resample!r}")
+    height, width = size
+    in_height, in_width = image.shape[1:]
+    vertical_first = height < in_height and in_height - height > 2 * (in_width - width)
+    out = image.cpu()
+    if vertical_first and height != in_height:
+        out = _resample_last(out.transpose(1, 2), height, resample).transpose(1, 2)
+    if width != in_width:
+        out = _resample_last(out, width, resample)
+    if not vertical_first and height != in_height:
+        out = _resample_last(out.transpose(1, 2), height, resample).transpose(1, 2)
+    return out.contiguous().clone() if out is image else out.contiguous().to(image.device)

@@ -1,0 +1,160 @@
+"""Tiny random ``transformers`` vision-language models, a character tokenizer and images, built
+in the tests (nothing downloaded), shared by the LLaVA / Idefics3 tests."""
+
+import string
+
+import numpy as np
+import torch
+
+TEXT_VOCAB = 128
+PAD, BOS, EOS = 0, 1, 2
+SPECIALS = [
+    "<pad>",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<image>",
+    "<fake_token_around_image>",
+    "<global-img>",
+    "<end_of_utterance>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
+]
+IMAGE_ID = SPECIALS.index("<image>")  # inside the vocabulary, as Hugging Face models need
+CHARS = string.ascii_letters + string.digits + " .,:;!?'\n"
+
+TEXT_CONFIG = {
+    "vocab_size": TEXT_VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rope_theta": 500_000.0,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": BOS,
+    "eos_token_id": EOS,
+    "pad_token_id": PAD,
+}
+CLIP_CONFIG = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "image_size": 16,
+    "patch_size": 4,
+}
+IDEFICS3_VISION_CONFIG = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": 16,
+    "patch_size": 2,
+}
+LLAVA_TOKENS = 16  # (16 / 4) ** 2 patches, class token dropped
+IDEFICS3_TOKENS = 16  # (16 / 2) ** 2 patches, 2 x 2 pixel shuffle
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Weights drawn so that layout mistakes show: N(0, 0.1) everywhere, norm scales from
+    [0.5, 1.5] (initialised to ones otherwise), biases nonzero."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model.eval()
+
+
+def tiny_hf_llava(seed: int = 0, *, tied: bool = False, **config):
+    """A random ``LlavaForConditionalGeneration`` (CLIP 16 x 16 images, 4 x 4 patches, 16 rows
+    per image), in eval mode; ``config`` overrides ``LlavaConfig`` fields."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    settings = {
+        "vision_config": {"model_type": "clip_vision_model", **CLIP_CONFIG},
+        "text_config": {"model_type": "llama", **TEXT_CONFIG, "tie_word_embeddings": tied},
+        "image_token_index": IMAGE_ID,
+        "tie_word_embeddings": tied,
+        **config,
+    }
+    model = LlavaForConditionalGeneration(LlavaConfig(**settings))
+    return randomize(model, seed)
+
+
+def tiny_hf_idefics3(seed: int = 0, *, smolvlm: bool = False, tied: bool = False, **config):
+    """A random ``Idefics3ForConditionalGeneration`` (or ``SmolVLMForConditionalGeneration``):
+    16 x 16 tiles, 2 x 2 patches, 2 x 2 pixel shuffle, 16 rows per tile."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+    )
+
+    config_cls, model_cls = (
+        (SmolVLMConfig, SmolVLMForConditionalGeneration)
+        if smolvlm
+        else (Idefics3Config, Idefics3ForConditionalGeneration)
+    )
+    settings = {
+        "vision_config": IDEFICS3_VISION_CONFIG,
+        "text_config": {"model_type": "llama", **TEXT_CONFIG, "tie_word_embeddings": tied},
+        "image_token_id": IMAGE_ID,
+        "scale_factor": 2,
+        "tie_word_embeddings": tied,
+        **config,
+    }
+    model = model_cls(config_cls(**settings))
+    return randomize(model, seed)
+
+
+def char_tokenizer():
+    """A ``tokenizers.Tokenizer``: one token per character of :data:`CHARS`, the special tokens
+    of LLaVA and Idefics3 prompts as added tokens, ``<s>`` prepended."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {token: i for i, token in enumerate([*SPECIALS, *CHARS])}
+    assert len(vocab) <= TEXT_VOCAB
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.add_special_tokens(SPECIALS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", BOS)]
+    )
+    return tokenizer
+
+
+def hf_tokenizer(tokenizer):
+    """The same tokenizer as ``transformers`` wraps it."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+
+
+def make_image(height: int, width: int, seed: int = 0, channels: int = 3) -> np.ndarray:
+    """uint8 [height, width, channels] (channels-last, as Pillow takes it): smooth gradients
+    and noise, so that resizing errors show."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack(
+        [(x * 255 / max(width - 1, 1)), (y * 255 / max(height - 1, 1)), ((x + y) * 7) % 256], -1
+    )
+    noisy = base[..., :channels] * 0.7 + rng.integers(0, 77, (height, width, 1))
+    if channels == 4:
+        noisy = np.concatenate([base, rng.integers(0, 256, (height, width, 1))], -1)
+    return np.clip(noisy, 0, 255).astype(np.uint8)
+
+
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """[h, w, c] uint8 array -> [c, h, w] uint8 tensor."""
+    return torch.from_numpy(np.array(array)).permute(2, 0, 1).contiguous()
