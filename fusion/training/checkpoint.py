@@ -1,16 +1,20 @@
 """Crash-safe training checkpoints in ``torch.distributed.checkpoint`` (DCP) format.
 
 A checkpoint is a directory ``<output_dir>/checkpoints/step_<step>/`` holding the DCP files of
-``{"model": ..., "optim": ...}`` (one file per process, each fsynced, plus ``.metadata``) and
-``train_state.pt`` (step, data position, scheduler, RNG states, losses, config). It is written
+the tensors of ``{"model": ..., "optim": {"state": ...}}`` (one file per process, each fsynced,
+plus ``.metadata``) and ``train_state.json`` (step, data position, scheduler, the optimizer's
+hyper-parameters, RNG states, losses, config; see :mod:`fusion.training.train_state`). It is written
 under a temporary name and renamed into place only when complete, so a crash at any moment
 leaves every earlier checkpoint intact and never exposes a partial one. DCP checkpoints reshard:
 one saved by N processes (DDP or FSDP2) resumes on M processes, and loads into a plain
 single-process model (:func:`read_model_state_dict`, :func:`load_model`).
+
+A checkpoint directory is untrusted input: loading never executes code from it (no pickle
+beyond the restricted reading of DCP's ``.metadata`` in :mod:`fusion.training.safe_dcp`), and
+the stored config and tensor shapes are checked before anything is built or allocated.
 """
 
 import dataclasses
-import io
 import os
 import random
 import re
@@ -26,15 +30,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fusion.early_fusion import EarlyFusion
+from fusion.training import safe_dcp
 from fusion.training.config import TrainConfig
-from fusion.training.errors import TrainingError
+from fusion.training.errors import TrainingError, one_line
+from fusion.training.safe_dcp import METADATA, CheckedMetadata, fail
+from fusion.training.train_state import (
+    TRAIN_STATE,
+    config_of,
+    encode_train_state,
+    load_train_state,
+    match_saved,
+    rng_state_json,
+)
 
-FORMAT_VERSION = 1
-TRAIN_STATE = "train_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -92,12 +103,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
-
-
 # ---------------------------------------------------------------------------------- saving
 
 
@@ -109,17 +114,20 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
 def restore_rng_state(states: list[dict[str, Any]], rank: int, device: torch.device) -> None:
-    """Restore this rank's RNG states; a rank the checkpoint has none for (more processes than
-    when it was saved) takes rank 0's."""
+    """Restore this rank's RNG states (as :func:`load_train_state` returns them); a rank the
+    checkpoint has none for (more processes than when it was saved) takes rank 0's.
+
+    Raises:
+        TrainingError: the checkpoint's CUDA RNG state does not fit this device's generator.
+    """
     state = states[rank] if rank < len(states) else states[0]
+    if device.type == "cuda" and "cuda" in state:
+        expected = torch.cuda.get_rng_state(device).numel()
+        if state["cuda"].numel() != expected:
+            raise TrainingError(
+                f"{TRAIN_STATE}: rng.cuda: expected {expected} bytes, got {state['cuda'].numel()}"
+            )
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
@@ -152,6 +160,12 @@ def _commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
+def _tensor_state(model_state: dict[str, Any], optim_state: dict[str, Any]) -> dict[str, Any]:
+    """What goes into the DCP files: tensors only. The optimizer's ``param_groups`` (plain
+    hyper-parameters, which DCP would pickle) go into ``train_state.json``."""
+    return {"model": model_state, "optim": {"state": optim_state["state"]}}
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -168,8 +182,9 @@ def save_checkpoint(
         root: the checkpoints directory.
         model, optimizer: plain, DDP-wrapped or FSDP2-sharded; saved through
             ``get_state_dict`` so keys are the unwrapped model's.
-        train_state: everything else (picklable with ``weights_only`` loading); the RNG
-            states of every process are added under ``"rng"``.
+        train_state: ``step``, ``samples_seen``, ``epoch``, ``world_size``, ``parallel``,
+            ``losses``, ``config`` and ``scheduler``, all JSON values; the optimizer's
+            hyper-parameters and the RNG states of every process are added.
         keep: how many committed checkpoints to keep; older ones are removed after the commit.
 
     Returns:
@@ -185,21 +200,23 @@ def save_checkpoint(
             for stale in root.glob(pattern):
                 shutil.rmtree(stale)
         tmp.mkdir()
-    rng = [_rng_state(device)]
+    rng = [rng_state_json(device)]
     if distributed:
         dist.barrier()
         rng = [None] * dist.get_world_size()
-        dist.all_gather_object(rng, _rng_state(device))
+        dist.all_gather_object(rng, rng_state_json(device))
 
     model_state, optim_state = get_state_dict(model, optimizer)
+    param_groups = [
+        {k: v for k, v in group.items() if k != "params"} for group in optim_state["param_groups"]
+    ]
     with _quiet_single_process():  # every file is fsynced before .metadata is renamed in
         dcp.save(
-            {"model": model_state, "optim": optim_state},
-            checkpoint_id=tmp,
-            no_dist=not distributed,
+            _tensor_state(model_state, optim_state), checkpoint_id=tmp, no_dist=not distributed
         )
     if rank == 0:
-        atomic_torch_save({**train_state, "rng": rng, "format": FORMAT_VERSION}, tmp / TRAIN_STATE)
+        state = {**train_state, "optimizer": {"param_groups": param_groups}, "rng": rng}
+        atomic_write_bytes(tmp / TRAIN_STATE, encode_train_state(state))
         fsync_dir(tmp)
         _commit(tmp, final)
         for _, old in list_checkpoints(root)[:-keep]:
@@ -210,24 +227,6 @@ def save_checkpoint(
 
 
 # ---------------------------------------------------------------------------------- loading
-
-
-def load_train_state(path: Path) -> dict[str, Any]:
-    """The ``train_state.pt`` of checkpoint ``path`` (loaded with ``weights_only=True``).
-
-    Raises:
-        TrainingError: the file is missing, unreadable or of an unknown format.
-    """
-    file = path / TRAIN_STATE
-    try:
-        state = torch.load(file, weights_only=True)
-    except Exception as error:  # any failure to read is the same problem for the user
-        raise TrainingError(f"checkpoint {path}: cannot read {file.name}: {error}") from error
-    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
-        raise TrainingError(
-            f"checkpoint {path}: {file.name} is not a training state of format {FORMAT_VERSION}"
-        )
-    return state
 
 
 def config_differences(saved: dict[str, Any], config: TrainConfig, group: str) -> list[str]:
@@ -264,18 +263,137 @@ def check_compatible(path: Path, state: dict[str, Any], config: TrainConfig) -> 
         )
 
 
+def checkpoint_dir(path: Any, name: str = "path") -> Path:
+    """``path`` as an existing checkpoint directory.
+
+    Raises:
+        TypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+        TrainingError: it does not exist or is not a directory (naming argument ``name``).
+    """
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise TypeError(f"{name}: expected a str or os.PathLike, got {type(path).__name__}")
+    path = Path(path)
+    try:
+        is_dir, exists = path.is_dir(), path.exists()
+    except (OSError, ValueError) as error:
+        raise TrainingError(f"{name}: cannot access {path}: {error}") from None
+    if not is_dir:
+        what = "is not a directory" if exists else "does not exist"
+        raise TrainingError(
+            f"{name}: expected a checkpoint directory (step_<N>), but {path} {what}"
+        )
+    if not (path / TRAIN_STATE).exists() and not (path / METADATA).exists():
+        latest = latest_checkpoint(checkpoint_root(path))
+        hint = f" (its latest checkpoint is {latest})" if latest is not None else ""
+        raise TrainingError(
+            f"{name}: {path} is not a checkpoint directory: it has neither {TRAIN_STATE} nor "
+            f"{METADATA}{hint}"
+        )
+    return path
+
+
+def _check_tensors(
+    path: Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]], stored: dict, what: str
+) -> None:
+    """Raise ``TrainingError`` unless ``stored`` has exactly the keys, shapes and dtypes of
+    ``expected`` (both ``{key: (shape, dtype)}``)."""
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    wrong = [
+        f"{key}: stored {list(stored[key][0])} {stored[key][1]}, expected {list(shape)} {dtype}"
+        for key, (shape, dtype) in expected.items()
+        if key in stored and stored[key] != (shape, dtype)
+    ]
+    if missing or unexpected or wrong:
+        parts = [
+            f"{label} ({len(keys)}): {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
+            for label, keys in (("missing", missing), ("unexpected", unexpected), ("differ", wrong))
+            if keys
+        ]
+        raise fail(path / METADATA, f"its {what} tensors do not match: {'; '.join(parts)}")
+
+
+def _check_model_tensors(path: Path, checked: CheckedMetadata, config: TrainConfig) -> None:
+    """The checkpoint's model tensors must be exactly those of ``config``'s model: compared
+    with the model built on the meta device (no memory), before anything is allocated."""
+    from fusion.training.model import build_model
+
+    stored = checked.tensors("model.")
+    # Building costs time per layer even on the meta device: a layer count the stored tensors
+    # cannot hold is refused first.
+    layers = config.decoder_layers + config.encoder_layers
+    if layers > len(stored):
+        raise fail(
+            path / TRAIN_STATE,
+            f"config has {layers} layers, but the checkpoint holds only {len(stored)} "
+            "model tensors",
+        )
+    try:
+        with torch.device("meta"):
+            model = build_model(config)
+    except (RuntimeError, ValueError, OverflowError) as error:
+        raise fail(path / TRAIN_STATE, f"its config builds no model: {one_line(error)}") from None
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    _check_tensors(path, expected, stored, "model")
+
+
+def inspect_checkpoint(path: Path) -> dict[str, Any]:
+    """Check every file of checkpoint ``path`` without loading it into a model: the train
+    state, the metadata, the model tensors against the stored config, and every tensor entry
+    (CRCs, dtypes, shapes). Returns the train state (as :func:`load_train_state`).
+
+    Raises:
+        TrainingError: naming the file and what is wrong with it.
+    """
+    state = load_train_state(path)
+    checked = safe_dcp.read_metadata(path)
+    _check_model_tensors(path, checked, config_of(state))
+    safe_dcp.verify_data(path, checked)
+    return state
+
+
 def load_training_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any] | None = None,
 ) -> None:
     """Load model and optimizer state from ``path`` in place, collectively; any number of
-    processes, DDP or FSDP2, whatever the checkpoint was saved with."""
+    processes, DDP or FSDP2, whatever the checkpoint was saved with. ``state`` is the
+    checkpoint's train state if already loaded (:func:`load_train_state`).
+
+    Raises:
+        TrainingError: a file is damaged or unsafe, or the stored tensors or optimizer
+            hyper-parameters do not match ``model`` and ``optimizer``; all is checked before
+            anything is changed, except a data entry found corrupt while loading.
+    """
+    if state is None:
+        state = load_train_state(path)
+    checked = safe_dcp.read_metadata(path)
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    tensors = _tensor_state(model_state, optim_state)
+    expected = {
+        f"model.{key}": (tuple(value.shape), value.dtype) for key, value in tensors["model"].items()
+    } | {
+        f"optim.state.{key}.{name}": (tuple(value.shape), value.dtype)
+        for key, values in tensors["optim"]["state"].items()
+        for name, value in values.items()
+    }
+    _check_tensors(path, expected, checked.tensors(""), "model and optimizer")
+    templates = [{k: v for k, v in g.items() if k != "params"} for g in optim_state["param_groups"]]
+    groups = match_saved(
+        path, "optimizer.param_groups", state["optimizer"]["param_groups"], templates
     )
+    with _quiet_single_process():
+        safe_dcp.load(path, checked, tensors, distributed=dist.is_initialized())
+    optim = {
+        "state": tensors["optim"]["state"],
+        "param_groups": [
+            {**group, "params": template["params"]}
+            for group, template in zip(groups, optim_state["param_groups"], strict=True)
+        ],
+    }
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim)
 
 
 def read_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -283,34 +401,45 @@ def read_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     needed; whole tensors on CPU whatever the sharding it was saved with). Keys are the plain
     ``EarlyFusion``'s: ``decoder.*`` and ``encoders.image.*``.
 
+    Nothing is allocated before the metadata is checked: every tensor has its bytes in the
+    data files.
+
     Raises:
-        TrainingError: ``path`` is not a readable DCP checkpoint with model weights.
+        TypeError: ``path`` is not a str or os.PathLike.
+        TrainingError: ``path`` is not a readable, intact DCP checkpoint with model weights.
     """
-    path = Path(path)
+    path = checkpoint_dir(path)
+    checked = safe_dcp.read_metadata(path)
+    stored = checked.tensors("model.")
+    if not stored:
+        raise fail(path / METADATA, "holds no model weights")
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception as error:
-        raise TrainingError(f"checkpoint {path}: cannot read its DCP metadata: {error}") from error
-    state = {
-        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
-    }
-    if not state:
-        raise TrainingError(f"checkpoint {path}: holds no model weights")
+        state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in stored.items()}
+    except RuntimeError as error:  # the allocator's refusal
+        raise TrainingError(f"checkpoint {path}: cannot allocate its weights: {error}") from None
     wrapped = {"model": state}
     with _quiet_single_process():
-        dcp.load(wrapped, checkpoint_id=path, no_dist=True)
+        safe_dcp.load(path, checked, wrapped, distributed=False)
     return wrapped["model"]
 
 
 def load_model(path: str | os.PathLike) -> tuple[EarlyFusion, TrainConfig]:
     """A single-process ``EarlyFusion`` (on CPU, in eval mode) and the config of checkpoint
-    ``path``, loaded with ``strict=True``."""
+    ``path``, loaded with ``strict=True``.
+
+    The stored config is checked (types, ranges) and the stored tensors compared with the
+    model it describes before the model is built.
+
+    Raises:
+        TypeError: ``path`` is not a str or os.PathLike.
+        TrainingError: a file of the checkpoint is missing, damaged, unsafe or inconsistent
+            with the others; the message names the file (and key).
+    """
     from fusion.training.model import build_model
 
-    path = Path(path)
-    config = TrainConfig(**load_train_state(path)["config"])
+    path = checkpoint_dir(path)
+    config = config_of(load_train_state(path))
+    _check_model_tensors(path, safe_dcp.read_metadata(path), config)
     with torch.random.fork_rng(devices=[]):  # the initial values are overwritten anyway
         model = build_model(config)
     model.load_state_dict(read_model_state_dict(path), strict=True)

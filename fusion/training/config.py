@@ -2,8 +2,14 @@
 
 import argparse
 import dataclasses
+import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
+
+from fusion.training.errors import TrainingError
 
 
 def _opt(default: Any, help: str, group: str, **kwargs: Any) -> Any:
@@ -98,43 +104,112 @@ _POSITIVE = (
     "log_every",
     "eval_batch_size",
 )
-_NON_NEGATIVE = ("encoder_layers", "warmup_steps", "weight_decay", "grad_clip", "threads")
+_NON_NEGATIVE = (
+    "encoder_layers",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+    "threads",
+    "num_samples",
+)
+# No count or size of this job comes near it; above it products of sizes could overflow int64.
+MAX_INT = 2**31 - 1
 
 
-def check_config(config: TrainConfig) -> None:
-    """Raise ``ValueError`` naming the flag when a value is out of range or sizes do not fit."""
+def flag_name(name: str) -> str:
+    """The command-line flag of config field ``name``."""
+    return "--" + name.replace("_", "-")
 
-    def fail(name: str, expected: str) -> None:
-        flag = "--" + name.replace("_", "-")
-        raise ValueError(f"{flag}: expected {expected}, got {getattr(config, name)!r}")
 
-    for name in _POSITIVE:
-        if getattr(config, name) <= 0:
-            fail(name, "a positive value")
-    for name in _NON_NEGATIVE:
-        if getattr(config, name) < 0:
-            fail(name, "a value >= 0")
-    if config.num_samples < 0:
-        fail("num_samples", "a value >= 0")
+def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) -> None:
+    """Raise ``ValueError`` naming the setting when a value is out of range or sizes do not
+    fit. ``name`` turns a field name into how the message names it (default: its flag)."""
+
+    def fail(field_name: str, expected: str) -> None:
+        got = getattr(config, field_name)
+        raise ValueError(f"{name(field_name)}: expected {expected}, got {got!r}")
+
+    for field_name, value in vars(config).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(field_name, "a finite number")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            fail(field_name, f"at most {MAX_INT} in magnitude")
+    for field_name in _POSITIVE:
+        if getattr(config, field_name) <= 0:
+            fail(field_name, "a positive value")
+    for field_name in _NON_NEGATIVE:
+        if getattr(config, field_name) < 0:
+            fail(field_name, "a value >= 0")
     if not config.lr > 0:
         fail("lr", "a positive learning rate")
     if config.image_size % config.patch_size:
-        fail("image_size", f"a multiple of --patch-size={config.patch_size}")
+        fail("image_size", f"a multiple of {name('patch_size')}={config.patch_size}")
     if config.encoder_dim % config.encoder_heads:
-        fail("encoder_dim", f"a multiple of --encoder-heads={config.encoder_heads}")
+        fail("encoder_dim", f"a multiple of {name('encoder_heads')}={config.encoder_heads}")
     if config.decoder_dim % config.decoder_heads:
-        fail("decoder_dim", f"a multiple of --decoder-heads={config.decoder_heads}")
+        fail("decoder_dim", f"a multiple of {name('decoder_heads')}={config.decoder_heads}")
     if config.decoder_heads % config.decoder_kv_heads:
-        fail("decoder_heads", f"a multiple of --decoder-kv-heads={config.decoder_kv_heads}")
+        kv = f"{name('decoder_kv_heads')}={config.decoder_kv_heads}"
+        fail("decoder_heads", f"a multiple of {kv}")
     if (config.decoder_dim // config.decoder_heads) % 2:
         fail("decoder_dim", "an even head size (decoder_dim / decoder_heads) for RoPE")
+    if config.output_dir is not None and (not config.output_dir or "\0" in config.output_dir):
+        fail("output_dir", "a directory path (not empty, no NUL character)")
     if config.resume and config.output_dir is None:
-        raise ValueError("--resume: expected --output-dir, the directory of the run to resume")
+        raise ValueError(
+            f"{name('resume')}: expected {name('output_dir')}, the directory of the run to resume"
+        )
+
+
+def config_from_values(values: dict[str, Any], file: Path) -> TrainConfig:
+    """A :class:`TrainConfig` from the JSON object ``values`` (the ``config`` of ``file``),
+    checked before use: every field present, of its type (an integer for a float is taken),
+    within the ranges of :func:`check_config`.
+
+    Raises:
+        TrainingError: naming ``file`` and the key.
+    """
+
+    def fail(message: str) -> TrainingError:
+        return TrainingError(f"checkpoint {file.parent}: {file.name}: {message}")
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    missing, unknown = sorted(set(fields) - set(values)), sorted(set(values) - set(fields))
+    if missing or unknown:
+        raise fail(f"key 'config': missing keys {missing}, unknown keys {unknown}")
+    checked: dict[str, Any] = {}
+    for key, f in fields.items():
+        value = values[key]
+        if f.type is float and type(value) is int:
+            value = float(value)
+        allowed = (str, type(None)) if f.type == str | None else (f.type,)
+        if type(value) not in allowed:
+            scalar = isinstance(value, (bool, int, float, str))
+            shown = f"{value!r:.60}" if scalar else f"a value of type {type(value).__name__}"
+            expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise fail(f"key 'config.{key}': expected {expected}, got {shown}")
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise fail(f"key 'config.{key}': expected one of {list(choices)}, got {value!r:.60}")
+        checked[key] = value
+    config = TrainConfig(**checked)
+    try:
+        check_config(config, name=lambda n: f"key 'config.{n}'")
+    except ValueError as error:
+        raise fail(str(error)) from None
+    return config
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line in one line (argparse's usage text is many lines)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one flag per :class:`TrainConfig` field, grouped as in the dataclass."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m fusion.training",
         description=(
             "Train an early-fusion captioner (vision encoder + Llama-style decoder) from scratch "
@@ -180,4 +255,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         check_config(config)
     except ValueError as error:
         parser.error(str(error))
+    cpus = os.cpu_count() or 1
+    if config.threads > cpus:  # far more threads than CPUs crashes torch's thread pool
+        parser.error(f"--threads: expected at most the {cpus} CPUs here, got {config.threads}")
     return config

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from fusion.early_fusion import EarlyFusion
-from fusion.training.errors import TrainingError
+from fusion.training.errors import TrainingError, one_line
 
 
 @dataclass(frozen=True)
@@ -53,18 +53,42 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def _env_int(name: str, low: int) -> int:
+    value = os.environ[name]
+    try:
+        number = int(value)
+    except ValueError:
+        number = low - 1
+    if number < low:
+        raise TrainingError(
+            f"environment variable {name}: expected an integer >= {low}, "
+            f"got {value!r:.40} (set by torchrun)"
+        )
+    return number
+
+
 def init_runtime(device: str) -> Runtime:
-    """Start the process group when launched by ``torchrun``: NCCL on GPU, gloo on CPU."""
+    """Start the process group when launched by ``torchrun``: NCCL on GPU, gloo on CPU.
+
+    Raises:
+        TrainingError: the device cannot be used, torchrun's environment is malformed, or
+            the process group does not start.
+    """
     if not launched_by_torchrun():
         return Runtime(0, 1, 0, resolve_device(device, 0), distributed=False)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
+    world = _env_int("WORLD_SIZE", 1)
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    if rank >= world:
+        raise TrainingError(f"environment variable RANK: expected < WORLD_SIZE={world}, got {rank}")
     resolved = resolve_device(device, local_rank)
-    if resolved.type == "cuda":
-        torch.cuda.set_device(resolved)
-        dist.init_process_group("nccl", device_id=resolved)
-    else:
-        dist.init_process_group("gloo")
+    try:
+        if resolved.type == "cuda":
+            torch.cuda.set_device(resolved)
+            dist.init_process_group("nccl", device_id=resolved)
+        else:
+            dist.init_process_group("gloo")
+    except (RuntimeError, ValueError, OSError) as error:  # rendezvous, backend, network
+        raise TrainingError(f"cannot start the process group: {one_line(error)}") from None
     return Runtime(rank, world, local_rank, resolved, distributed=True)
 
 

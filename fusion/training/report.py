@@ -7,8 +7,22 @@ from typing import Any
 from fusion.training.checkpoint import atomic_write_bytes
 
 
+def plotting_unavailable(install: str) -> str | None:
+    """Why the loss plot cannot be drawn (matplotlib, of the optional extra installed by
+    ``install``, missing or broken), or None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        return f"no loss plot: matplotlib cannot be imported ({error}); install it with: {install}"
+    return None
+
+
 def plot_losses(losses: list[float], path: Path, *, title: str) -> None:
-    """Write the per-step training loss (log scale) to ``path`` as a PNG, atomically."""
+    """Write the per-step training loss (log scale) to ``path`` as a PNG, atomically.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
     import io
 
     import matplotlib

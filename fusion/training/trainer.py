@@ -4,13 +4,13 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from fusion.data import IGNORE_INDEX, CaptionDataset, EpochSampler, ShapesSplit, make_splits
 from fusion.training.checkpoint import (
@@ -24,6 +24,14 @@ from fusion.training.config import TrainConfig
 from fusion.training.distributed import Runtime, wrap_model
 from fusion.training.errors import TrainingError
 from fusion.training.model import build_model, build_tokenizer, image_input, tokens_per_image
+from fusion.training.train_state import match_saved
+
+try:
+    from tqdm import tqdm
+except ImportError:  # part of the optional `train` extra: without it, no progress bar
+    tqdm = None
+
+INSTALL_TRAIN_EXTRA = "pip install -e '.[train]'"
 
 
 @dataclass
@@ -41,8 +49,31 @@ class TrainResult:
 def log(runtime: Runtime, message: str) -> None:
     """Print on the main process only, without breaking the progress bar."""
     if runtime.is_main:
-        tqdm.write(message, file=sys.stdout)
+        if tqdm is None:
+            print(message)
+        else:
+            tqdm.write(message, file=sys.stdout)
         sys.stdout.flush()
+
+
+def progress_unavailable() -> str | None:
+    """Why there can be no progress bar, or None."""
+    if tqdm is None:
+        return f"no progress bar: tqdm is not installed; install it with: {INSTALL_TRAIN_EXTRA}"
+    return None
+
+
+class _NoBar:
+    """The progress bar's interface, doing nothing (bar off, or tqdm not installed)."""
+
+    def set_postfix(self, **kwargs: object) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -51,6 +82,35 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], config: TrainConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW and its schedule: linear warm-up, then cosine decay to 0 at ``config.steps``."""
+    optimizer = torch.optim.AdamW(
+        params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
+    )
+
+    def schedule(step: int) -> float:
+        return lr_factor(step, config.warmup_steps, config.steps)
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def check_resume_state(path: Path, state: dict) -> None:
+    """Check the scheduler state and optimizer hyper-parameters of checkpoint ``path``'s train
+    state (:func:`load_train_state`) against those :func:`train` builds, so that a damaged one
+    is found before resuming.
+
+    Raises:
+        TrainingError: naming the file and the key that does not fit.
+    """
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer, scheduler = build_optimizer([param], TrainConfig(**state["config"]))
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    match_saved(path, "optimizer.param_groups", state["optimizer"]["param_groups"], groups)
+    match_saved(path, "scheduler", state["scheduler"], scheduler.state_dict())
 
 
 def train(
@@ -82,14 +142,7 @@ def train(
     model = build_model(config)
     num_params = sum(p.numel() for p in model.parameters())
     model = wrap_model(model, runtime, config.parallel)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
-    )
-
-    def schedule(step: int) -> float:
-        return lr_factor(step, config.warmup_steps, config.steps)
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    optimizer, scheduler = build_optimizer(model.parameters(), config)
 
     start_step, losses = 0, []
     if resume is not None:
@@ -99,8 +152,12 @@ def train(
                 f"checkpoint {resume}: data position {state['samples_seen']} samples does not "
                 f"match step {state['step']} x batch size {config.batch_size}"
             )
-        load_training_checkpoint(resume, model, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
+        # Checked against the live scheduler's own state before anything is loaded.
+        scheduler_state = match_saved(
+            resume, "scheduler", state["scheduler"], scheduler.state_dict()
+        )
+        load_training_checkpoint(resume, model, optimizer, state)
+        scheduler.load_state_dict(scheduler_state)
         restore_rng_state(state["rng"], rank, device)
         start_step, losses = state["step"], list(state["losses"])
         log(
@@ -119,14 +176,18 @@ def train(
     checkpoint = resume
     pending: list[torch.Tensor] = []  # losses not read back yet: one host sync per log_every
     model.train()
-    bar = tqdm(
-        total=config.steps,
-        initial=start_step,
-        desc="training",
-        unit="step",
-        disable=not (runtime.is_main and config.progress),
-        dynamic_ncols=True,
-        file=sys.stderr,
+    show = runtime.is_main and config.progress and tqdm is not None
+    bar = (
+        tqdm(
+            total=config.steps,
+            initial=start_step,
+            desc="training",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+        if show
+        else _NoBar()
     )
     start = time.perf_counter()
     for step in range(start_step, config.steps):

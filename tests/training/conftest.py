@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fusion.training import build_model, build_tokenizer
+from fusion.training import checkpoint as ckpt
+from fusion.training.config import TrainConfig
+from fusion.training.model import image_input
+
 # A model and dataset small enough for a step in a few milliseconds on one CPU thread.
 TINY = [
     "--num-train", "64", "--num-heldout", "16", "--image-size", "16", "--patch-size", "8",
@@ -65,3 +70,51 @@ def _keep_thread_count():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+class Small:
+    """A small model with AdamW state, saved as a training checkpoint in this process."""
+
+    config = TrainConfig(
+        num_train=8,
+        num_heldout=4,
+        image_size=16,
+        encoder_dim=16,
+        encoder_layers=1,
+        encoder_heads=2,
+        decoder_dim=16,
+        decoder_layers=1,
+        decoder_heads=2,
+        decoder_kv_heads=1,
+        decoder_mlp_dim=32,
+    )
+
+    def model_and_optimizer(self, seed: int = 0):
+        torch.manual_seed(seed)
+        model = build_model(self.config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        image_id = build_tokenizer().image_id
+        tokens = torch.cat([torch.full((2, 4), image_id), torch.randint(0, image_id, (2, 6))], 1)
+        model(tokens, encoder_input=image_input(torch.rand(2, 3, 16, 16))).sum().backward()
+        optimizer.step()  # every parameter now has AdamW state
+        return model, optimizer
+
+    def save(self, root: Path, step: int, model, optimizer, keep: int = 3) -> Path:
+        state = {
+            "step": step,
+            "samples_seen": step * self.config.batch_size,
+            "epoch": 0,
+            "world_size": 1,
+            "parallel": "none",
+            "losses": [1.0] * step,
+            "config": vars(self.config).copy(),
+            "scheduler": {},
+        }
+        return ckpt.save_checkpoint(
+            root, step, model, optimizer, state, device=torch.device("cpu"), keep=keep
+        )
+
+
+@pytest.fixture(scope="session")
+def small() -> Small:
+    return Small()
