@@ -5,8 +5,10 @@ from torch import nn
 class KVCache(nn.Module):
     """Key/value cache of one attention layer, filled left to right.
 
-    The fill level is a host-side integer: sequence lengths are always known on the host, so
-    tracking it there costs no device synchronisation and lets overflow be checked eagerly.
+    The fill level is a device tensor (``fill``, 0-dim int64), advanced on the device by each
+    write: a decoding step needs no host integer that changes from step to step, so a compiled
+    step keeps static shapes and constants (no recompilation, safe to capture in a CUDA graph),
+    and nothing synchronises with the host. Reading :attr:`size` does.
 
     Args:
         batch_size: number of sequences cached.
@@ -14,6 +16,10 @@ class KVCache(nn.Module):
         num_kv_heads, head_dim: shape of one cached position.
         dtype, device: dtype and device of the cache.
     """
+
+    k_cache: torch.Tensor  # [b, n_kv_heads, max_seq_len, head_dim]
+    v_cache: torch.Tensor
+    fill: torch.Tensor  # 0-dim int64: slots filled so far
 
     def __init__(
         self,
@@ -32,19 +38,30 @@ class KVCache(nn.Module):
         self.register_buffer(
             "v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
         )
+        self.register_buffer(
+            "fill", torch.zeros((), dtype=torch.long, device=device), persistent=False
+        )
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
-        self.size = 0
+
+    @property
+    def size(self) -> int:
+        """Slots filled so far, read on the host (a synchronisation on accelerators)."""
+        return int(self.fill)
 
     def reset(self) -> None:
+        """Empty the cache. Slots are zeroed, not only forgotten: a masked slot still enters
+        attention as ``0 * value``, which a NaN left there would turn into NaN."""
         self.k_cache.zero_()
         self.v_cache.zero_()
-        self.size = 0
+        self.fill.zero_()
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``k``, ``v`` [b, n_kv_heads, s, head_dim]; return the whole caches."""
-        seq_len = k.size(2)  # the decoder has checked that it fits
-        self.k_cache[:, :, self.size : self.size + seq_len] = k
-        self.v_cache[:, :, self.size : self.size + seq_len] = v
-        self.size += seq_len
+        """Write ``k``, ``v`` [b, n_kv_heads, s, head_dim] at the next ``s`` slots; return the
+        whole caches. The caller (the decoder) has checked that they fit."""
+        slots = self.fill + torch.arange(k.size(2), device=self.fill.device)
+        # ``to``: under autocast the projections may come out in another dtype than the cache.
+        self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
+        self.fill.add_(k.size(2))
         return self.k_cache, self.v_cache

@@ -1,5 +1,6 @@
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,8 @@ from fusion._validation import (
     describe,
     is_dtensor,
 )
+from fusion.decoder.attention import MultiHeadAttention
+from fusion.decoder.kv_cache import KVCache
 from fusion.decoder.rms_norm import RMSNorm
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
@@ -79,12 +82,12 @@ class TransformerDecoder(nn.Module):
     def device(self) -> torch.device:
         """Where the decoder computes: the device of its rotary table (a buffer, so it stays
         put when parameters are sharded or offloaded)."""
-        return self.layers[0].attn.pos_embeddings.cache.device
+        return self._attentions()[0].pos_embeddings.cache.device
 
     @property
     def decoder_max_cache_seq_len(self) -> int | None:
         """Positions per sequence of the KV cache, None without one (as in torchtune)."""
-        cache = self.layers[0].attn.kv_cache
+        cache = self._attentions()[0].kv_cache
         return None if cache is None else cache.max_seq_len
 
     # ------------------------------------------------------------------ KV cache
@@ -114,43 +117,48 @@ class TransformerDecoder(nn.Module):
             )
         if batch_size <= 0:
             raise ValueError(f"batch_size: expected a positive integer, got {batch_size}")
-        for layer in self.layers:
-            layer.attn.setup_cache(batch_size, max_len, dtype, self.device)
+        for attn in self._attentions():
+            attn.setup_cache(batch_size, max_len, dtype, self.device)
 
     def caches_are_setup(self) -> bool:
-        return self.layers[0].attn.kv_cache is not None
+        return self._attentions()[0].kv_cache is not None
 
     def caches_are_enabled(self) -> bool:
-        return self.caches_are_setup() and self.layers[0].attn.cache_enabled
+        return self.caches_are_setup() and self._attentions()[0].cache_enabled
 
     def reset_caches(self) -> None:
         """Empty the caches (keep them allocated)."""
         self._require_caches("reset_caches")
-        for layer in self.layers:
-            layer.attn.kv_cache.reset()
+        for attn in self._attentions():
+            cast(KVCache, attn.kv_cache).reset()
 
     def teardown_caches(self) -> None:
         """Free the caches: back to the state before :meth:`setup_caches`."""
-        for layer in self.layers:
-            layer.attn.kv_cache = None
-            layer.attn.cache_enabled = False
+        for attn in self._attentions():
+            attn.kv_cache = None
+            attn.cache_enabled = False
 
     @contextmanager
     def caches_disabled(self) -> Iterator[None]:
         """Run plain full-sequence forwards inside the block; the caches are left untouched."""
         self._require_caches("caches_disabled")
-        previous = [layer.attn.cache_enabled for layer in self.layers]
-        for layer in self.layers:
-            layer.attn.cache_enabled = False
+        attentions = self._attentions()
+        previous = [attn.cache_enabled for attn in attentions]
+        for attn in attentions:
+            attn.cache_enabled = False
         try:
             yield
         finally:
-            for layer, enabled in zip(self.layers, previous, strict=True):
-                layer.attn.cache_enabled = enabled
+            for attn, enabled in zip(attentions, previous, strict=True):
+                attn.cache_enabled = enabled
 
     def _require_caches(self, method: str) -> None:
         if not self.caches_are_setup():
             raise RuntimeError(f"{method}() needs KV caches: call setup_caches() first")
+
+    def _attentions(self) -> list[MultiHeadAttention]:
+        """Each layer's attention (typed: ``nn.ModuleList`` items are plain modules)."""
+        return [cast(TransformerSelfAttentionLayer, layer).attn for layer in self.layers]
 
     # ------------------------------------------------------------------ forward
 
@@ -187,31 +195,37 @@ class TransformerDecoder(nn.Module):
             ``skip_output_layer``; a list of chunks along s with ``set_num_output_chunks``),
             preceded by the requested ``output_hidden_states`` as a list.
 
+        With an enabled cache, this call's keys and values go to the slots after the cache's
+        fill level (a device tensor, advanced on the device): called step by step under
+        ``torch.compile``, the decoder sees the same shapes and constants at every step, so
+        it compiles once, and nothing in it synchronises with the host.
+
         Raises:
-            ValueError: bad shapes, dtypes, ids or positions, or too long a sequence, before
-                any computation (on accelerators, out-of-range ids or positions fail as a
+            ValueError: bad shapes, dtypes, ids or positions, too long a sequence, or more
+                tokens than the cache has free slots, before any computation (on accelerators
+                and while compiling, out-of-range ids or positions and a full cache fail as a
                 device-side assertion instead, to avoid a host synchronisation).
             RuntimeError: the cache's batch size differs from the input's.
         """
         batch_size, seq_len, device = self._validate_inputs(tokens, input_embeds, embed)
-        cache_fill = self._cache_fill(batch_size, seq_len)
-        kv_len = seq_len if cache_fill is None else self.layers[0].attn.kv_cache.max_seq_len
+        # The cache slots this call writes, as a device tensor: no host integer that changes
+        # from call to call, so compiled decoding steps keep static shapes and constants.
+        slots = self._cache_slots(batch_size, seq_len)
+        kv_len = seq_len if slots is None else self._first_cache().max_seq_len
         if input_pos is None:
-            start = cache_fill or 0
-            input_pos = torch.arange(start, start + seq_len, device=device)
+            input_pos = torch.arange(seq_len, device=device) if slots is None else slots
         else:
             self._validate_input_pos(input_pos, batch_size, seq_len)
         if mask is not None:
             self._validate_mask(mask, batch_size, seq_len, kv_len)
             mask = mask[:, None]  # [b or 1, 1, s, kv_len]: one mask for every head
-        elif cache_fill is not None:
-            query_slots = torch.arange(cache_fill, cache_fill + seq_len, device=device)
-            mask = (torch.arange(kv_len, device=device) <= query_slots[:, None])[None, None]
+        elif slots is not None:
+            mask = (torch.arange(kv_len, device=device) <= slots[:, None])[None, None]
 
         if input_embeds is not None:
             h = input_embeds
         elif embed is not None:
-            h = embed(self.tok_embeddings, tokens)
+            h = embed(self.tok_embeddings, cast(torch.Tensor, tokens))  # checked: given
             if not isinstance(h, torch.Tensor) or h.shape != (batch_size, seq_len, self.embed_dim):
                 got = describe(h) if isinstance(h, torch.Tensor) else type(h).__name__
                 raise ValueError(
@@ -312,22 +326,39 @@ class TransformerDecoder(nn.Module):
             check_in_range(tokens, "tokens", 0, self.vocab_size)
         return batch_size, seq_len, device
 
-    def _cache_fill(self, batch_size: int, seq_len: int) -> int | None:
-        """Slots already filled in an enabled cache (checked to fit ``seq_len`` more), else None."""
+    def _cache_slots(self, batch_size: int, seq_len: int) -> torch.Tensor | None:
+        """The cache slots [s] this call fills (from the fill level on), checked to fit; None
+        without an enabled cache.
+
+        The fit is checked eagerly on the CPU (nothing is written when it fails); on
+        accelerators and while compiling, as a device-side assertion, without a host
+        synchronisation."""
         if not self.caches_are_enabled():
             return None
-        cache = self.layers[0].attn.kv_cache
+        cache = self._first_cache()
         if batch_size != cache.batch_size:
             raise RuntimeError(
                 f"tokens: the KV cache was set up for batch size {cache.batch_size}, got a batch "
                 f"of {batch_size}; call setup_caches() again"
             )
-        if cache.size + seq_len > cache.max_seq_len:
-            raise ValueError(
-                f"tokens: the KV cache holds {cache.size} of {cache.max_seq_len} positions, so "
-                f"{seq_len} more do not fit; call reset_caches() or set up a larger cache"
-            )
-        return cache.size
+        message = (
+            f"tokens: {seq_len} more positions do not fit in the KV cache of "
+            f"{cache.max_seq_len}; call reset_caches() or set up a larger cache"
+        )
+        if cache.fill.device.type == "cpu" and not torch.compiler.is_compiling():
+            filled = cache.size
+            if filled + seq_len > cache.max_seq_len:
+                raise ValueError(
+                    f"tokens: the KV cache holds {filled} of {cache.max_seq_len} positions, so "
+                    f"{seq_len} more do not fit; call reset_caches() or set up a larger cache"
+                )
+        else:
+            torch._assert_async(cache.fill <= cache.max_seq_len - seq_len, message)
+        return cache.fill + torch.arange(seq_len, device=cache.fill.device)
+
+    def _first_cache(self) -> KVCache:
+        """The first layer's KV cache: its fill level and length are every layer's."""
+        return cast(KVCache, self._attentions()[0].kv_cache)
 
     def _validate_input_pos(self, input_pos: torch.Tensor, batch_size: int, seq_len: int) -> None:
         # torchtune's decode step passes one position per sample: [b] for s == 1.

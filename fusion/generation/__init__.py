@@ -1,5 +1,7 @@
 """Text out: KV-cached generation for decoders and ``EarlyFusion`` models, and its CLI.
 
+``generate(..., compile=True)`` compiles the prefill and the decoding step (static shapes,
+no host synchronisation inside a step, CUDA graphs on CUDA); see :mod:`fusion.generation.steps`.
 ``python -m fusion.generation --help`` runs a Hugging Face Llama directory from the shell.
 """
 

@@ -1,9 +1,10 @@
 """KV-cached autoregressive generation for ``TransformerDecoder`` and ``EarlyFusion`` alike."""
 
+import contextlib
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -20,11 +21,21 @@ from fusion.generation._checks import (
 )
 from fusion.generation.padding import (
     leading_pad_counts,
+    pad_left_to,
     prefill_mask,
     prompt_positions,
-    step_mask,
 )
-from fusion.generation.sampling import check_generator, sample_next_token, sampling_args
+from fusion.generation.sampling import check_generator, draw, sampling_args
+from fusion.generation.steps import (
+    EAGER,
+    Steps,
+    bucket,
+    compile_options,
+    compiled_steps,
+    first_cache,
+    mark_static,
+    settle,
+)
 
 
 def generate(
@@ -39,6 +50,8 @@ def generate(
     stop_tokens: Iterable[int] = (),
     pad_id: int = 0,
     generator: torch.Generator | None = None,
+    compile: bool | Mapping[str, Any] = False,
+    stop_check_interval: int = 8,
 ) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` tokens after each prompt of ``tokens``.
 
@@ -48,24 +61,33 @@ def generate(
 
     Returns:
         [b, s + n] int64: the prompts (padding kept) followed by ``n <= max_new_tokens`` new
-        tokens; ``n`` is smaller only when every sample has emitted a stop token. After its stop
+        tokens; ``n`` is smaller only when every sample has emitted a stop token, and is then
+        the step at which the last one did, whatever ``stop_check_interval``. After its stop
         token, a sample's slots hold ``pad_id``.
     """
-    steps = list(
-        generate_stream(
-            model,
-            tokens,
-            encoder_input=encoder_input,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_tokens=stop_tokens,
-            pad_id=pad_id,
-            generator=generator,
-        )
+    plan = _prepare(
+        model,
+        tokens,
+        encoder_input=encoder_input,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_tokens=stop_tokens,
+        pad_id=pad_id,
+        generator=generator,
+        compile=compile,
+        stop_check_interval=stop_check_interval,
     )
-    return torch.cat([tokens.long(), torch.stack(steps, dim=1)], dim=1)
+    new = torch.stack(list(_run(plan)), dim=1)
+    if plan.stop_tokens:
+        # The host looked for the end only every few steps: drop the steps after it (one
+        # synchronisation, here at the end).
+        stop = torch.tensor(plan.stop_tokens, device=new.device)
+        all_done = (torch.isin(new, stop).cumsum(dim=1) > 0).all(dim=0)  # [n], after step j
+        if bool(all_done.any()):
+            new = new[:, : int(all_done.int().argmax()) + 1]
+    return torch.cat([plan.tokens, new], dim=1)
 
 
 def generate_stream(
@@ -80,7 +102,9 @@ def generate_stream(
     stop_tokens: Iterable[int] = (),
     pad_id: int = 0,
     generator: torch.Generator | None = None,
-) -> Iterator[torch.Tensor]:
+    compile: bool | Mapping[str, Any] = False,
+    stop_check_interval: int = 8,
+) -> Generator[torch.Tensor, None, None]:
     """Like :func:`generate`, but yield each step's new tokens [b] (int64) as they come.
 
     All arguments are checked when this is called; the model runs as the iterator advances.
@@ -96,21 +120,44 @@ def generate_stream(
         max_new_tokens: >= 1.
         temperature, top_k, top_p: see :func:`fusion.generation.sample_next_token`;
             ``temperature=0`` is greedy.
-        stop_tokens: ids that end a sample (the stop token is kept). Checking whether all
-            samples have stopped synchronises with the host once per step; without stop tokens
-            nothing does.
+        stop_tokens: ids that end a sample (the stop token is kept). Whether a sample has
+            stopped is tracked on the device; the host looks whether all have every
+            ``stop_check_interval`` steps (one synchronisation each time), so the stream may
+            run up to ``stop_check_interval - 1`` steps past the last stop, yielding
+            ``pad_id`` for every sample (:func:`generate` drops those steps). 1 looks at
+            every step. Without stop tokens nothing is looked at.
         pad_id: the padding id, inside the vocabulary and not a placeholder id.
         generator: randomness for sampling, on the model's device.
+        compile: False runs the model eagerly. True compiles the prefill and the decoding step
+            with ``torch.compile(fullgraph=True)``: inductor, static shapes, CUDA graphs on
+            CUDA (``mode="reduce-overhead"``). A mapping passes ``backend``, ``mode``,
+            ``options``, ``dynamic`` or ``recompile_limit`` to ``torch.compile``. Prompts are
+            left-padded to a bucket length (a power of two from 16 to 256, a multiple of 256
+            above) and caches this call sets up get a bucketed length too, so that nearby
+            prompt lengths share graphs; each new batch size, bucket or dtype compiles once,
+            then steps, calls and prompts of the same buckets never recompile. A greedy step
+            (``temperature=0``) is one graph, sampling draws outside it. An ``EarlyFusion``'s
+            prefill (encoders and merge) runs eagerly, its decoding steps compiled. Greedy
+            tokens equal eager ones, up to the last-bit differences of fused kernels. On
+            CUDA, set the caches up once (``setup_caches``) and reuse them across calls:
+            caches set up per call get a new address, which re-records the CUDA graphs.
+        stop_check_interval: see ``stop_tokens``; an integer >= 1.
 
-    The KV cache: if the model has none, one of exactly ``s + max_new_tokens - 1`` slots is set
-    up for this call and removed when the iterator ends: exhausted, closed, garbage-collected
-    or stopped by an error. If the model has caches set up (for the same batch size and the
-    model's dtype), they are reset and used, and left set up. A model has one cache, so it
-    runs one stream at a time: from its first ``next()`` until it ends, the stream holds the
-    model, and another ``generate``/``generate_stream`` on it (or on an ``EarlyFusion`` sharing
-    its decoder) raises ``RuntimeError`` before doing anything. Gradients are off while the
-    model runs; the model's train/eval mode is left as it is (call ``model.eval()`` first, or
-    dropout applies). A ``torch.compile`` wrapper of a model is called as it is.
+    The KV cache: if the model has none, one of exactly ``s + max_new_tokens - 1`` slots
+    (eager; bucketed when compiled) is set up for this call and removed when the iterator
+    ends: exhausted, closed, garbage-collected or stopped by an error. If the model has
+    caches set up (for the same batch size and the model's dtype), they are reset and used,
+    and left set up. A model has one cache, so it runs one stream at a time: from its first
+    ``next()`` until it ends, the stream holds the model, and another
+    ``generate``/``generate_stream`` on it (or on an ``EarlyFusion`` sharing its decoder)
+    raises ``RuntimeError`` before doing anything. Gradients are off while the model runs;
+    the model's train/eval mode is left as it is (call ``model.eval()`` first, or dropout
+    applies). A ``torch.compile`` wrapper of a model is called as it is when ``compile`` is
+    False; with ``compile`` set, the module it wraps is compiled as above instead.
+
+    Nothing in a decoding step reads a value on the host: the cache slot is the cache's fill
+    level (a device tensor), positions and masks are computed on the device, and arguments
+    are checked once, when this is called.
 
     Ids (``tokens``, ``stop_tokens``, ``pad_id``) may be of any integer dtype or type (Python,
     NumPy, 0-dim tensors); numbers may be Python or NumPy scalars. Bools and floats are never
@@ -128,38 +175,25 @@ def generate_stream(
             of the vocabulary; ``pad_id`` a placeholder id; ``generator`` not a generator on
             the model's device; ``encoder_input`` not a mapping, given to a model without
             encoders, or with unknown encoder names; a model on the meta device; caches set
-            up for another batch size or dtype, or disabled.
+            up for another batch size or dtype, or disabled; ``compile`` not a bool or a
+            mapping of the options above, or options ``torch.compile`` refuses;
+            ``stop_check_interval`` not an integer >= 1.
     """
-    model, decoder = _unwrap(model)
-    _refuse_if_busy(decoder)
-    _check_model(decoder)
-    max_new_tokens = as_positive_int(max_new_tokens, "max_new_tokens")
-    vocab = decoder.vocab_size
-    pad_id = as_id(pad_id, "pad_id", vocab)
-    stop_tokens = _checked_stop_tokens(stop_tokens, vocab)
-    if isinstance(model.inner, EarlyFusion) and pad_id in model.inner.encoder_tokens.values():
-        raise ValueError(
-            f"pad_id: {pad_id} is a placeholder id of the encoders {model.inner.encoder_tokens}"
-        )
-    temperature, top_k, top_p = sampling_args(temperature, top_k, top_p, vocab)
-    tokens = _checked_tokens(model, decoder, tokens, encoder_input)
-    check_generator(generator, tokens.device)
-    needed = tokens.size(1) + max_new_tokens - 1  # the last new token is never fed back
-    _check_caches(decoder, tokens.size(0), tokens.size(1), max_new_tokens)
-    pad_counts = leading_pad_counts(tokens, pad_id)
-    _check_not_all_padding(pad_counts, tokens.size(1), pad_id)
     return _run(
-        model,
-        decoder,
-        tokens,
-        pad_counts,
-        encoder_input=encoder_input,
-        max_new_tokens=max_new_tokens,
-        needed=needed,
-        sampling={"temperature": temperature, "top_k": top_k, "top_p": top_p},
-        stop_tokens=stop_tokens,
-        pad_id=pad_id,
-        generator=generator,
+        _prepare(
+            model,
+            tokens,
+            encoder_input=encoder_input,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_tokens=stop_tokens,
+            pad_id=pad_id,
+            generator=generator,
+            compile=compile,
+            stop_check_interval=stop_check_interval,
+        )
     )
 
 
@@ -169,6 +203,75 @@ class _Model(NamedTuple):
 
     call: nn.Module
     inner: TransformerDecoder | EarlyFusion
+
+
+class _Plan(NamedTuple):
+    """A generation's checked arguments."""
+
+    model: _Model
+    decoder: TransformerDecoder
+    tokens: torch.Tensor  # int64 [b, s]
+    pad_counts: torch.Tensor  # [b]
+    encoder_input: Mapping[str, Any] | None
+    max_new_tokens: int
+    sampling: tuple[float, int | None, float | None]  # temperature, top_k, top_p
+    stop_tokens: tuple[int, ...]
+    pad_id: int
+    generator: torch.Generator | None
+    steps: Steps
+    stop_check_interval: int
+
+
+def _prepare(
+    model: Any,
+    tokens: Any,
+    *,
+    encoder_input: Any,
+    max_new_tokens: Any,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    stop_tokens: Any,
+    pad_id: Any,
+    generator: Any,
+    compile: Any,
+    stop_check_interval: Any,
+) -> _Plan:
+    """Every argument checked, before anything is allocated or run."""
+    model, decoder = _unwrap(model)
+    _refuse_if_busy(decoder)
+    _check_model(decoder)
+    max_new_tokens = as_positive_int(max_new_tokens, "max_new_tokens")
+    stop_check_interval = as_positive_int(stop_check_interval, "stop_check_interval")
+    vocab = decoder.vocab_size
+    pad_id = as_id(pad_id, "pad_id", vocab)
+    stop_tokens = _checked_stop_tokens(stop_tokens, vocab)
+    if isinstance(model.inner, EarlyFusion) and pad_id in model.inner.encoder_tokens.values():
+        raise ValueError(
+            f"pad_id: {pad_id} is a placeholder id of the encoders {model.inner.encoder_tokens}"
+        )
+    sampling = sampling_args(temperature, top_k, top_p, vocab)
+    tokens = _checked_tokens(model, decoder, tokens, encoder_input)
+    check_generator(generator, tokens.device)
+    options = compile_options(compile, tokens.device)
+    _check_caches(decoder, tokens.size(0), tokens.size(1), max_new_tokens)
+    pad_counts = leading_pad_counts(tokens, pad_id)
+    _check_not_all_padding(pad_counts, tokens.size(1), pad_id)
+    steps = EAGER if options is None else compiled_steps(options)
+    return _Plan(
+        model,
+        decoder,
+        tokens,
+        pad_counts,
+        encoder_input,
+        max_new_tokens,
+        sampling,
+        stop_tokens,
+        pad_id,
+        generator,
+        steps,
+        stop_check_interval,
+    )
 
 
 # Decoders with a live stream: their KV caches are in use. One cache per decoder, so at most
@@ -203,62 +306,80 @@ def _release(decoder: TransformerDecoder) -> None:
         _LIVE.discard(decoder)
 
 
-def _run(
-    model: _Model,
-    decoder: TransformerDecoder,
-    tokens: torch.Tensor,
-    pad_counts: torch.Tensor,
-    *,
-    encoder_input: Mapping[str, Any] | None,
-    max_new_tokens: int,
-    needed: int,
-    sampling: dict[str, Any],
-    stop_tokens: tuple[int, ...],
-    pad_id: int,
-    generator: torch.Generator | None,
-) -> Iterator[torch.Tensor]:
-    batch_size, seq_len = tokens.shape
+def _run(plan: _Plan) -> Generator[torch.Tensor, None, None]:
+    model, decoder, steps = plan.model, plan.decoder, plan.steps
+    batch_size, seq_len = plan.tokens.shape
+    max_new = plan.max_new_tokens
     # Claimed when the stream starts (its first next()), not when it is created: a generator
     # that never starts never runs its finally block, so it could never give the model back.
     _claim(decoder)
     created = False
     try:
-        if decoder.caches_are_setup():
+        own_caches = decoder.caches_are_setup()
+        if own_caches:
             # Checked again: the caches may have changed since generate_stream() was called.
-            _check_caches(decoder, batch_size, seq_len, max_new_tokens)
+            _check_caches(decoder, batch_size, seq_len, max_new)
+        capacity = first_cache(decoder).max_seq_len if own_caches else decoder.max_seq_len
+        # Compiled: an EarlyFusion's prefill runs eagerly (encoders), a decoder's compiled.
+        compiled_prefill = steps.compiled and isinstance(model.inner, TransformerDecoder)
+        prompt_len = bucket(seq_len, capacity - max_new + 1) if compiled_prefill else seq_len
+        needed = prompt_len + max_new - 1  # the last new token is never fed back
+        if own_caches:
             decoder.reset_caches()
         else:
             created = True  # before setup: a setup that fails half-way is torn down too
-            decoder.setup_caches(batch_size, _weights(decoder).dtype, decoder_max_seq_len=needed)
-        cache_len = decoder.layers[0].attn.kv_cache.max_seq_len
-        extra = {} if encoder_input is None else {"encoder_input": encoder_input}
-        logits = _last_logits(
-            model,
-            tokens,
-            mask=prefill_mask(pad_counts, seq_len, cache_len),
-            input_pos=prompt_positions(pad_counts, seq_len),
-            **extra,
-        )
-        # Decoding steps feed generated ids, always text: an EarlyFusion's merge is bypassed.
-        step_model = (
-            model if isinstance(model.inner, TransformerDecoder) else _Model(decoder, decoder)
-        )
-        done = torch.zeros(batch_size, dtype=torch.bool, device=tokens.device)
-        stop = torch.tensor(stop_tokens, dtype=torch.long, device=tokens.device)
-        for step in range(max_new_tokens):
-            token = sample_next_token(logits, generator=generator, **sampling)
-            token = token.masked_fill(done, pad_id)
-            done = done | torch.isin(token, stop)
-            yield token
-            if step == max_new_tokens - 1 or (stop_tokens and bool(done.all())):
-                return
-            slot = seq_len + step  # where this token goes in the cache
-            logits = _last_logits(
-                step_model,
-                token[:, None],
-                mask=step_mask(pad_counts, slot, cache_len),
-                input_pos=(slot - pad_counts)[:, None],
+            length = bucket(needed, capacity) if steps.compiled else needed
+            decoder.setup_caches(batch_size, _weights(decoder).dtype, decoder_max_seq_len=length)
+        cache_len = first_cache(decoder).max_seq_len
+        tokens, pad_counts = pad_left_to(plan.tokens, plan.pad_counts, prompt_len, plan.pad_id)
+        graphs = steps.compiled and tokens.device.type == "cuda"
+        if graphs:
+            mark_static(decoder)
+        extra = {} if plan.encoder_input is None else {"encoder_input": plan.encoder_input}
+        with _hidden_only(decoder), torch.no_grad():
+            prefill = steps.prefill if compiled_prefill else EAGER.prefill
+            call = decoder if compiled_prefill else model.call
+            _new_graph_step(graphs)
+            logits = prefill(
+                call,
+                decoder,
+                tokens,
+                prefill_mask(pad_counts, prompt_len, cache_len),
+                prompt_positions(pad_counts, prompt_len),
+                extra,
             )
+        # Decoding steps feed generated ids, always text: an EarlyFusion's merge is bypassed;
+        # compiled, the module itself is compiled (not a torch.compile wrapper around it).
+        step_call = (
+            decoder
+            if steps.compiled or not isinstance(model.inner, TransformerDecoder)
+            else model.call
+        )
+        greedy = plan.sampling[0] == 0
+        device = tokens.device
+        # Stop ids padded with -1 (never an id) to a multiple of 8: one graph for 0 to 8 ids.
+        stop = torch.full((-(-len(plan.stop_tokens) // 8) * 8 or 8,), -1, device=device)
+        stop[: len(plan.stop_tokens)] = torch.tensor(plan.stop_tokens, dtype=torch.long)
+        done = torch.zeros(batch_size, dtype=torch.bool, device=device)
+        token, done = settle(_choose(logits, plan), done, stop, plan.pad_id)
+        for step in range(max_new):
+            yield token
+            if step == max_new - 1:
+                return
+            # The only host look of the loop: whether every sample has stopped, every few steps.
+            if plan.stop_tokens and (step + 1) % plan.stop_check_interval == 0 and bool(done.all()):
+                return
+            with _hidden_only(decoder), torch.no_grad():
+                _new_graph_step(graphs)
+                if greedy:
+                    token, done = steps.greedy_step(
+                        step_call, decoder, token, pad_counts, done, stop, plan.pad_id
+                    )
+                else:
+                    logits = steps.step_logits(step_call, decoder, token, pad_counts)
+                    token, done = settle(_choose(logits, plan), done, stop, plan.pad_id)
+            if graphs:  # a CUDA graph's outputs are overwritten by its next replay
+                token, done = token.clone(), done.clone()
     finally:  # also on close(), garbage collection and errors: nothing of ours stays behind
         try:
             if created:
@@ -267,18 +388,29 @@ def _run(
             _release(decoder)
 
 
-def _last_logits(model: _Model, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    """float32 logits [b, vocab] of the last position only: the output projection of the other
-    positions (a [b, s, vocab] tensor at prefill) is never computed."""
-    inner = model.inner
-    saved = inner.skip_output_layer, inner.output_hidden_states
-    inner.skip_output_layer, inner.output_hidden_states = True, []
+def _choose(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    temperature, top_k, top_p = plan.sampling
+    return draw(logits, temperature, top_k, top_p, plan.generator)
+
+
+def _new_graph_step(graphs: bool) -> None:
+    """Before each compiled call with CUDA graphs: the previous replay's outputs may be
+    overwritten (those still needed were cloned)."""
+    if graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+@contextlib.contextmanager
+def _hidden_only(decoder: TransformerDecoder) -> Iterator[None]:
+    """The decoder returns final hidden states (the caller projects only the last slot), and no
+    intermediate ones, for the duration of one call; its settings are restored after, so that
+    the user's own calls between two steps of a stream get what they set."""
+    saved = decoder.skip_output_layer, decoder.output_hidden_states
+    decoder.skip_output_layer, decoder.output_hidden_states = True, []
     try:
-        with torch.no_grad():
-            hidden = model.call(tokens, **kwargs)
-            return inner.unembed(hidden[:, -1])
+        yield
     finally:
-        inner.skip_output_layer, inner.output_hidden_states = saved
+        decoder.skip_output_layer, decoder.output_hidden_states = saved
 
 
 def _unwrap(model: Any) -> tuple[_Model, TransformerDecoder]:
@@ -355,10 +487,10 @@ def _checked_tokens(
             )
         placeholders = inner.encoder_tokens
     elif encoder_input is not None:
-        given = sorted(encoder_input, key=str) if isinstance(encoder_input, Mapping) else "?"
+        names = sorted(encoder_input, key=str) if isinstance(encoder_input, Mapping) else "?"
         raise ValueError(
             "encoder_input: this model is a plain TransformerDecoder without encoders; "
-            f"got input for {given}"
+            f"got input for {names}"
         )
     tokens = tokens.long()
     if tokens.device.type == "cpu":  # on accelerators the model checks ids without a sync
@@ -407,7 +539,7 @@ def _check_caches(
     """The model's own caches, if set up, can hold this call; else the decoder can."""
     needed = seq_len + max_new_tokens - 1  # the last new token is never fed back
     if decoder.caches_are_setup():
-        cache = decoder.layers[0].attn.kv_cache
+        cache = first_cache(decoder)
         if not decoder.caches_are_enabled():
             raise ValueError("model: its KV caches are disabled (inside caches_disabled()?)")
         if cache.batch_size != batch_size:

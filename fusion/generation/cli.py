@@ -18,7 +18,7 @@ import stat
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, NoReturn, TextIO, cast
 
 import torch
 
@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-seq-len", type=_int_type(1), default=None, help="override max_position_embeddings"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the prefill and the decoding step (torch.compile; CUDA graphs on CUDA); "
+        "pays off for long generations",
+    )
     return parser
 
 
@@ -213,6 +219,9 @@ def _run(
         stop_tokens=stop_tokens,
         pad_id=pad_id,
         generator=generator,
+        compile=args.compile,
+        # Each step's tokens are read here anyway (to print them): look for the end each time.
+        stop_check_interval=1,
     )
     try:
         _print(steps, len(prompts), stop_tokens, tokenizer, out)
@@ -273,7 +282,11 @@ def _load_tokenizer(directory: Path) -> tuple[Tokenizer | None, str]:
         reason = _one_line(str(error))
         reason = reason if len(reason) <= 300 else reason[:297] + "..."
         return None, f"transformers: {type(error).__name__}: {reason}"
-    return Tokenizer(loaded.encode, lambda ids: loaded.decode(ids, skip_special_tokens=True)), ""
+
+    def decode(ids: list[int]) -> str:
+        return cast(str, loaded.decode(ids, skip_special_tokens=True))  # ids in: one text out
+
+    return Tokenizer(loaded.encode, decode), ""
 
 
 @contextlib.contextmanager
@@ -299,11 +312,13 @@ def _print(
     finished = [False] * n_prompts
     shown = ""
     for step in steps:
+        added = False
         for i, token in enumerate(step.tolist()):
             if not finished[i]:
                 generated[i].append(token)
                 finished[i] = token in stop_tokens
-        if n_prompts == 1:  # stream: print what this step added
+                added = True
+        if n_prompts == 1 and added:  # stream: print what this step added
             if tokenizer is None:
                 out.write(("" if len(generated[0]) == 1 else ",") + str(generated[0][-1]))
             else:

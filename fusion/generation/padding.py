@@ -100,10 +100,23 @@ def prefill_mask(pad_counts: torch.Tensor, seq_len: int, cache_len: int) -> torc
     return ((keys <= queries) & real) | (keys == queries)
 
 
-def step_mask(pad_counts: torch.Tensor, slot: int, cache_len: int) -> torch.Tensor:
-    """Boolean [b, 1, cache_len] for the token written at cache ``slot``: real slots <= slot."""
+def step_mask(pad_counts: torch.Tensor, slot: int | torch.Tensor, cache_len: int) -> torch.Tensor:
+    """Boolean [b, 1, cache_len] for the token written at cache ``slot`` (an int, or a 0-dim
+    tensor on the device, such as a cache's fill level): real slots <= slot."""
     keys = torch.arange(cache_len, device=pad_counts.device)
     return ((keys <= slot) & (keys >= pad_counts[:, None]))[:, None, :]
+
+
+def pad_left_to(
+    tokens: torch.Tensor, pad_counts: torch.Tensor, length: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` [b, s] with ``length - s`` more pad slots on the left, and their pad counts:
+    every sample's computation is unchanged (pad slots are never attended to)."""
+    extra = length - tokens.size(1)
+    if extra <= 0:
+        return tokens, pad_counts
+    pads = tokens.new_full((tokens.size(0), extra), pad_id)
+    return torch.cat([pads, tokens], dim=1), pad_counts + extra
 
 
 def prompt_positions(pad_counts: torch.Tensor, seq_len: int) -> torch.Tensor:

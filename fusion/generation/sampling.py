@@ -79,6 +79,18 @@ def sample_next_token(
         raise ValueError(f"logits: expected float [b, vocab] with vocab >= 1, got {given}")
     temperature, top_k, top_p = sampling_args(temperature, top_k, top_p, logits.size(-1))
     check_generator(generator, logits.device)
+    return draw(logits, temperature, top_k, top_p, generator)
+
+
+def draw(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """:func:`sample_next_token` without the argument checks, for callers that checked them
+    once (a decoding loop): nothing here reads a value on the host."""
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float()

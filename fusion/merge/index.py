@@ -21,9 +21,10 @@ def merge_index(
     if spill:
         text_ids = torch.cat([text_ids, text_ids.new_zeros(batch, 1)], dim=1)
     text = embed(text_ids)
-    if text._is_view():
+    if not torch.compiler.is_compiling() and text._is_view():
         # E.g. DTensor.to_local under tensor parallelism, or an FSDP2 unit's output: autograd
         # forbids (or would lose hooks on) writing into a view, and it would write its base.
+        # (Under torch.compile, functionalization already writes into a fresh tensor.)
         text = text.clone()
     placements = match_text(placements, text)
     out = text.contiguous().view(-1, text.size(-1))

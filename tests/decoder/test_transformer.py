@@ -101,6 +101,62 @@ class TestKVCache:
         assert not tiny_decoder.caches_are_setup()
         assert torch.equal(tiny_decoder(tokens), full)
 
+    def test_fill_level_is_a_device_tensor(self, tiny_decoder):
+        tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=8)
+        cache = tiny_decoder.layers[0].attn.kv_cache
+        tiny_decoder(random_tokens(seq=3))
+        tiny_decoder(random_tokens(seq=1))
+        assert isinstance(cache.fill, torch.Tensor) and cache.fill.device == tiny_decoder.device
+        assert cache.fill.dim() == 0 and cache.size == 4
+        assert "fill" not in tiny_decoder.state_dict() and "fill" in dict(cache.named_buffers())
+        tiny_decoder.reset_caches()
+        assert cache.size == 0 and not cache.k_cache.any()
+
+    def test_compiled_step_by_step_compiles_once(self):
+        # The decoder compiled as it is and called one token at a time with its default
+        # positions and mask: the fill level is a tensor, so no step sees a new constant.
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        torch._dynamo.reset()
+        decoder = build_tiny_decoder().eval()
+        counter = CompileCounterWithBackend("eager")
+        step = torch.compile(decoder, backend=counter, fullgraph=True, dynamic=False)
+        tokens = random_tokens(seq=12)
+        with torch.no_grad():
+            expected = decoder(tokens)
+            decoder.setup_caches(2, torch.float32, decoder_max_seq_len=16)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                logits = [step(tokens[:, i : i + 1]) for i in range(12)]
+        assert counter.frame_count == 1
+        assert decoder.layers[0].attn.kv_cache.size == 12
+        torch.testing.assert_close(torch.cat(logits, 1), expected, atol=1e-5, rtol=1e-5)
+        torch._dynamo.reset()
+
+    def test_compiled_overflow_is_a_device_side_assertion(self):
+        torch._dynamo.reset()
+        decoder = build_tiny_decoder().eval()
+        step = torch.compile(decoder, backend="aot_eager", fullgraph=True, dynamic=False)
+        tokens = random_tokens(seq=4)
+        decoder.setup_caches(2, torch.float32, decoder_max_seq_len=3)
+        with torch.no_grad():
+            for i in range(3):
+                step(tokens[:, i : i + 1])
+            with pytest.raises(
+                RuntimeError, match="1 more positions do not fit in the KV cache of 3"
+            ):
+                step(tokens[:, 3:4])
+        torch._dynamo.reset()
+
+    def test_cache_under_autocast_keeps_its_dtype(self, tiny_decoder):
+        tokens = random_tokens(seq=6)
+        tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=8)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = tiny_decoder(tokens)
+            tiny_decoder.reset_caches()
+            steps = [tiny_decoder(tokens[:, :4]), tiny_decoder(tokens[:, 4:])]
+        assert tiny_decoder.layers[0].attn.kv_cache.k_cache.dtype == torch.float32
+        torch.testing.assert_close(torch.cat(steps, 1), expected, atol=0.1, rtol=0.05)
+
     def test_cache_follows_model_device_and_dtype(self, tiny_decoder):
         tiny_decoder.setup_caches(3, torch.bfloat16)
         cache = tiny_decoder.layers[0].attn.kv_cache

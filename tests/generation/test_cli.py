@@ -13,7 +13,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaForCausalLM
 
-from fusion.generation.cli import main
+from fusion.generation import generate_stream
+from fusion.generation.cli import _print, main
 from helpers import HF_VOCAB as VOCAB
 from helpers import tiny_hf_llama
 
@@ -89,6 +90,39 @@ def test_stops_at_the_configs_eos(tmp_path, model_dir):
     argv = ["--checkpoint", str(tmp_path / "m"), "--prompt-ids", "5,6,7", "--temperature", "0"]
     output = run(*argv, "--max-new-tokens", "10")
     assert output == ",".join(map(str, expected[: expected.index(eos) + 1])) + "\n"
+
+
+def test_compile(model_dir, monkeypatch):
+    """``--compile`` compiles the generation (here with dynamo's eager backend: the same graphs,
+    without inductor's minute of C++ compilation)."""
+    import fusion.generation.cli as cli
+
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs["compile"])
+        return generate_stream(*args, **(kwargs | {"compile": {"backend": "eager"}}))
+
+    monkeypatch.setattr(cli, "generate_stream", recorded)
+    directory, model = model_dir
+    argv = ["--checkpoint", str(directory), "--prompt-ids", "5,6,7", "--temperature", "0"]
+    output = run(*argv, "--max-new-tokens", "6", "--ignore-eos", "--compile")
+    assert calls == [True]
+    assert output == ",".join(map(str, hf_greedy(model, [5, 6, 7], 6))) + "\n"
+
+
+def test_steps_after_the_stop_print_nothing():
+    # A stream may run a few steps past the last stop (it looks every few steps): those steps
+    # hold pad ids only and must not print anything.
+    steps = [torch.tensor([t]) for t in (7, 9, 2, 0, 0)]
+    out = io.StringIO()
+    _print(iter(steps), 1, (2,), None, out)
+    assert out.getvalue() == "7,9,2\n"
+    out = io.StringIO()
+    _print(
+        iter([torch.tensor([4, 2]), torch.tensor([2, 5]), torch.tensor([0, 2])]), 2, (2,), None, out
+    )
+    assert out.getvalue() == "4,2\n2\n"
 
 
 def test_sampling_is_seeded(model_dir):
