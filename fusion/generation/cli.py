@@ -22,11 +22,12 @@ from typing import Any, NoReturn, TextIO, cast
 
 import torch
 
-from fusion.checkpoint import CheckpointError, load_hf_llama
+from fusion.checkpoint import CheckpointError, load_hf_llama, load_hf_vlm
 from fusion.generation._checks import as_device
 from fusion.generation.autoregressive import generate_stream
 from fusion.generation.padding import left_pad
 from fusion.generation.sampling import check_sampling_args
+from fusion.preprocessing import detect_model_kind, load_image, prepare_inputs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_JSON_BYTES = 16 << 20  # config.json and generation_config.json are a few KiB
@@ -86,7 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument(
         "--prompt-ids", action="append", help="a prompt as comma-separated token ids (repeatable)"
     )
-    parser.add_argument("--max-new-tokens", type=_int_type(1), default=32)
+    parser.add_argument(
+        "--image",
+        action="append",
+        type=Path,
+        help="an image file for the prompts' <image> markers, in order (repeatable; LLaVA and "
+        "Idefics3 / SmolVLM directories; decoding needs Pillow: the vision extra)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=_int_type(1), default=32, help="default: %(default)s"
+    )
     parser.add_argument(
         "--temperature",
         type=_float_type(lambda t: t >= 0, "a finite number >= 0"),
@@ -161,9 +171,24 @@ def _run(
 ) -> None:
     directory: Path = args.checkpoint
     _check_directory(directory)
+    kind = detect_model_kind(directory)  # "llama", "llava" or "idefics3"
+    if args.image and kind == "llama":
+        parser.error(f"--image: {directory} holds a text-only Llama, which takes no images")
+    if args.image and args.prompt is None:
+        parser.error("--image: images go where <image> markers are in a --prompt text")
     config = _generation_config(directory)
     vocab = _positive_int_or_none(config.get("vocab_size"))
-    if args.prompt is not None:
+    encoder_input = None
+    if args.prompt is not None and kind != "llama":
+        tokenizer, reason = _load_tokenizer(directory)
+        if tokenizer is None:
+            parser.error(f"--prompt: no tokenizer could be loaded from {directory} ({reason})")
+        images = [load_image(path) for path in args.image or []]
+        inputs = prepare_inputs(directory, args.prompt, images, encode=tokenizer.encode)
+        prompts = inputs.ids
+        if images:
+            encoder_input = inputs.encoder_input(device=device)
+    elif args.prompt is not None:
         tokenizer, reason = _load_tokenizer(directory)
         if tokenizer is None:
             parser.error(
@@ -206,12 +231,13 @@ def _run(
         )
 
     dtype = None if args.dtype == "auto" else _DTYPES[args.dtype]
-    model = load_hf_llama(directory, dtype=dtype, device=device, max_seq_len=args.max_seq_len)
-    model.eval()
+    load = load_hf_llama if kind == "llama" else load_hf_vlm
+    model = load(directory, dtype=dtype, device=device, max_seq_len=args.max_seq_len).eval()
     generator = torch.Generator(device=device).manual_seed(args.seed)
     steps = generate_stream(
         model,
         tokens.to(device),
+        encoder_input=encoder_input,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -409,6 +435,9 @@ def _generation_config(directory: Path) -> dict[str, Any]:
             raise CheckpointError(file, None, f"unreadable: {_one_line(str(error))}") from error
         if not isinstance(content, dict):
             raise CheckpointError(file, None, "expected a JSON object")
+        text = content.get("text_config")  # vision-language configs keep these there
+        if name == "config.json" and isinstance(text, dict):
+            content = {**{k: text.get(k) for k in _TEXT_KEYS}, **content}
         for key in ("eos_token_id", "pad_token_id"):
             value = content.get(key)
             if value is not None and not _is_ids(value):
@@ -417,6 +446,9 @@ def _generation_config(directory: Path) -> dict[str, Any]:
                 )
         config |= {k: v for k, v in content.items() if v is not None}
     return config
+
+
+_TEXT_KEYS = ("vocab_size", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
 
 def _is_id(value: Any) -> bool:
