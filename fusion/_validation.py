@@ -1,24 +1,41 @@
 """Input checks shared by the modules: eager on CPU, sync-free on accelerators."""
 
+from collections.abc import Callable
+
 import torch
 
 
-def check_in_range(values: torch.Tensor, name: str, low: int, high: int) -> None:
-    """Raise unless every element of ``values`` lies in ``[low, high)``.
+def checks_eagerly(device: torch.device) -> bool:
+    """Whether a check of tensor values may read them on the host now: on CPU, outside
+    ``torch.compile`` (where reading costs nothing and errors come before any work)."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()
 
-    On CPU the check is eager and raises ``ValueError``. On accelerators, and while
-    ``torch.compile`` traces, it becomes a device-side assertion (``torch._assert_async``), so
-    it never forces a host-device synchronisation; a failure surfaces as a ``RuntimeError``.
-    """
+
+def check_values(
+    ok: torch.Tensor, message: str, *, eager: bool, details: Callable[[], str] = str
+) -> None:
+    """The one rule for checks of tensor values: with ``eager``, raise ``ValueError(message +
+    details())`` now unless ``ok``; otherwise enqueue a device-side assertion
+    (``torch._assert_async``), which never synchronises with the host and fails later as a
+    ``RuntimeError`` with ``message``."""
+    if not eager:
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message + details())
+
+
+def check_in_range(values: torch.Tensor, name: str, low: int, high: int) -> None:
+    """Raise unless every element of ``values`` lies in ``[low, high)`` (see
+    :func:`check_values`: eager on CPU, a device-side assertion on accelerators and under
+    ``torch.compile``)."""
     if values.numel() == 0:
         return
-    message = f"{name}: expected values in [{low}, {high})"
-    if values.device.type == "cpu" and not torch.compiler.is_compiling():
-        smallest, largest = int(values.min()), int(values.max())
-        if smallest < low or largest >= high:
-            raise ValueError(f"{message}, got values from {smallest} to {largest}")
-    else:
-        torch._assert_async(((values >= low) & (values < high)).all(), message)
+    check_values(
+        ((values >= low) & (values < high)).all(),
+        f"{name}: expected values in [{low}, {high})",
+        eager=checks_eagerly(values.device),
+        details=lambda: f", got values from {int(values.min())} to {int(values.max())}",
+    )
 
 
 INDEX_DTYPES = (torch.int64, torch.int32)

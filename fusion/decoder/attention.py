@@ -68,21 +68,21 @@ class MultiHeadAttention(nn.Module):
             [b, s, d]
         """
         b, s, _ = x.shape
-        q = self.pos_embeddings(self.q_proj(x).view(b, s, self.num_heads, self.head_dim), input_pos)
-        k = self.pos_embeddings(
-            self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim), input_pos
-        )
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(b, s, heads, head_dim)  # [b, s, h, hd]
+        k = self.k_proj(x).view(b, s, kv_heads, head_dim)  # [b, s, h_kv, hd]
+        v = self.v_proj(x).view(b, s, kv_heads, head_dim)  # [b, s, h_kv, hd]
+        q, k = self.pos_embeddings(q, input_pos), self.pos_embeddings(k, input_pos)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
         if self.kv_cache is not None and self.cache_enabled:
-            k, v = self.kv_cache.update(k, v)
-        out = F.scaled_dot_product_attention(
+            k, v = self.kv_cache.update(k, v)  # [b, h_kv, cache_len, hd]
+        out = F.scaled_dot_product_attention(  # [b, h, s, hd]; GQA: h_kv heads shared by h
             q,
             k,
             v,
             attn_mask=mask,
             is_causal=mask is None,
             dropout_p=self.attn_dropout if self.training else 0.0,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+            enable_gqa=heads != kv_heads,
         )
-        return self.output_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.output_proj(out.transpose(1, 2).reshape(b, s, heads * head_dim))  # [b, s, d]

@@ -10,6 +10,8 @@ from fusion._validation import (
     INDEX_DTYPES,
     check_in_range,
     check_token_ids,
+    check_values,
+    checks_eagerly,
     describe,
     is_dtensor,
 )
@@ -341,19 +343,13 @@ class TransformerDecoder(nn.Module):
                 f"tokens: the KV cache was set up for batch size {cache.batch_size}, got a batch "
                 f"of {batch_size}; call setup_caches() again"
             )
-        message = (
+        check_values(
+            cache.fill <= cache.max_seq_len - seq_len,
             f"tokens: {seq_len} more positions do not fit in the KV cache of "
-            f"{cache.max_seq_len}; call reset_caches() or set up a larger cache"
+            f"{cache.max_seq_len}; call reset_caches() or set up a larger cache",
+            eager=checks_eagerly(cache.fill.device),
+            details=lambda: f" (it holds {cache.size})",
         )
-        if cache.fill.device.type == "cpu" and not torch.compiler.is_compiling():
-            filled = cache.size
-            if filled + seq_len > cache.max_seq_len:
-                raise ValueError(
-                    f"tokens: the KV cache holds {filled} of {cache.max_seq_len} positions, so "
-                    f"{seq_len} more do not fit; call reset_caches() or set up a larger cache"
-                )
-        else:
-            torch._assert_async(cache.fill <= cache.max_seq_len - seq_len, message)
         return cache.fill + torch.arange(seq_len, device=cache.fill.device)
 
     def _first_cache(self) -> KVCache:

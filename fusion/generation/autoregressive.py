@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from fusion._validation import check_values, checks_eagerly
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
 from fusion.generation._checks import (
@@ -564,9 +565,8 @@ def _check_caches(
 
 
 def _check_not_all_padding(pad_counts: torch.Tensor, seq_len: int, pad_id: int) -> None:
-    message = f"tokens: a prompt is all padding (pad_id={pad_id}); each needs a real token"
-    if pad_counts.device.type == "cpu":
-        if int(pad_counts.max()) >= seq_len:
-            raise ValueError(message)
-    else:  # a device-side assertion: no host synchronisation
-        torch._assert_async((pad_counts < seq_len).all(), message)
+    check_values(
+        (pad_counts < seq_len).all(),
+        f"tokens: a prompt is all padding (pad_id={pad_id}); each needs a real token",
+        eager=checks_eagerly(pad_counts.device),
+    )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusion._validation import check_in_range, describe
+from fusion._validation import check_in_range, check_values, checks_eagerly, describe
 from fusion.merge.layouts import EncoderRows, Padded, as_layout
 
 
@@ -86,7 +86,7 @@ def resolve_placements(
             f"(known: {sorted(encoder_tokens)})"
         )
 
-    eager = tokens.device.type == "cpu" if eager_checks is None else eager_checks
+    eager = checks_eagerly(tokens.device) if eager_checks is None else eager_checks
     eager = eager and not torch.compiler.is_compiling()
     placements = []
     any_placeholder = torch.zeros_like(tokens, dtype=torch.bool)
@@ -190,9 +190,10 @@ def _check_counts(p: Placement, eager: bool) -> None:
             f"encoder {p.name!r}: a sample holds more placeholders (id {p.token_id}) than the "
             f"padded width {p.width}"
         )
-    if not eager:
-        torch._assert_async(ok, message)
-    elif not bool(ok):
-        counts = per_sample.tolist()
-        shown = counts if len(counts) <= 16 else [*counts[:16], "..."]
-        raise ValueError(f"{message}; per-sample placeholder counts: {shown}")
+
+    def counts() -> str:
+        shown: list = per_sample.tolist()
+        shown = shown if len(shown) <= 16 else [*shown[:16], "..."]
+        return f"; per-sample placeholder counts: {shown}"
+
+    check_values(ok, message, eager=eager, details=counts)

@@ -215,7 +215,7 @@ class TestBadInput:
         tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=8)
         tiny_decoder(random_tokens(seq=6))
         self.check(
-            r"KV cache holds 6 of 8 positions, so 3 more do not fit",
+            r"tokens: 3 more positions do not fit in the KV cache of 8; .* \(it holds 6\)",
             lambda: tiny_decoder(random_tokens(seq=3)),
         )
         assert tiny_decoder.layers[0].attn.kv_cache.size == 6  # nothing was written
