@@ -21,6 +21,8 @@ class RotaryPositionalEmbeddings(nn.Module):
         low_freq_factor, high_freq_factor, old_context_len: llama3 scaling band.
     """
 
+    cache: torch.Tensor  # [max_seq_len, dim / 2, 2]: cos and sin per position and pair
+
     def __init__(
         self,
         dim: int,

@@ -84,12 +84,12 @@ class TransformerDecoder(nn.Module):
     def device(self) -> torch.device:
         """Where the decoder computes: the device of its rotary table (a buffer, so it stays
         put when parameters are sharded or offloaded)."""
-        return self._attentions()[0].pos_embeddings.cache.device
+        return self.attentions()[0].pos_embeddings.cache.device
 
     @property
     def decoder_max_cache_seq_len(self) -> int | None:
         """Positions per sequence of the KV cache, None without one (as in torchtune)."""
-        cache = self._attentions()[0].kv_cache
+        cache = self.attentions()[0].kv_cache
         return None if cache is None else cache.max_seq_len
 
     # ------------------------------------------------------------------ KV cache
@@ -119,24 +119,24 @@ class TransformerDecoder(nn.Module):
             )
         if batch_size <= 0:
             raise ValueError(f"batch_size: expected a positive integer, got {batch_size}")
-        for attn in self._attentions():
+        for attn in self.attentions():
             attn.setup_cache(batch_size, max_len, dtype, self.device)
 
     def caches_are_setup(self) -> bool:
-        return self._attentions()[0].kv_cache is not None
+        return self.attentions()[0].kv_cache is not None
 
     def caches_are_enabled(self) -> bool:
-        return self.caches_are_setup() and self._attentions()[0].cache_enabled
+        return self.caches_are_setup() and self.attentions()[0].cache_enabled
 
     def reset_caches(self) -> None:
         """Empty the caches (keep them allocated)."""
         self._require_caches("reset_caches")
-        for attn in self._attentions():
+        for attn in self.attentions():
             cast(KVCache, attn.kv_cache).reset()
 
     def teardown_caches(self) -> None:
         """Free the caches: back to the state before :meth:`setup_caches`."""
-        for attn in self._attentions():
+        for attn in self.attentions():
             attn.kv_cache = None
             attn.cache_enabled = False
 
@@ -144,7 +144,7 @@ class TransformerDecoder(nn.Module):
     def caches_disabled(self) -> Iterator[None]:
         """Run plain full-sequence forwards inside the block; the caches are left untouched."""
         self._require_caches("caches_disabled")
-        attentions = self._attentions()
+        attentions = self.attentions()
         previous = [attn.cache_enabled for attn in attentions]
         for attn in attentions:
             attn.cache_enabled = False
@@ -158,8 +158,9 @@ class TransformerDecoder(nn.Module):
         if not self.caches_are_setup():
             raise RuntimeError(f"{method}() needs KV caches: call setup_caches() first")
 
-    def _attentions(self) -> list[MultiHeadAttention]:
-        """Each layer's attention (typed: ``nn.ModuleList`` items are plain modules)."""
+    def attentions(self) -> list[MultiHeadAttention]:
+        """Each layer's attention module, typed (``nn.ModuleList`` items are plain modules):
+        how code outside the decoder reaches head counts and KV caches."""
         return [cast(TransformerSelfAttentionLayer, layer).attn for layer in self.layers]
 
     # ------------------------------------------------------------------ forward
@@ -352,9 +353,17 @@ class TransformerDecoder(nn.Module):
         )
         return cache.fill + torch.arange(seq_len, device=cache.fill.device)
 
+    def kv_caches(self) -> list[KVCache]:
+        """Each layer's KV cache; all share the length and the fill level.
+
+        Raises:
+            RuntimeError: no caches are set up.
+        """
+        self._require_caches("kv_caches")
+        return [cast(KVCache, attn.kv_cache) for attn in self.attentions()]
+
     def _first_cache(self) -> KVCache:
-        """The first layer's KV cache: its fill level and length are every layer's."""
-        return cast(KVCache, self._attentions()[0].kv_cache)
+        return cast(KVCache, self.attentions()[0].kv_cache)
 
     def _validate_input_pos(self, input_pos: torch.Tensor, batch_size: int, seq_len: int) -> None:
         # torchtune's decode step passes one position per sample: [b] for s == 1.

@@ -10,12 +10,12 @@ graph (``mode="reduce-overhead"``). Eager and compiled generation run the same f
 import inspect
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from fusion.decoder import KVCache, TransformerDecoder, TransformerSelfAttentionLayer
+from fusion.decoder import KVCache, TransformerDecoder
 from fusion.generation._checks import as_positive_int, show
 from fusion.generation.padding import step_mask
 
@@ -74,8 +74,7 @@ def greedy_step(
 
 def first_cache(decoder: TransformerDecoder) -> KVCache:
     """The first layer's KV cache: its length and fill level are every layer's."""
-    layer = cast(TransformerSelfAttentionLayer, decoder.layers[0])
-    return cast(KVCache, layer.attn.kv_cache)
+    return decoder.kv_caches()[0]
 
 
 class Steps(NamedTuple):
@@ -212,7 +211,6 @@ def mark_static(decoder: TransformerDecoder) -> None:
     """Tell CUDA graphs that the KV caches keep their address (no copy into the graph's own
     buffers at each replay). Unguarded: caches set up anew re-record the graph, never
     recompile it."""
-    for layer in decoder.layers:
-        cache = cast(KVCache, cast(TransformerSelfAttentionLayer, layer).attn.kv_cache)
+    for cache in decoder.kv_caches():
         for tensor in (cache.k_cache, cache.v_cache, cache.fill):
             torch._dynamo.mark_static_address(tensor, guard=False)

@@ -100,8 +100,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
                 f"modules of the decoder; got {wrong or 'no such module'}"
             )
     size = mesh.size()
-    for i, layer in enumerate(decoder.layers):
-        heads, kv_heads = layer.attn.num_heads, layer.attn.num_kv_heads
+    for i, attn in enumerate(decoder.attentions()):
+        heads, kv_heads = attn.num_heads, attn.num_kv_heads
         if heads % size or kv_heads % size:
             raise ValueError(
                 f"mesh: tensor parallelism over {size} ranks splits attention heads evenly, "
@@ -109,7 +109,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
                 f"size that divides both"
             )
     parallelize_module(decoder, mesh, plan)
-    for layer in decoder.layers:
-        layer.attn.num_heads //= size
-        layer.attn.num_kv_heads //= size
+    for attn in decoder.attentions():
+        attn.num_heads //= size
+        attn.num_kv_heads //= size
     return model

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from parallel.sharding_scenarios import WORLD_SIZE
 
 TESTS = Path(__file__).parents[1]

@@ -2,13 +2,13 @@
 2 gloo processes, against the unsharded model in one process (logits and every gradient)."""
 
 import pytest
-from parallel.sharding_scenarios import CASES, Case, assert_matches_one_process, build
 from torch import nn
 
 from fusion import EarlyFusion
 from fusion.encoders import VisionEncoder
 from fusion.parallel import apply_fsdp, fsdp_units
 from helpers import build_tiny_decoder
+from parallel.sharding_scenarios import CASES, Case, assert_matches_one_process, build
 
 FSDP_CASES = [c for c in CASES if c.plan in ("fsdp", "decoder_unit")]
 

@@ -4,10 +4,10 @@ keys and bitwise the saved values."""
 
 import torch
 import torch.distributed.checkpoint as dcp
-from parallel.sharding_scenarios import CHECKPOINT, LOAD, SAVE, TOLERANCE, Case, build, reference
 from torch.distributed.checkpoint import FileSystemReader
 
 from helpers import build_tiny_decoder
+from parallel.sharding_scenarios import CHECKPOINT, LOAD, SAVE, TOLERANCE, Case, build, reference
 
 
 def test_checkpoint_has_the_plain_keys(sharded_runs):

@@ -4,11 +4,11 @@
 from fnmatch import fnmatch
 
 import pytest
-from parallel.sharding_scenarios import CASES, assert_matches_one_process
 from torch import nn
 
 from fusion.parallel import apply_tp, llama_tp_plan
 from helpers import build_tiny_decoder
+from parallel.sharding_scenarios import CASES, assert_matches_one_process
 
 TP_CASES = [c for c in CASES if c.plan in ("tp", "fsdp_tp")]
 
