@@ -1,23 +1,20 @@
-"""Reading and writing state dicts: safetensors (one file, or shards with their index) and torch
-files read with ``torch.load(weights_only=True)``. Nothing is ever unpickled beyond tensors and
-plain containers.
+"""State dicts in files: safetensors (one file, or shards with their index) and torch files read
+with ``torch.load(weights_only=True)``, which never unpickles objects.
 
-A checkpoint directory is untrusted input. Every failure is a :class:`CheckpointError` naming
-the file and, where one is at fault, the key. Only regular files are read (symlinks to them are
-followed; FIFOs and devices are refused); JSON files and safetensors headers are size-capped and
-parsed strictly; a safetensors header must describe tensors that tile its data section exactly
-(as safetensors itself requires), and is checked against the file size before any tensor is read,
-so a truncated file is reported with the first key whose bytes are missing; a torch file's tensors
-must be dense CPU tensors backed by the bytes they claim (no stride-0 views inflating a few bytes
-into a model), and its zip members must be stored, not compressed. (Safetensors has no checksums:
-flipped bytes inside a tensor's data cannot be detected by any reader.)
+A checkpoint directory is untrusted input: every failure is a :class:`CheckpointError` naming
+the file and, where one is at fault, the key. Only regular files are read (links to them are
+followed; FIFOs and devices refused). JSON files and safetensors headers are size-capped and
+parsed strictly; a header must describe tensors that tile its data section exactly (as
+safetensors requires) and is checked against the file size before any tensor is read. Headers
+and tensors are read here rather than by ``safetensors``: its errors name no key, and
+``safe_open`` refuses file names that are not UTF-8. A torch file's tensors must be dense CPU
+tensors no larger than the storage behind them, its zip members stored, not compressed.
+(Safetensors has no checksum: flipped bits inside a tensor cannot be detected.)
 
-Writes never touch the checkpoint being replaced until the new one is complete: every file is
-written and fsynced in a fresh private directory, then renamed into place (see
-:func:`save_state_dict`).
+Every write goes through :func:`write_files`: what it replaces stays untouched until the new
+files are complete and durable.
 """
 
-import io
 import json
 import math
 import os
@@ -29,22 +26,23 @@ import stat
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
+from io import BufferedReader
 from pathlib import Path
 from typing import Any, TypeGuard
 
 import torch
 from safetensors.torch import save_file
 
-from fusion.checkpoint._checks import (
+from fusion.checkpoint.errors import (
+    CheckpointError,
     as_path,
     check_positive_int,
     check_state_dict,
     short_repr,
 )
-from fusion.checkpoint.errors import CheckpointError
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -54,7 +52,7 @@ TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 MAX_JSON_BYTES = 32 * 2**20  # config.json and indexes: real ones are kilobytes
 MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 
-_SAFETENSORS_DTYPES = {
+_DTYPES = {  # safetensors' names
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -72,7 +70,6 @@ _SAFETENSORS_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-_DTYPE_NAMES = set(_SAFETENSORS_DTYPES.values())
 # The names a checkpoint of this library or Hugging Face uses; an overwrite replaces them all.
 _CHECKPOINT_FILE = re.compile(
     r"model(-\d+-of-\d+(-[0-9a-f]+)?)?\.safetensors|model\.safetensors\.index\.json"
@@ -94,7 +91,7 @@ class CheckpointFiles:
 
     Args:
         path: a ``.safetensors`` file; a torch file (``.bin``, ``.pt``, ``.pth``, either
-            serialization format); an index (``*.index.json`` with a ``weight_map`` of key ->
+            serialization format); an index (``*.index.json``: a ``weight_map`` of key ->
             shard file name); or a directory holding ``model.safetensors``,
             ``model.safetensors.index.json``, ``pytorch_model.bin`` or
             ``pytorch_model.bin.index.json`` (safetensors preferred). str, bytes or PathLike.
@@ -102,26 +99,25 @@ class CheckpointFiles:
     Attributes:
         path: the file or directory given.
         entries: key -> :class:`TensorEntry`, in file order.
-        stored_bytes: the bytes of tensor data the files hold (storage shared by several
-            tensors of a torch file counted once).
+        stored_bytes: the bytes of tensor data the files hold (storage shared by tensors of a
+            torch file counted once).
 
     Raises:
         TypeError, ValueError: ``path`` is not a path.
-        CheckpointError: no such file or no checkpoint in the directory; an unknown format; a
-            file that is not a regular file, too large a header or JSON file; a corrupt,
-            truncated or malformed file, header or index (wrong types, non-finite or absurd
-            numbers, deep nesting); a missing shard; a key listed in the index but not in its
-            shard, or the other way round; a key in two shards; a torch file with objects other
-            than tensors, compressed members, or tensors that are sparse, quantized, on the meta
-            device or larger than the storage behind them.
+        CheckpointError: no such file or no checkpoint in the directory; an unknown format; not
+            a regular file; too large a header or JSON file; a corrupt, truncated or malformed
+            file, header or index (wrong types, non-finite or absurd numbers, deep nesting); a
+            missing shard; index and shards disagreeing on a key; a torch file with objects
+            other than tensors, compressed members, or tensors that are sparse, quantized, on
+            the meta device or larger than the storage behind them.
     """
 
     def __init__(self, path: str | bytes | os.PathLike) -> None:
         self.path = as_path(path, "path")
-        self._torch_files: dict[Path, dict[str, torch.Tensor]] = {}
-        self._ranges: dict[str, tuple[int, int]] = {}  # safetensors key -> byte range in file
         self.entries: dict[str, TensorEntry] = {}
         self.stored_bytes = 0
+        self._loaded: dict[str, torch.Tensor] = {}  # torch files are read whole
+        self._ranges: dict[str, tuple[int, int]] = {}  # safetensors key -> bytes in its file
         file = _resolve(self.path)
         if file.name.endswith(".index.json"):
             self._read_index(file)
@@ -132,53 +128,35 @@ class CheckpointFiles:
         """Read one tensor (on the CPU, in its stored dtype)."""
         if key not in self.entries:
             raise CheckpointError(self.path, key, "no such key in the checkpoint")
-        file = self.entries[key].file
-        if file in self._torch_files:
-            return self._torch_files[file][key]
-        with _open_regular(file) as f:
-            return self._read_tensor(f, key)
+        if key in self._loaded:
+            return self._loaded[key]
+        entry, (start, end) = self.entries[key], self._ranges[key]
+        data = bytearray(end - start)
+        with _open_regular(entry.file) as f:
+            try:
+                f.seek(start)
+                complete = f.readinto(data) == len(data)
+            except OSError as error:
+                raise CheckpointError(entry.file, key, f"unreadable tensor: {error}") from error
+        if not complete:
+            raise CheckpointError(entry.file, key, "truncated since its header was read")
+        if not data:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        return torch.frombuffer(data, dtype=torch.uint8).view(entry.dtype).view(entry.shape)
 
     def load_all(self) -> dict[str, torch.Tensor]:
         """Read every tensor: key -> tensor (CPU, stored dtype), in file order."""
-        by_file: dict[Path, list[str]] = {}
-        for key, entry in self.entries.items():
-            by_file.setdefault(entry.file, []).append(key)
-        tensors = {}
-        for file, keys in by_file.items():
-            if file in self._torch_files:
-                tensors.update({key: self._torch_files[file][key] for key in keys})
-                continue
-            with _open_regular(file) as f:
-                tensors.update({key: self._read_tensor(f, key) for key in keys})
-        return {key: tensors[key] for key in self.entries}
-
-    # ------------------------------------------------------------------ reading
-
-    def _read_tensor(self, f: io.BufferedReader, key: str) -> torch.Tensor:
-        entry, (start, end) = self.entries[key], self._ranges[key]
-        if start == end:
-            return torch.empty(entry.shape, dtype=entry.dtype)
-        data = bytearray(end - start)
-        try:
-            f.seek(start)
-            complete = f.readinto(data) == len(data)
-        except OSError as error:
-            raise CheckpointError(entry.file, key, f"unreadable tensor: {error}") from error
-        if not complete:
-            raise CheckpointError(entry.file, key, "truncated since its header was read")
-        # Read through our own descriptor, not safetensors.safe_open: that one refuses file
-        # names that are not UTF-8. The header was checked as strictly as safetensors does.
-        return torch.frombuffer(data, dtype=torch.uint8).view(entry.dtype).view(entry.shape)
+        return {key: self.load(key) for key in self.entries}
 
     def _read_file(self, file: Path) -> dict[str, TensorEntry]:
         if file.suffix == ".safetensors":
-            ranges = _read_safetensors_header(file)
-            self._ranges.update({key: (start, end) for key, (_, start, end) in ranges.items()})
-            self.stored_bytes += sum(end - start for _, start, end in ranges.values())
-            return {key: entry for key, (entry, _, _) in ranges.items()}
+            entries, ranges = _read_header(file)
+            self._ranges |= ranges
+            self.stored_bytes += sum(end - start for start, end in ranges.values())
+            return entries
         if file.suffix in TORCH_SUFFIXES:
             tensors = _torch_load(file)
-            self._torch_files[file] = tensors
+            self._loaded |= tensors
             storages = {
                 t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors.values()
             }
@@ -189,9 +167,17 @@ class CheckpointFiles:
         )
 
     def _read_index(self, index: Path) -> None:
-        weight_map = _read_weight_map(index)
+        content = read_json(index, "index")
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(index, "weight_map", "expected an object of key -> shard name")
         shards: dict[str, list[str]] = {}
         for key, name in weight_map.items():
+            # Shards live next to the index: a path elsewhere is refused, not followed.
+            if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+                raise CheckpointError(
+                    index, key, f"expected a shard file name, got {short_repr(name)}"
+                )
             shards.setdefault(name, []).append(key)
         for name, keys in shards.items():
             shard = index.parent / name
@@ -210,13 +196,25 @@ class CheckpointFiles:
                     )
             for key in entries:
                 if weight_map.get(key) != name:
-                    raise CheckpointError(
-                        shard,
-                        key,
-                        f"in this file, but {index.name} "
-                        + (f"maps it to {weight_map[key]}" if key in weight_map else "omits it"),
-                    )
-            self.entries.update(entries)
+                    where = f"maps it to {weight_map[key]}" if key in weight_map else "omits it"
+                    raise CheckpointError(shard, key, f"in this file, but {index.name} {where}")
+            self.entries |= entries
+
+
+def load_state_dict(path: str | bytes | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read a whole checkpoint: a file, an index or a directory, as :class:`CheckpointFiles`.
+
+    Returns:
+        key -> tensor, on the CPU, in the stored dtypes, keys exactly as stored.
+
+    Raises:
+        TypeError, ValueError: ``path`` is not a path.
+        CheckpointError: as :class:`CheckpointFiles`, naming the file and key.
+    """
+    return CheckpointFiles(path).load_all()
+
+
+# ---------------------------------------------------------------------- reading files
 
 
 def _resolve(path: Path) -> Path:
@@ -225,33 +223,22 @@ def _resolve(path: Path) -> Path:
         if not os.path.lexists(path):
             raise CheckpointError(path, None, "no such file or directory")
         return path  # anything but a regular file is refused when opened
-    present = [
-        name
-        for name in (SAFETENSORS_SINGLE, SAFETENSORS_INDEX, TORCH_SINGLE, TORCH_INDEX)
-        if os.path.lexists(path / name)
-    ]
-    if SAFETENSORS_SINGLE in present and SAFETENSORS_INDEX in present:
+    names = (SAFETENSORS_SINGLE, SAFETENSORS_INDEX, TORCH_SINGLE, TORCH_INDEX)
+    present = [name for name in names if os.path.lexists(path / name)]
+    if not present:
+        raise CheckpointError(path, None, f"no checkpoint: expected one of {', '.join(names)}")
+    if present[:2] == [SAFETENSORS_SINGLE, SAFETENSORS_INDEX]:
         raise CheckpointError(
             path,
             None,
             f"ambiguous: holds both {SAFETENSORS_SINGLE} and {SAFETENSORS_INDEX}; remove one",
         )
-    if not present:
-        raise CheckpointError(
-            path,
-            None,
-            f"no checkpoint: expected one of {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
-            f"{TORCH_SINGLE}, {TORCH_INDEX}",
-        )
     return path / present[0]
 
 
-def _open_regular(file: Path, what: str = "file") -> io.BufferedReader:
-    """Open ``file`` for reading, refusing anything but a regular file (after symlinks).
-
-    ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for a writer.
-    """
-    try:
+def _open_regular(file: Path, what: str = "file") -> BufferedReader:
+    """Open ``file`` for reading, refusing anything but a regular file (after symlinks)."""
+    try:  # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as error:
         raise CheckpointError(file, None, f"unreadable {what}: {error.strerror}") from error
@@ -261,27 +248,14 @@ def _open_regular(file: Path, what: str = "file") -> io.BufferedReader:
     return os.fdopen(fd, "rb")
 
 
-class _LongInteger:
-    """A JSON integer with more digits than any meaningful value: fails every type check
-    (instead of Python's int parser raising, or a huge int reaching an allocator)."""
+def _parse_json(raw: bytes, file: Path, problem: str) -> Any:
+    """Parse untrusted JSON; a failure is a :class:`CheckpointError` starting with ``problem``.
 
-    def __init__(self, text: str) -> None:
-        self.digits = len(text.lstrip("-"))
-
-    def __repr__(self) -> str:
-        return f"<an integer of {self.digits} digits>"
-
-
-def _parse_int(text: str) -> int | _LongInteger:
-    return int(text) if len(text) <= 40 else _LongInteger(text)
-
-
-def parse_json(raw: bytes, file: Path, problem: str) -> Any:
-    """Parse untrusted JSON; every failure is a :class:`CheckpointError` starting with
-    ``problem`` (e.g. ``"unreadable config"``). ``Infinity``/``NaN`` parse to floats and long
-    integers to a placeholder, so that the caller's type checks name the key at fault."""
+    ``Infinity``/``NaN`` parse to floats, and so do integers of more than 40 digits (as JSON
+    numbers beyond a float's range already do), never to a huge int: the caller's type checks
+    then name the key at fault."""
     try:
-        return json.loads(raw, parse_int=_parse_int)
+        return json.loads(raw, parse_int=lambda text: int(text) if len(text) <= 40 else float(text))
     except RecursionError:
         raise CheckpointError(file, None, f"{problem}: nested too deeply") from None
     except ValueError as error:  # includes JSONDecodeError and UnicodeDecodeError
@@ -294,24 +268,7 @@ def read_json(file: Path, what: str) -> Any:
         raw = f.read(MAX_JSON_BYTES + 1)
     if len(raw) > MAX_JSON_BYTES:
         raise CheckpointError(file, None, f"{what} larger than {MAX_JSON_BYTES} bytes: refused")
-    return parse_json(raw, file, f"unreadable {what}")
-
-
-def _read_weight_map(index: Path) -> dict[str, str]:
-    content = read_json(index, "index")
-    weight_map = content.get("weight_map") if isinstance(content, dict) else None
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(index, "weight_map", "expected an object of key -> shard file name")
-    for key, name in weight_map.items():
-        # Shards live next to the index: a path elsewhere is refused, not followed.
-        if (
-            not isinstance(name, str)
-            or name in ("", ".", "..")
-            or "\x00" in name
-            or Path(name).name != name
-        ):
-            raise CheckpointError(index, key, f"expected a shard file name, got {short_repr(name)}")
-    return weight_map
+    return _parse_json(raw, file, f"unreadable {what}")
 
 
 def _is_int_list(value: object, length: int | None = None) -> TypeGuard[list[int]]:
@@ -322,11 +279,9 @@ def _is_int_list(value: object, length: int | None = None) -> TypeGuard[list[int
     )
 
 
-def _read_safetensors_header(file: Path) -> dict[str, tuple[TensorEntry, int, int]]:
-    """Parse and check the header of a safetensors file without reading tensor data.
-
-    Returns key -> (entry, start, end) with the byte range in the file, in file order.
-    """
+def _read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, tuple[int, int]]]:
+    """A safetensors file's entries and each key's byte range in the file, in file order, read
+    and checked without reading tensor data."""
     with _open_regular(file) as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
@@ -341,21 +296,19 @@ def _read_safetensors_header(file: Path) -> dict[str, tuple[TensorEntry, int, in
                 f"{size - 8} after the length field (and headers are capped at "
                 f"{MAX_HEADER_BYTES})",
             )
-        header = parse_json(f.read(header_len), file, "corrupt header")
+        header = _parse_json(f.read(header_len), file, "corrupt header")
     if not isinstance(header, dict):
         raise CheckpointError(file, None, "corrupt header: expected a JSON object")
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(file, "__metadata__", "expected an object of strings")
-    data_start, data_len = 8 + header_len, size - 8 - header_len
-    ranges = []
+    tensors = []
     for key, info in header.items():
         fields = info if isinstance(info, dict) else {}
-        name = fields.get("dtype")
-        dtype = _SAFETENSORS_DTYPES.get(name) if isinstance(name, str) else None
+        name, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
+        dtype = _DTYPES.get(name) if isinstance(name, str) else None
         if isinstance(name, str) and dtype is None:
             raise CheckpointError(file, key, f"unsupported dtype {short_repr(name)}")
-        shape, offsets = fields.get("shape"), fields.get("data_offsets")
         if dtype is None or not _is_int_list(shape) or not _is_int_list(offsets, 2):
             raise CheckpointError(file, key, f"corrupt header entry {short_repr(info)}")
         (begin, end), nbytes = offsets, math.prod(shape) * dtype.itemsize
@@ -366,11 +319,11 @@ def _read_safetensors_header(file: Path) -> dict[str, tuple[TensorEntry, int, in
                 f"corrupt header: data offsets [{begin}, {end}) do not hold {short_repr(shape)} "
                 f"{dtype} ({nbytes} bytes)",
             )
-        ranges.append((begin, end, key, TensorEntry(file, tuple(shape), dtype)))
-    ranges.sort(key=lambda r: r[:2])
-    position = 0
-    for begin, end, key, _ in ranges:
-        if end > data_len:
+        tensors.append((begin, end, key, TensorEntry(file, tuple(shape), dtype)))
+    tensors.sort(key=lambda t: t[:2])
+    data_start, data_len, position = 8 + header_len, size - 8 - header_len, 0
+    for begin, end, key, _ in tensors:
+        if end > data_len:  # the first key whose bytes are missing
             raise CheckpointError(
                 file,
                 key,
@@ -386,7 +339,8 @@ def _read_safetensors_header(file: Path) -> dict[str, tuple[TensorEntry, int, in
         raise CheckpointError(
             file, None, f"corrupt: {data_len - position} bytes after the last tensor's data"
         )
-    return {key: (entry, data_start + b, data_start + e) for b, e, key, entry in ranges}
+    entries = {key: entry for _, _, key, entry in tensors}
+    return entries, {key: (data_start + b, data_start + e) for b, e, key, _ in tensors}
 
 
 def _torch_load(file: Path) -> dict[str, torch.Tensor]:
@@ -446,24 +400,7 @@ def _torch_load(file: Path) -> dict[str, torch.Tensor]:
 
 
 def _is_utf8(path: Path) -> bool:
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def load_state_dict(path: str | bytes | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read a whole checkpoint: a file, an index or a directory, as :class:`CheckpointFiles`.
-
-    Returns:
-        key -> tensor, on the CPU, in the stored dtypes, keys exactly as stored.
-
-    Raises:
-        TypeError, ValueError: ``path`` is not a path.
-        CheckpointError: as :class:`CheckpointFiles`, naming the file and key.
-    """
-    return CheckpointFiles(path).load_all()
+    return os.fsencode(path) == str(path).encode("utf-8", "replace")
 
 
 # ---------------------------------------------------------------------- writing
@@ -476,16 +413,11 @@ def save_state_dict(
     max_shard_size: int | None = None,
     overwrite: bool = False,
 ) -> list[Path]:
-    """Write ``state_dict`` (key -> tensor) to ``path``, crash-safely.
-
-    Every file is written and fsynced in a fresh private directory (created exclusively next to
-    its destination, so no planted link is ever written through), then renamed into place:
-    shards first, under names the replaced checkpoint does not use, then the file a reader
-    starts from (``model.safetensors`` or the index), each rename atomic. Until then the old
-    checkpoint is untouched; a failed save removes what it wrote. Stale files of the old
-    checkpoint are removed last. A crash between renames can leave both ``model.safetensors``
-    and an index only when the layout changes (single file <-> shards): loading then refuses
-    it as ambiguous rather than guessing.
+    """Write ``state_dict`` (key -> tensor) to ``path``, crash-safely (see :func:`write_files`):
+    the checkpoint replaced stays loadable until the new one is complete, and a failed save
+    removes what it wrote. (A crash between renames that change the layout, single file <->
+    shards, can leave both ``model.safetensors`` and an index: loading refuses that as
+    ambiguous rather than guessing.)
 
     Args:
         state_dict: the tensors (any device; written from the CPU, bit for bit; views and
@@ -517,7 +449,7 @@ def save_state_dict(
     """
     path = as_path(path, "path")
     check_save_options(max_shard_size, overwrite)
-    is_file = path.suffix == ".safetensors" or path.suffix in TORCH_SUFFIXES
+    is_file = path.suffix in (".safetensors", *TORCH_SUFFIXES)
     if max_shard_size is not None and is_file:
         raise ValueError(
             f"max_shard_size: applies to directories only, got {max_shard_size} with file {path}"
@@ -531,11 +463,7 @@ def save_state_dict(
         raise CheckpointError(path, None, "is a directory; expected a file name")
     if os.path.lexists(path) and not overwrite:
         raise CheckpointError(path, None, "exists; pass overwrite=True to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _staging(path.parent) as staging:
-        _write_tensors(tensors, staging / path.name)
-        _commit(staging, path.parent, [path.name], stale=[])
-    return [path]
+    return write_files(path.parent, {path.name: partial(_write_tensors, tensors)})
 
 
 def check_save_options(max_shard_size: object, overwrite: object) -> None:
@@ -547,11 +475,7 @@ def check_save_options(max_shard_size: object, overwrite: object) -> None:
 
 
 def check_not_sharded(state_dict: Mapping[str, torch.Tensor], argument: str) -> None:
-    """Refuse ``DTensor`` values: each process holds a shard, not the tensor to save.
-
-    Raises:
-        ValueError: naming the first sharded key.
-    """
+    """Refuse ``DTensor`` values (each process holds a shard), naming the first such key."""
     # No DTensor can exist unless its module was imported: do not import it here.
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     for key, value in state_dict.items():
@@ -566,7 +490,11 @@ def check_not_sharded(state_dict: Mapping[str, torch.Tensor], argument: str) -> 
 def prepare_tensors(
     state_dict: Mapping[str, torch.Tensor], argument: str, *, safetensors: bool
 ) -> dict[str, torch.Tensor]:
-    """CPU, contiguous tensors owning their storage, checked to be storable before any write."""
+    """CPU, contiguous tensors owning their storage, checked to be storable before any write.
+
+    Raises:
+        TypeError, ValueError: naming ``argument`` and the key, as :func:`save_state_dict`.
+    """
     check_state_dict(state_dict, argument)
     check_not_sharded(state_dict, argument)
     tensors, storages = {}, set()
@@ -576,11 +504,11 @@ def prepare_tensors(
                 f"{argument}: {key!r} has no dense data to save (device {value.device.type}, "
                 f"layout {value.layout}, dtype {value.dtype})"
             )
-        if safetensors and (key == "__metadata__" or value.dtype not in _DTYPE_NAMES):
+        if safetensors and (key == "__metadata__" or value.dtype not in _DTYPES.values()):
+            names = ", ".join(sorted(str(dtype) for dtype in _DTYPES.values()))
             raise ValueError(
                 f"{argument}: {key!r} ({value.dtype}) cannot be stored in safetensors (the key "
-                "__metadata__ is reserved; dtypes: "
-                f"{', '.join(sorted(str(d) for d in _DTYPE_NAMES))}); save to a .pt file"
+                f"__metadata__ is reserved; dtypes: {names}); save to a .pt file"
             )
         tensor = value.detach().cpu().contiguous()
         # A view into a larger storage, or storage shared with another key (tied weights): store
@@ -603,9 +531,18 @@ def write_checkpoint(
     extra_files: Mapping[str, str] | None = None,
 ) -> list[Path]:
     """Write prepared ``tensors`` (and ``extra_files``: name -> text, e.g. ``config.json``) into
-    ``directory`` as :func:`save_state_dict` describes; the extra files are renamed in last."""
+    ``directory`` as :func:`save_state_dict` describes; the extra files are renamed in last.
+
+    Raises:
+        CheckpointError: an extra file or a checkpoint already there and ``overwrite`` False;
+            ``directory`` a file, or one of the names a directory.
+    """
     if os.path.lexists(directory) and not directory.is_dir():
         raise CheckpointError(directory, None, "exists and is not a directory")
+    extra = dict(extra_files or {})
+    for name in extra:
+        if os.path.lexists(directory / name) and not overwrite:
+            raise CheckpointError(directory / name, None, "exists; pass overwrite=True")
     existing = _checkpoint_files(directory) if directory.is_dir() else []
     if existing and not overwrite:
         raise CheckpointError(
@@ -614,43 +551,40 @@ def write_checkpoint(
             f"already holds a checkpoint ({', '.join(existing)}); pass overwrite=True to "
             "replace it",
         )
-    for name in {SAFETENSORS_SINGLE, SAFETENSORS_INDEX, *existing, *(extra_files or {})}:
+    for name in {SAFETENSORS_SINGLE, SAFETENSORS_INDEX, *existing, *extra}:
         if (directory / name).is_dir() and not (directory / name).is_symlink():
             raise CheckpointError(directory / name, None, "is a directory; remove it first")
-    if not directory.is_dir():
-        directory.mkdir(parents=True)
-        _fsync(directory.parent)
     shards = _split(tensors, max_shard_size)
-    with _staging(directory) as staging:
-        if len(shards) == 1:
-            names = [SAFETENSORS_SINGLE]
-            _write_tensors(shards[0], staging / SAFETENSORS_SINGLE)
-        else:
-            names = [
-                f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
-            ]
-            if set(names) & set(existing):  # keep the old shards intact until the index flips
-                tag = secrets.token_hex(4)
-                names = [name.replace(".safetensors", f"-{tag}.safetensors") for name in names]
-            weight_map = {}
-            for name, shard in zip(names, shards, strict=True):
-                _write_tensors(shard, staging / name)
-                weight_map.update(dict.fromkeys(shard, name))
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            index = {
-                "metadata": {"total_size": total},
-                "weight_map": dict(sorted(weight_map.items())),
-            }
-            _write_text(staging / SAFETENSORS_INDEX, json.dumps(index, indent=2) + "\n")
-            names.append(SAFETENSORS_INDEX)
-        for name, text in (extra_files or {}).items():
-            _write_text(staging / name, text)
-            names.append(name)
-        _commit(staging, directory, names, stale=[f for f in existing if f not in names])
-    return [directory / name for name in names]
+    files: dict[str, str | bytes | Callable[[Path], None]] = {}
+    if len(shards) == 1:
+        files[SAFETENSORS_SINGLE] = partial(_write_tensors, shards[0])
+    else:
+        names = [
+            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+        ]
+        if set(names) & set(existing):  # keep the old shards intact until the index flips
+            tag = secrets.token_hex(4)
+            names = [name.replace(".safetensors", f"-{tag}.safetensors") for name in names]
+        for name, shard in zip(names, shards, strict=True):
+            files[name] = partial(_write_tensors, shard)
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": dict(
+                sorted((k, n) for n, s in zip(names, shards, strict=True) for k in s)
+            ),
+        }
+        files[SAFETENSORS_INDEX] = json.dumps(index, indent=2) + "\n"
+    files |= extra
+    # Entry points first: a crash in between then leaves shards nothing refers to, not two
+    # entry points (model.safetensors and an index) that loading refuses as ambiguous.
+    stale = [name for name in existing if name not in files]
+    stale.sort(key=lambda name: name not in (SAFETENSORS_SINGLE, SAFETENSORS_INDEX))
+    return write_files(directory, files, remove=stale)
 
 
-def _split(tensors: dict[str, torch.Tensor], max_shard_size: int | None) -> list[dict]:
+def _split(
+    tensors: dict[str, torch.Tensor], max_shard_size: int | None
+) -> list[dict[str, torch.Tensor]]:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, tensor in tensors.items():
@@ -668,15 +602,65 @@ def _checkpoint_files(directory: Path) -> list[str]:
     return sorted(name for name in os.listdir(directory) if _CHECKPOINT_FILE.fullmatch(name))
 
 
-@contextmanager
-def _staging(directory: Path) -> Iterator[Path]:
-    """A fresh private directory in ``directory`` (created exclusively, mode 0700: nothing can
-    be planted in it), removed with whatever is left in it on exit."""
+def write_files(
+    directory: Path,
+    files: Mapping[str, str | bytes | Callable[[Path], None]],
+    *,
+    remove: Iterable[str] = (),
+) -> list[Path]:
+    """Write ``files`` into ``directory`` crash-safely, then remove the names in ``remove``.
+
+    Each file is written and fsynced in a fresh private directory created exclusively inside
+    ``directory`` (so no planted link is written through), then the files are renamed into
+    place in the order given, each rename atomic and replacing a link rather than following
+    it. Order them so that a crash between renames leaves something loadable (shards before
+    the index naming them). If a rename fails before any existing file was replaced, the files
+    already renamed in are removed again; the private directory is removed in any case.
+
+    Args:
+        directory: created (with its parents) if missing.
+        files: name -> content: text (written as UTF-8), bytes, or a function that writes the
+            file at the path it is given.
+        remove: names to remove once every file is in place (stale files of what was replaced).
+
+    Returns:
+        the paths written, in order.
+
+    Raises:
+        OSError: the file system failed; what ``files`` replace is then left as it was unless a
+            rename had already replaced one of them.
+    """
+    if not directory.is_dir():
+        directory.mkdir(parents=True)
+        _fsync(directory.parent)
     staging = Path(tempfile.mkdtemp(prefix=".fusion-save-", suffix=".tmp", dir=directory))
     try:
-        yield staging
+        for name, content in files.items():
+            if isinstance(content, str | bytes):
+                _write_bytes(staging / name, content)
+            else:
+                content(staging / name)
+            _fsync(staging / name)
+        moved: list[str] = []
+        replaced = False
+        try:
+            for name in files:
+                existed = os.path.lexists(directory / name)
+                os.replace(staging / name, directory / name)
+                moved.append(name)
+                replaced = replaced or existed
+        except BaseException:
+            if not replaced:  # nothing that was there has changed: leave none of the new files
+                for name in moved:
+                    (directory / name).unlink(missing_ok=True)
+            raise
+        _fsync(directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    for name in remove:
+        (directory / name).unlink(missing_ok=True)
+    _fsync(directory)
+    return [directory / name for name in files]
 
 
 def _write_tensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
@@ -684,15 +668,11 @@ def _write_tensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
         save_file(tensors, file, metadata={"format": "pt"})
     else:
         torch.save(tensors, file)
-    _fsync(file)
 
 
-def _write_text(file: Path, text: str) -> None:
-    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(fd)
+def _write_bytes(file: Path, content: str | bytes) -> None:
+    with open(file, "xb") as f:  # exclusive: never through a planted link
+        f.write(content.encode() if isinstance(content, str) else content)
 
 
 def _fsync(path: Path) -> None:
@@ -701,29 +681,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _commit(staging: Path, directory: Path, names: list[str], stale: list[str]) -> None:
-    """Rename the durable staged ``names`` into ``directory`` in order, then remove ``stale``.
-
-    Each rename is atomic and replaces a link rather than following it. If a rename fails
-    before the file a reader starts from is in place, the shards already moved are unlinked:
-    nothing references them, and a retry must not find them.
-    """
-    moved = []
-    try:
-        for name in names:
-            os.replace(staging / name, directory / name)
-            moved.append(name)
-    except BaseException:
-        if SAFETENSORS_SINGLE not in moved and SAFETENSORS_INDEX not in moved:
-            for name in moved:
-                (directory / name).unlink(missing_ok=True)
-        raise
-    _fsync(directory)
-    # Entry points first: a crash in between then leaves shards nothing refers to, not two
-    # entry points (model.safetensors and an index) that loading refuses as ambiguous.
-    for name in sorted(stale, key=lambda name: name not in (SAFETENSORS_SINGLE, SAFETENSORS_INDEX)):
-        (directory / name).unlink(missing_ok=True)
-    if stale:
-        _fsync(directory)

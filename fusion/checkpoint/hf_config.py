@@ -1,14 +1,15 @@
-"""Hugging Face Llama ``config.json`` <-> the arguments of :func:`fusion.models.llama3_2`."""
+"""Hugging Face ``config.json``: read strictly, and a Llama's <-> the arguments of
+:func:`fusion.models.llama3_2`."""
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from typing import Any, TypeGuard
 
 import torch
 
-from fusion.checkpoint._checks import as_path, short_repr
-from fusion.checkpoint.errors import CheckpointError
+from fusion.checkpoint.errors import CheckpointError, as_path, short_repr
 from fusion.checkpoint.files import read_json
 from fusion.decoder import (
     FeedForward,
@@ -48,6 +49,76 @@ def read_hf_config(path: str | bytes | os.PathLike) -> dict[str, Any]:
     return config
 
 
+def _is_int(value: object, low: int, high: int) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+class ConfigReader:
+    """Checked reads of a config object found at ``prefix`` (e.g. ``"text_config."``) in the
+    file ``source``: a value refused is a :class:`CheckpointError` naming the file, the key and
+    the value."""
+
+    def __init__(self, values: Mapping[str, Any], source: Path, prefix: str = "") -> None:
+        self.values, self.source, self.prefix = values, source, prefix
+
+    def fail(self, key: str, message: str) -> CheckpointError:
+        return CheckpointError(self.source, self.prefix + key, message)
+
+    def get(self, key: str, default: Any, valid: Callable[[Any], bool], expected: str) -> Any:
+        """``values[key]`` (or ``default``) if ``valid``; refused as not ``expected`` if not."""
+        value = self.values.get(key, default)
+        if not valid(value):
+            raise self.fail(key, f"expected {expected}, got {short_repr(value)}")
+        return value
+
+    def integer(self, key: str, default: int | None = None, *, low: int = 1) -> int:
+        if self.values.get(key, default) is None:
+            raise self.fail(key, "missing; expected a positive integer")
+        return self.get(
+            key, default, lambda v: _is_int(v, low, 2**31), f"an integer in [{low}, 2**31)"
+        )
+
+    def number(
+        self,
+        key: str,
+        default: float | None,
+        low: float,
+        *,
+        closed: bool = False,
+        high: float = math.inf,
+    ) -> float:
+        """A finite number in (low, high], or in [low, high] with ``closed``."""
+
+        def valid(v: Any) -> bool:
+            is_number = isinstance(v, int | float) and not isinstance(v, bool)
+            return (
+                is_number and math.isfinite(v) and (low <= v if closed else low < v) and v <= high
+            )
+
+        bounds = f"{'>=' if closed else '>'} {low:g}" + (
+            f", <= {high:g}" if high < math.inf else ""
+        )
+        return float(self.get(key, default, valid, f"a finite number {bounds}"))
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        return self.get(key, default, lambda v: isinstance(v, bool), "true or false")
+
+    def choice(self, key: str, default: str | None, choices: Collection[str]) -> str:
+        expected = f"one of {sorted(choices)}"
+        return self.get(key, default, lambda v: isinstance(v, str) and v in choices, expected)
+
+    def section(
+        self, key: str, what: str, defaults: Mapping[str, Any] | None = None
+    ) -> "ConfigReader":
+        """The object under ``key`` (required), over ``defaults``."""
+        value = self.values.get(key)
+        if value is None:
+            raise self.fail(key, f"missing; a {what} config needs it")
+        if not isinstance(value, Mapping):
+            raise self.fail(key, f"expected an object, got {short_repr(value)}")
+        return ConfigReader({**(defaults or {}), **value}, self.source, f"{self.prefix}{key}.")
+
+
 def llama3_2_kwargs_from_hf_config(
     config: Mapping[str, Any], *, source: str | bytes | os.PathLike = CONFIG_NAME
 ) -> dict[str, Any]:
@@ -78,119 +149,101 @@ def llama3_2_kwargs_from_hf_config(
     """
     if not isinstance(config, Mapping):
         raise TypeError(f"config: expected a mapping, got {type(config).__name__}")
-    source = as_path(source, "source")
+    return llama_kwargs(ConfigReader(config, as_path(source, "source")))
 
-    def fail(key: str, message: str) -> CheckpointError:
-        return CheckpointError(source, key, message)
 
-    def integer(mapping: Mapping[str, Any], key: str, default: int | None = None) -> int:
-        value = mapping.get(key.rpartition(".")[2], default)
-        if value is None:
-            raise fail(key, "missing; expected a positive integer")
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
-            raise fail(key, f"expected an integer in [1, 2**31), got {short_repr(value)}")
-        return value
-
-    def number(
-        mapping: Mapping[str, Any],
-        key: str,
-        default: float,
-        low: float,
-        *,
-        closed: bool = False,
-        high: float = math.inf,
-    ) -> float:
-        """A finite number in (low, high], or in [low, high] with ``closed``."""
-        value = mapping.get(key.rpartition(".")[2], default)
-        is_number = isinstance(value, int | float) and not isinstance(value, bool)
-        in_range = is_number and (low <= value <= high if closed else low < value <= high)
-        if not in_range or not math.isfinite(value):
-            bounds = f"{'>=' if closed else '>'} {low:g}" + (
-                f", <= {high:g}" if high < 1e308 else ""
-            )
-            raise fail(key, f"expected a finite number {bounds}, got {short_repr(value)}")
-        return float(value)
-
-    model_type = config.get("model_type", "llama")
+def llama_kwargs(config: ConfigReader) -> dict[str, Any]:
+    """:func:`llama3_2_kwargs_from_hf_config`, for a config wherever it is found."""
+    values = config.values
+    model_type = values.get("model_type", "llama")
     if model_type != "llama":
-        raise fail("model_type", f"expected 'llama', got {short_repr(model_type)}")
+        raise config.fail("model_type", f"expected 'llama', got {short_repr(model_type)}")
     for key in _REQUIRED:
-        if key not in config:
-            raise fail(key, "missing; a Llama config needs it")
+        if key not in values:
+            raise config.fail(key, "missing; a Llama config needs it")
     for key, expected in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
-        if config.get(key, expected) != expected:
-            raise fail(key, f"expected {expected!r} (Llama 3), got {short_repr(config[key])}")
+        if values.get(key, expected) != expected:
+            raise config.fail(
+                key, f"expected {expected!r} (Llama 3), got {short_repr(values[key])}"
+            )
 
-    hidden_size = integer(config, "hidden_size")
-    num_heads = integer(config, "num_attention_heads")
-    num_kv_heads = integer(config, "num_key_value_heads", num_heads)
+    hidden_size = config.integer("hidden_size")
+    num_heads = config.integer("num_attention_heads")
+    num_kv_heads = config.integer("num_key_value_heads", num_heads)
+    head_dim = hidden_size // num_heads
     if hidden_size % num_heads:
-        raise fail(
+        raise config.fail(
             "hidden_size",
             f"expected a multiple of num_attention_heads={num_heads}, got {hidden_size}",
         )
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim != hidden_size // num_heads:
-        raise fail(
+    if values.get("head_dim") not in (None, head_dim):
+        raise config.fail(
             "head_dim",
-            f"expected hidden_size / num_attention_heads = {hidden_size // num_heads}, got "
-            f"{short_repr(head_dim)}",
+            f"expected hidden_size / num_attention_heads = {head_dim}, got "
+            f"{short_repr(values['head_dim'])}",
         )
-    if (hidden_size // num_heads) % 2:
-        raise fail(
+    if head_dim % 2:
+        raise config.fail(
             "hidden_size",
             f"expected an even head dimension (rotary pairs), got {hidden_size} / {num_heads}",
         )
     if num_heads % num_kv_heads:
-        raise fail("num_key_value_heads", f"expected a divisor of {num_heads}, got {num_kv_heads}")
-    tied = config.get("tie_word_embeddings", False)
-    if not isinstance(tied, bool):
-        raise fail("tie_word_embeddings", f"expected true or false, got {short_repr(tied)}")
-
-    rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    rope = config.get(rope_key) or {}
-    if not isinstance(rope, Mapping):
-        raise fail(rope_key, f"expected an object or null, got {short_repr(rope)}")
-    theta = config.get("rope_theta", rope.get("rope_theta", 10_000.0))
-    if "rope_theta" in config and "rope_theta" in rope and rope["rope_theta"] != theta:
-        raise fail(
-            "rope_theta",
-            f"{short_repr(theta)} disagrees with {rope_key}' {short_repr(rope['rope_theta'])}",
+        raise config.fail(
+            "num_key_value_heads", f"expected a divisor of {num_heads}, got {num_kv_heads}"
         )
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+
+    rope_key = "rope_parameters" if values.get("rope_parameters") else "rope_scaling"
+    rope_values = (
+        config.get(
+            rope_key, None, lambda v: v is None or isinstance(v, Mapping), "an object or null"
+        )
+        or {}
+    )
+    rope = ConfigReader(rope_values, config.source, f"{config.prefix}{rope_key}.")
+    theta = values.get("rope_theta", rope_values.get("rope_theta", 10_000.0))
+    if (
+        "rope_theta" in values
+        and "rope_theta" in rope_values
+        and rope_values["rope_theta"] != theta
+    ):
+        raise config.fail(
+            "rope_theta",
+            f"{short_repr(theta)} disagrees with {rope_key}' "
+            f"{short_repr(rope_values['rope_theta'])}",
+        )
     kwargs: dict[str, Any] = {
-        "vocab_size": integer(config, "vocab_size"),
-        "num_layers": integer(config, "num_hidden_layers"),
+        "vocab_size": config.integer("vocab_size"),
+        "num_layers": config.integer("num_hidden_layers"),
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
         "embed_dim": hidden_size,
-        "max_seq_len": integer(config, "max_position_embeddings", 2048),
-        "attn_dropout": number(config, "attention_dropout", 0.0, 0.0, closed=True, high=1.0),
-        "rope_base": number({"rope_theta": theta}, "rope_theta", 10_000.0, 0.0),
-        "intermediate_dim": integer(config, "intermediate_size"),
-        "norm_eps": number(config, "rms_norm_eps", 1e-6, 0.0, high=1.0),
-        "tie_word_embeddings": tied,
+        "max_seq_len": config.integer("max_position_embeddings", 2048),
+        "attn_dropout": config.number("attention_dropout", 0.0, 0.0, closed=True, high=1.0),
+        "rope_base": config.number("rope_theta", theta, 0.0),
+        "intermediate_dim": config.integer("intermediate_size"),
+        "norm_eps": config.number("rms_norm_eps", 1e-6, 0.0, high=1.0),
+        "tie_word_embeddings": config.flag("tie_word_embeddings"),
         "scale_factor": None,
     }
+    rope_type = rope_values.get("rope_type", rope_values.get("type", "default"))
     if rope_type == "llama3":
-        needed = (
+        for key in (
             "factor",
             "low_freq_factor",
             "high_freq_factor",
             "original_max_position_embeddings",
-        )
-        for key in needed:
-            if key not in rope:
-                raise fail(f"{rope_key}.{key}", "missing; rope type llama3 needs it")
-        low = number(rope, f"{rope_key}.low_freq_factor", 0.0, 0.0)
+        ):
+            if key not in rope_values:
+                raise rope.fail(key, "missing; rope type llama3 needs it")
+        low = rope.number("low_freq_factor", None, 0.0)
         kwargs |= {
-            "scale_factor": number(rope, f"{rope_key}.factor", 0.0, 0.0),
+            "scale_factor": rope.number("factor", None, 0.0),
             "rope_low_freq_factor": low,
-            "rope_high_freq_factor": number(rope, f"{rope_key}.high_freq_factor", 0.0, low),
-            "rope_old_context_len": integer(rope, f"{rope_key}.original_max_position_embeddings"),
+            "rope_high_freq_factor": rope.number("high_freq_factor", None, low),
+            "rope_old_context_len": rope.integer("original_max_position_embeddings"),
         }
     elif rope_type != "default":
-        raise fail(
+        raise config.fail(
             rope_key, f"rope type {short_repr(rope_type)} unsupported: expected llama3 or none"
         )
     return kwargs

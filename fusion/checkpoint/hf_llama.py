@@ -1,18 +1,26 @@
-"""Hugging Face Llama directories (``config.json`` + weights) <-> ``llama3_2`` decoders."""
+"""Hugging Face directories (``config.json`` + weights) <-> models of this library.
+
+:func:`load_hf_llama` and :func:`save_hf_llama` for Llama decoders; :func:`load_hf` and
+:func:`save_hf` are what they share with the vision-language models of :mod:`.hf_vlm`, whose
+text model is a Llama too.
+"""
 
 import json
 import math
 import os
 import re
 import sys
+from collections.abc import Callable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from fusion.checkpoint._checks import as_path, check_positive_int
-from fusion.checkpoint.errors import CheckpointError
+from fusion.checkpoint.errors import CheckpointError, as_path, check_positive_int
 from fusion.checkpoint.files import (
     CheckpointFiles,
     check_not_sharded,
@@ -22,16 +30,17 @@ from fusion.checkpoint.files import (
 )
 from fusion.checkpoint.hf_config import (
     CONFIG_NAME,
+    ConfigReader,
     hf_config_from_decoder,
-    llama3_2_kwargs_from_hf_config,
+    llama_kwargs,
     read_hf_config,
 )
-from fusion.checkpoint.hf_keys import (
+from fusion.checkpoint.keys import (
     HF_DERIVED_KEY,
     fusion_key_to_hf,
     fusion_to_hf,
     hf_key_to_fusion,
-    needs_rope_permutation,
+    rope_heads,
     rotate_half_to_interleaved,
 )
 from fusion.decoder import RotaryPositionalEmbeddings, TransformerDecoder
@@ -39,10 +48,72 @@ from fusion.early_fusion import EarlyFusion
 from fusion.models import llama3_2
 
 _LOADABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d{1,9})\.")
 # Bytes of rotary table allowed whatever the size of the weights (a 256k-position table at
 # head_dim 64); beyond it the table may not outweigh the weights themselves.
 _ROPE_TABLE_FLOOR = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Where a model's parts sit in a Hugging Face checkpoint.
+
+    ``read``: (pattern, prefix) pairs; a checkpoint key has its start, matched by the first
+    pattern that matches, replaced by ``prefix``. ``write``: (our prefix, saved prefix) pairs,
+    the layout the savers write. Keys below ``decoder`` are then a Hugging Face Llama's, renamed
+    by :mod:`fusion.checkpoint.keys`; those of a vision tower's ``embeddings.position_ids``
+    (older checkpoints saved this function of the config) are skipped.
+    """
+
+    decoder: str = ""
+    read: tuple[tuple[str, str], ...] = (("", ""),)
+    write: tuple[tuple[str, str], ...] = ()
+
+    def ours(self, name: str) -> str | None:
+        """This library's key for checkpoint key ``name``; None for a derived buffer.
+
+        Raises:
+            KeyError: ``name`` belongs to no part.
+        """
+        for pattern, prefix in self.read:
+            if match := re.match(pattern, name):
+                key = prefix + name[match.end() :]
+                break
+        else:
+            raise KeyError(name)
+        if not key.startswith(self.decoder):
+            return None if key.endswith(".embeddings.position_ids") else key
+        llama_key = key.removeprefix(self.decoder)
+        if HF_DERIVED_KEY.fullmatch(llama_key):
+            return None
+        return self.decoder + hf_key_to_fusion(llama_key)
+
+    def saved(self, key: str) -> str:
+        """The key the savers write for ``key``, whose decoder part is already Hugging Face's."""
+        for ours, theirs in self.write:
+            if key.startswith(ours):
+                return theirs + key.removeprefix(ours)
+        return key
+
+    def theirs(self, key: str) -> str:
+        """The key the savers write for this library's ``key`` (for errors)."""
+        if key.startswith(self.decoder):
+            with suppress(KeyError):  # a decoder key without a Hugging Face name stays ours
+                key = self.decoder + fusion_key_to_hf(key.removeprefix(self.decoder))
+        return self.saved(key)
+
+
+@dataclass
+class HfSpec:
+    """What a Hugging Face ``config.json`` describes, to be checked against the weights."""
+
+    kind: str  # named in errors: "llama", "llava", "idefics3"
+    config_file: Path
+    text: dict[str, Any]  # the text model's llama3_2 arguments (max_seq_len may be overridden)
+    build: Callable[[], nn.Module]  # the model, from ``text`` and the rest of the config
+    layout: KeyLayout = field(default_factory=KeyLayout)
+    text_key: str = ""  # where config.json keeps the text model's settings
+    # config key -> (pattern of our keys with the layer index, the layers it claims)
+    layers: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 def load_hf_llama(
@@ -59,7 +130,7 @@ def load_hf_llama(
     backed by weights, every name, shape and dtype, that the files hold the bytes the weights
     claim (no storage shared or expanded to inflate a small file) and that the rotary table is
     not larger than the weights. The decoder is then allocated once, on ``device``, and filled.
-    Weights are relabelled (see :mod:`fusion.checkpoint.hf_keys`), never recomputed.
+    Weights are relabelled (see :mod:`fusion.checkpoint.keys`), never recomputed.
 
     Args:
         path: a directory with ``config.json`` and ``model.safetensors``,
@@ -82,49 +153,70 @@ def load_hf_llama(
             unavailable or ``meta``; ``max_seq_len`` not in [1, 2**31), or its rotary table
             larger than the weights.
         CheckpointError: naming the file and key: an unreadable, unsupported, degenerate or
-            inconsistent config (see :func:`llama3_2_kwargs_from_hf_config`); more layers than
-            the checkpoint has weights for; a missing, truncated, corrupt or hostile file or
-            shard (see :class:`~fusion.checkpoint.CheckpointFiles`); a missing or unexpected
-            key; a shape that differs from the config's; weights not stored as float16,
-            bfloat16, float32 or float64 (e.g. float8); files holding fewer bytes than the
-            weights need; ``max_position_embeddings`` whose rotary table outweighs the weights;
+            inconsistent config (see :func:`~fusion.checkpoint.hf_config.
+            llama3_2_kwargs_from_hf_config`); more layers than the checkpoint has weights for;
+            a missing, truncated, corrupt or hostile file or shard (see
+            :class:`~fusion.checkpoint.files.CheckpointFiles`); a missing or unexpected key; a
+            shape that differs from the config's; weights not stored as float16, bfloat16,
+            float32 or float64 (e.g. float8); files holding fewer bytes than the weights need;
+            ``max_position_embeddings`` whose rotary table outweighs the weights;
             ``lm_head.weight`` present in a tied model but different from the embedding; mixed
             stored dtypes with ``dtype=None``; a value beyond the range of ``dtype`` (e.g.
             1e6 loaded as float16 would become inf).
     """
+
+    def read_spec(config_file: Path) -> HfSpec:
+        text = llama_kwargs(ConfigReader(read_hf_config(config_file), config_file))
+        layers = {"num_hidden_layers": (r"layers\.(\d{1,9})\.", text["num_layers"])}
+        return HfSpec("llama", config_file, text, lambda: llama3_2(**text), layers=layers)
+
+    decoder = load_hf(path, read_spec, dtype=dtype, device=device, max_seq_len=max_seq_len)
+    return cast(TransformerDecoder, decoder)
+
+
+def load_hf(
+    path: object,
+    read_spec: Callable[[Path], HfSpec],
+    *,
+    dtype: torch.dtype | None,
+    device: str | torch.device,
+    max_seq_len: int | None,
+) -> nn.Module:
+    """The model ``read_spec(config file)`` describes, filled from the weights next to it, as
+    :func:`load_hf_llama` describes (same arguments, checks and errors)."""
     path = as_path(path, "path")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype or None, got {type(dtype).__name__}")
     if dtype is not None and dtype not in _LOADABLE_DTYPES:
         raise ValueError(f"dtype: expected float16, bfloat16, float32 or float64, got {dtype}")
-    device = _check_device(device)
+    parsed_device = _check_device(device)
     if max_seq_len is not None and check_positive_int(max_seq_len, "max_seq_len") >= 2**31:
         raise ValueError(f"max_seq_len: expected less than 2**31, got {max_seq_len}")
-    config_file = path / CONFIG_NAME
-    kwargs = llama3_2_kwargs_from_hf_config(read_hf_config(config_file), source=config_file)
+    spec = read_spec(path / CONFIG_NAME)
     checkpoint = CheckpointFiles(path)
-    # Building layers costs time and memory even on the meta device: only as many as the
-    # checkpoint has weights for.
-    layers = {m.group(1) for key in checkpoint.entries if (m := _LAYER_INDEX.match(key))}
-    if kwargs["num_layers"] > len(layers):
-        raise CheckpointError(
-            config_file,
-            "num_hidden_layers",
-            f"{kwargs['num_layers']}, but the checkpoint holds weights for {len(layers)} layers",
-        )
+    sources = _match_keys(checkpoint, spec)
     if max_seq_len is not None:
-        kwargs["max_seq_len"] = max_seq_len
+        spec.text["max_seq_len"] = max_seq_len
     try:
         with torch.device("meta"):
-            decoder = llama3_2(**kwargs)
-    except ValueError as error:
-        raise CheckpointError(config_file, None, f"describes no Llama decoder: {error}") from error
-    expected = {key: tuple(t.shape) for key, t in decoder.state_dict().items()}
-
-    sources = _match_keys(checkpoint, expected, tied=kwargs["tie_word_embeddings"])
-    _check_sizes(checkpoint, sources, kwargs, config_file, max_seq_len)
+            model = spec.build()
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(
+            spec.config_file, None, f"describes no {spec.kind} model: {error}"
+        ) from error
+    expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    decoder = spec.layout.decoder
+    output, embedding = decoder + "output.weight", decoder + "tok_embeddings.weight"
+    tied = spec.text["tie_word_embeddings"]
+    _check_entries(checkpoint, sources, expected | ({output: expected[embedding]} if tied else {}))
+    for key in expected:
+        if key not in sources:
+            name = spec.layout.theirs(key)
+            raise CheckpointError(checkpoint.path, name, "missing from the checkpoint")
+    tied_copy = sources.pop(output, None) if tied else None  # compared after loading
+    _check_sizes(checkpoint, sources, spec, max_seq_len is not None)
     if dtype is None:
-        stored = {checkpoint.entries[hf_key].dtype for hf_key in sources.values()}
+        stored = {checkpoint.entries[name].dtype for name in sources.values()}
         if len(stored) != 1:
             dtypes = sorted(map(str, stored))
             raise CheckpointError(
@@ -132,24 +224,29 @@ def load_hf_llama(
             )
         dtype = stored.pop()
 
-    decoder = decoder.to(dtype).to_empty(device=device)  # uninitialised until filled below
-    for module in decoder.modules():
+    model = model.to(dtype).to_empty(device=parsed_device)  # uninitialised until filled below
+    for module in model.modules():
         if isinstance(module, RotaryPositionalEmbeddings):
             module.reset_parameters()  # the rotary table, in float32, on ``device``
-    _check_all_filled(decoder, set(sources))
-    num_heads, num_kv_heads = kwargs["num_heads"], kwargs["num_kv_heads"]
-    targets = decoder.state_dict()
+    _check_all_filled(model, set(sources), spec.kind)
+    heads = spec.text["num_heads"], spec.text["num_kv_heads"]
+    targets = model.state_dict()
     with torch.no_grad():
-        for key, hf_key in sources.items():
-            tensor = checkpoint.load(hf_key)
-            _check_fits(tensor, dtype, checkpoint.entries[hf_key].file, hf_key)
-            if needs_rope_permutation(key):
-                heads = num_heads if key.endswith("q_proj.weight") else num_kv_heads
-                tensor = rotate_half_to_interleaved(tensor, heads)
+        for key, name in sources.items():
+            tensor = checkpoint.load(name)
+            _check_fits(tensor, dtype, checkpoint.entries[name].file, name)
+            if key.startswith(decoder) and (rows := rope_heads(key[len(decoder) :], *heads)):
+                tensor = rotate_half_to_interleaved(tensor, rows)
             targets[key].copy_(tensor)
-        if kwargs["tie_word_embeddings"] and "lm_head.weight" in checkpoint.entries:
-            _check_tied_copy(checkpoint, decoder)
-    return decoder
+        weight = targets[embedding]
+        if tied_copy is not None and not torch.equal(checkpoint.load(tied_copy).to(weight), weight):
+            raise CheckpointError(
+                checkpoint.entries[tied_copy].file,
+                tied_copy,
+                f"config.json says tie_word_embeddings=true, but this differs from "
+                f"{sources[embedding]}",
+            )
+    return model
 
 
 def _check_device(device: object) -> torch.device:
@@ -165,16 +262,65 @@ def _check_device(device: object) -> torch.device:
     return parsed
 
 
+def _match_keys(checkpoint: CheckpointFiles, spec: HfSpec) -> dict[str, str]:
+    """Our key -> the checkpoint's, refusing keys of no part and two keys for one weight; then,
+    before anything is built (a config may claim millions of layers), the layer counts."""
+    sources: dict[str, str] = {}
+    for name, entry in checkpoint.entries.items():
+        try:
+            key = spec.layout.ours(name)
+        except KeyError:
+            raise CheckpointError(
+                entry.file, name, f"unexpected key for a {spec.kind} model"
+            ) from None
+        if key in sources:
+            raise CheckpointError(
+                entry.file,
+                name,
+                f"the same weight as {sources[key]!r}: the checkpoint mixes two key layouts",
+            )
+        if key is not None:
+            sources[key] = name
+    for config_key, (pattern, claimed) in spec.layers.items():
+        held = {m.group(1) for key in sources if (m := re.match(pattern, key))}
+        if claimed > len(held):
+            raise CheckpointError(
+                spec.config_file,
+                config_key,
+                f"{claimed}, but the checkpoint holds weights for {len(held)} layers",
+            )
+    return sources
+
+
+def _check_entries(
+    checkpoint: CheckpointFiles, sources: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]]
+) -> None:
+    for key, name in sources.items():
+        entry = checkpoint.entries[name]
+        if key not in shapes:
+            raise CheckpointError(entry.file, name, "unexpected key for a model with this config")
+        if entry.shape != shapes[key]:
+            raise CheckpointError(
+                entry.file,
+                name,
+                f"shape {list(entry.shape)} differs from {list(shapes[key])} that config.json "
+                "implies",
+            )
+        if entry.dtype not in _LOADABLE_DTYPES:
+            raise CheckpointError(
+                entry.file,
+                name,
+                f"stored as {entry.dtype}: expected float16, bfloat16, float32 or float64 "
+                "(quantized, float8 or integer weights are not supported)",
+            )
+
+
 def _check_sizes(
-    checkpoint: CheckpointFiles,
-    sources: dict[str, str],
-    kwargs: dict,
-    config_file: Path,
-    max_seq_len: int | None,
+    checkpoint: CheckpointFiles, sources: Mapping[str, str], spec: HfSpec, overridden: bool
 ) -> None:
     """Refuse what would allocate more than the files back: the weights (tensors sharing or
     re-reading storage) and the rotary table (``max_seq_len`` x head_dim float32)."""
-    entries = [checkpoint.entries[hf_key] for hf_key in sources.values()]
+    entries = [checkpoint.entries[name] for name in sources.values()]
     needed = sum(math.prod(e.shape) * e.dtype.itemsize for e in entries)
     if needed > checkpoint.stored_bytes:
         raise CheckpointError(
@@ -183,17 +329,19 @@ def _check_sizes(
             f"the weights take {needed} bytes, but the files hold only "
             f"{checkpoint.stored_bytes}: tensors share storage; refused",
         )
-    positions = kwargs["max_seq_len"]
-    table = positions * kwargs["embed_dim"] // kwargs["num_heads"] * 4
+    positions = spec.text["max_seq_len"]
+    table = positions * spec.text["embed_dim"] // spec.text["num_heads"] * 4
     if table > max(needed, _ROPE_TABLE_FLOOR):
         message = (
             f"{positions} positions need a {table}-byte rotary table, more than the weights "
             f"({needed} bytes)"
         )
-        if max_seq_len is not None:
+        if overridden:
             raise ValueError(f"max_seq_len: {message}")
         raise CheckpointError(
-            config_file, "max_position_embeddings", f"{message}; pass max_seq_len to load fewer"
+            spec.config_file,
+            spec.text_key + "max_position_embeddings",
+            f"{message}; pass max_seq_len to load fewer",
         )
 
 
@@ -213,71 +361,18 @@ def _check_fits(tensor: torch.Tensor, dtype: torch.dtype, file: Path, key: str) 
         )
 
 
-def _match_keys(
-    checkpoint: CheckpointFiles, expected: dict[str, tuple[int, ...]], *, tied: bool
-) -> dict[str, str]:
-    """Our key -> the checkpoint's key, after checking names and shapes against the config."""
-    sources: dict[str, str] = {}
-    for hf_key, entry in checkpoint.entries.items():
-        if HF_DERIVED_KEY.fullmatch(hf_key):
-            continue
-        if tied and hf_key == "lm_head.weight":
-            continue  # a redundant copy of the tied embedding; compared after loading
-        try:
-            key = hf_key_to_fusion(hf_key)
-        except KeyError:
-            key = None
-        if key not in expected:
-            raise CheckpointError(entry.file, hf_key, "unexpected key for a Llama with this config")
-        if entry.shape != expected[key]:
-            raise CheckpointError(
-                entry.file,
-                hf_key,
-                f"shape {list(entry.shape)} differs from {list(expected[key])} that config.json "
-                "implies",
-            )
-        if entry.dtype not in _LOADABLE_DTYPES:
-            raise CheckpointError(
-                entry.file,
-                hf_key,
-                f"stored as {entry.dtype}: expected float16, bfloat16, float32 or float64 "
-                "(quantized, float8 or integer weights are not supported)",
-            )
-        sources[key] = hf_key
-    for key in expected:
-        if key not in sources:
-            raise CheckpointError(
-                checkpoint.path, fusion_key_to_hf(key), "missing from the checkpoint"
-            )
-    return sources
-
-
-def _check_all_filled(decoder: TransformerDecoder, loaded: set[str]) -> None:
-    """Guard against a decoder gaining state that neither the checkpoint nor a rebuild fills."""
+def _check_all_filled(model: nn.Module, loaded: set[str], kind: str) -> None:
+    """Guard against a module gaining state that neither the checkpoint nor a rebuild fills."""
     rebuilt = {
         f"{name}.cache" if name else "cache"
-        for name, module in decoder.named_modules(remove_duplicate=False)
+        for name, module in model.named_modules(remove_duplicate=False)
         if isinstance(module, RotaryPositionalEmbeddings)
     }
-    names: dict[str, torch.Tensor] = dict(decoder.named_parameters(remove_duplicate=False))
-    names |= dict(decoder.named_buffers(remove_duplicate=False))
-    unfilled = sorted(set(names) - loaded - rebuilt)
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    unfilled = sorted(names - loaded - rebuilt)
     if unfilled:
-        raise RuntimeError(f"load_hf_llama: no value for {unfilled}; the loader needs updating")
-
-
-def _check_tied_copy(checkpoint: CheckpointFiles, decoder: TransformerDecoder) -> None:
-    entry = checkpoint.entries["lm_head.weight"]
-    embedding = decoder.tok_embeddings.weight
-    if entry.shape != tuple(embedding.shape) or not torch.equal(
-        checkpoint.load("lm_head.weight").to(embedding), embedding
-    ):
-        raise CheckpointError(
-            entry.file,
-            "lm_head.weight",
-            "config.json says tie_word_embeddings=true, but this differs from "
-            "model.embed_tokens.weight",
-        )
+        raise RuntimeError(f"{kind} loader: no value for {unfilled}; the loader needs updating")
 
 
 def save_hf_llama(
@@ -314,34 +409,65 @@ def save_hf_llama(
     Raises:
         TypeError: ``decoder`` neither a ``TransformerDecoder`` nor an ``EarlyFusion`` (once
             unwrapped); ``directory``, ``max_shard_size`` or ``overwrite`` of the wrong type.
-        ValueError: ``decoder`` is not a homogeneous Llama (see :func:`hf_config_from_decoder`)
-            or has tensors without data (meta device) or sharded (FSDP2: load a full state dict
-            into a plain decoder and save that); ``max_shard_size`` not positive.
+        ValueError: ``decoder`` is not a homogeneous Llama (see
+            :func:`~fusion.checkpoint.hf_config.hf_config_from_decoder`) or has tensors without
+            data (meta device) or sharded (FSDP2: load a full state dict into a plain decoder
+            and save that); ``max_shard_size`` not positive.
         CheckpointError: ``directory`` already holds a checkpoint or ``config.json`` and
             ``overwrite`` is False; it is a file.
         OSError: the file system failed (a checkpoint being replaced is then left as it was).
     """
     decoder = _text_decoder(decoder)
     config = hf_config_from_decoder(decoder)
-    directory = as_path(directory, "directory")
+    return save_hf(
+        decoder.state_dict(),
+        config,
+        KeyLayout(),
+        directory,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        argument="decoder",
+    )
+
+
+def save_hf(
+    state_dict: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    layout: KeyLayout,
+    directory: str | bytes | os.PathLike,
+    *,
+    max_shard_size: int | None,
+    overwrite: bool,
+    argument: str,
+) -> list[Path]:
+    """Write a model's ``state_dict`` (this library's keys) and its Hugging Face ``config`` into
+    ``directory``, in ``layout``, as :func:`save_hf_llama` describes (errors name
+    ``argument``)."""
+    path = as_path(directory, "directory")
     check_save_options(max_shard_size, overwrite)
     try:
         text = json.dumps(config, indent=2, allow_nan=False) + "\n"
     except ValueError as error:
-        raise ValueError(f"decoder: its config cannot be written as JSON: {error}") from None
-    state_dict = decoder.state_dict()
-    check_not_sharded(state_dict, "decoder")  # before permuting rows across shards
-    state_dict = fusion_to_hf(
-        state_dict,
-        num_heads=config["num_attention_heads"],
-        num_kv_heads=config["num_key_value_heads"],
+        raise ValueError(f"{argument}: its config cannot be written as JSON: {error}") from None
+    check_not_sharded(state_dict, argument)  # before permuting rows across shards
+    text_config = config.get("text_config", config)
+    decoder = fusion_to_hf(
+        {
+            k.removeprefix(layout.decoder): v
+            for k, v in state_dict.items()
+            if k.startswith(layout.decoder)
+        },
+        num_heads=text_config["num_attention_heads"],
+        num_kv_heads=text_config["num_key_value_heads"],
     )
-    tensors = prepare_tensors(state_dict, "decoder", safetensors=True)
-    if os.path.lexists(directory / CONFIG_NAME) and not overwrite:
-        raise CheckpointError(directory / CONFIG_NAME, None, "exists; pass overwrite=True")
+    others = {k: v for k, v in state_dict.items() if not k.startswith(layout.decoder)}
+    state = {layout.decoder + k: v for k, v in decoder.items()} | others
+    tensors = prepare_tensors(
+        {layout.saved(k): v for k, v in state.items()}, argument, safetensors=True
+    )
     return write_checkpoint(
         tensors,
-        directory,
+        path,
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         extra_files={CONFIG_NAME: text},

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from fusion.checkpoint.errors import check_state_dict
+
 # A TransformerDecoder's children whose keys identify it in a state dict, whatever modules
 # fill them (a LoRA-wrapped or scaled embedding, another norm).
 _DECODER_CHILDREN = ("tok_embeddings.", "layers.", "norm.")
@@ -33,7 +35,7 @@ def select_prefix(state_dict: Mapping[str, torch.Tensor], prefix: str) -> dict[s
         ValueError: a key that is not a string; ``prefix`` does not end with ``"."``, or no key
             starts with it.
     """
-    _check_keys(state_dict, "state_dict")
+    check_state_dict(state_dict, tensors=False)
     if not isinstance(prefix, str):
         raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
     if not prefix.endswith("."):
@@ -80,7 +82,7 @@ def decoder_state_dict(
             f"source: expected a state dict (a mapping) or an nn.Module, got "
             f"{type(source).__name__}"
         )
-    _check_keys(state_dict, "source")
+    check_state_dict(state_dict, "source", tensors=False)
     candidates: set[str] = set()
     for key in state_dict:
         parts = key.split(".")
@@ -111,11 +113,3 @@ def decoder_state_dict(
         )
     (prefix,) = prefixes
     return {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
-
-
-def _check_keys(state_dict: object, argument: str) -> None:
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{argument}: expected a mapping, got {type(state_dict).__name__}")
-    for key in state_dict:
-        if not isinstance(key, str):
-            raise ValueError(f"{argument}: expected string keys, got {key!r}")

@@ -41,9 +41,15 @@ def module_names() -> st.SearchStrategy[str]:
         st.text(_FIRST, min_size=1, max_size=4),
         st.text(_DIGITS, min_size=1, max_size=3),
     )
-    # `training` and dunder names are nn.Module's own attributes, not valid child names.
+    # Attributes of the containers themselves (`training`, `pop`, `keys`, dunder names) are not
+    # valid child names.
     return st.one_of(st.sampled_from(ADVERSARIAL_NAMES), plain, with_digits).filter(
-        lambda name: not hasattr(nn.Module, name) and not name.startswith("__")
+        lambda name: (
+            not name.startswith("__")
+            and not any(
+                hasattr(kind, name) for kind in (nn.ModuleDict, nn.Sequential, nn.ModuleList)
+            )
+        )
     )
 
 

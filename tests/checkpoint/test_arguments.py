@@ -5,19 +5,18 @@ import pytest
 import torch
 
 from fusion.checkpoint import (
-    CheckpointFiles,
     fusion_to_hf,
     fusion_to_meta,
     hf_to_fusion,
-    interleaved_to_rotate_half,
     load_hf_llama,
     load_state_dict,
     meta_to_fusion,
-    rotate_half_to_interleaved,
     save_hf_llama,
     save_state_dict,
     select_prefix,
 )
+from fusion.checkpoint.files import CheckpointFiles
+from fusion.checkpoint.keys import interleaved_to_rotate_half, rotate_half_to_interleaved
 from helpers import build_tiny_decoder
 
 WEIGHTS = {"a.weight": torch.ones(2, 3)}

@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from fusion.checkpoint import CheckpointError, CheckpointFiles, load_state_dict, save_state_dict
+from fusion.checkpoint import CheckpointError, load_state_dict, save_state_dict
+from fusion.checkpoint.files import CheckpointFiles
 
 
 def sample_state_dict() -> dict[str, torch.Tensor]:

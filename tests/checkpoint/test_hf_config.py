@@ -3,12 +3,8 @@ import json
 import pytest
 import torch
 
-from fusion.checkpoint import (
-    CheckpointError,
-    hf_config_from_decoder,
-    llama3_2_kwargs_from_hf_config,
-    read_hf_config,
-)
+from fusion.checkpoint import CheckpointError, read_hf_config
+from fusion.checkpoint.hf_config import hf_config_from_decoder, llama3_2_kwargs_from_hf_config
 from fusion.models import llama3_2
 
 LLAMA3_SCALING = {

@@ -2,14 +2,16 @@ import pytest
 import torch
 
 from fusion.checkpoint import (
-    fusion_key_to_hf,
     fusion_to_hf,
     fusion_to_meta,
-    hf_key_to_fusion,
     hf_to_fusion,
-    interleaved_to_rotate_half,
     load_state_dict,
     meta_to_fusion,
+)
+from fusion.checkpoint.keys import (
+    fusion_key_to_hf,
+    hf_key_to_fusion,
+    interleaved_to_rotate_half,
     rotate_half_to_interleaved,
 )
 from fusion.decoder import RotaryPositionalEmbeddings

@@ -243,6 +243,14 @@ class TestBadInput:
                 lambda c: c.update(image_token_index=True),
                 r"'image_token_index': expected an id, got True",
             ),
+            (
+                lambda c: c.update(projector_hidden_act=["gelu"]),
+                r"'projector_hidden_act': expected one of .*, got \['gelu'\]",
+            ),
+            (
+                lambda c: c["vision_config"].update(hidden_act={"name": "gelu"}),
+                r"'vision_config.hidden_act': expected one of .*, got \{'name': 'gelu'\}",
+            ),
         ],
         ids=[
             "no-vision",
@@ -257,6 +265,8 @@ class TestBadInput:
             "layers",
             "image-size",
             "token",
+            "act-list",
+            "vision-act-dict",
         ],
     )
     def test_bad_config(self, tmp_path, llava_dir, edit, match):
@@ -319,7 +329,8 @@ class TestBadInput:
         state["language_model.lm_head.weight"] = torch.zeros(TEXT_VOCAB, 32)
         save_file(state, tmp_path / "model.safetensors")
         with pytest.raises(
-            CheckpointError, match=r"tie_word_embeddings.*differs from the embedding"
+            CheckpointError,
+            match=r"tie_word_embeddings.*differs from language_model\.model\.embed_tokens\.weight",
         ):
             load_hf_llava(tmp_path)
 
@@ -346,7 +357,12 @@ class TestBadInput:
         model.encoders["image"].vision_model.encoder.layers[0].layer_norm1.eps = 0.1
         with pytest.raises(ValueError, match="a LayerNorm differs from what its config describes"):
             save_hf_idefics3(model, tmp_path / "d")
-        assert not any((tmp_path / name).exists() for name in "abcd")
+        # A module without parameters that the config cannot describe.
+        llava_model.encoder_tokens["image"] = IMAGE_ID
+        llava_model.encoders["image"].vision_tower.extra = torch.nn.Identity()
+        with pytest.raises(ValueError, match=r"^model: not a llava model .* modules, expected"):
+            save_hf_llava(llava_model, tmp_path / "e")
+        assert not any((tmp_path / name).exists() for name in "abcde")
 
     def test_no_silent_overwrite(self, tmp_path, llava_dir):
         model = load_hf_llava(llava_dir[1])

@@ -81,7 +81,7 @@ class TestFailedSaveKeepsTheOldCheckpoint:
         old = build_tiny_decoder(seed=0)
         save_hf_llama(old, tmp_path)
         before = snapshot(tmp_path)
-        fail_call(monkeypatch, checkpoint_files, "_write_text", 0)  # config.json's write
+        fail_call(monkeypatch, checkpoint_files, "_write_bytes", 0)  # config.json's write
         with pytest.raises(OSError, match="injected"):
             save_hf_llama(build_tiny_decoder(seed=1), tmp_path, overwrite=True)
         assert snapshot(tmp_path) == before
@@ -105,7 +105,9 @@ class TestFailedSaveKeepsTheOldCheckpoint:
             save_state_dict(sample_state_dict(0), tmp_path / "w.safetensors")
         assert list(tmp_path.iterdir()) == []
 
-    @pytest.mark.parametrize("old_shards, new_shards", [(10_000, 10_000), (None, None)])
+    @pytest.mark.parametrize(
+        "old_shards, new_shards", [(10_000, 10_000), (None, None), (None, 10_000), (10_000, None)]
+    )
     def test_every_crash_point_of_the_commit_leaves_a_loadable_checkpoint(
         self, tmp_path, monkeypatch, old_shards, new_shards
     ):
@@ -141,6 +143,42 @@ class TestFailedSaveKeepsTheOldCheckpoint:
             save_hf_llama(new, tmp_path, max_shard_size=10_000, overwrite=True)
         monkeypatch.undo()
         assert_same(load_hf_llama(tmp_path).state_dict(), new.state_dict())
+
+
+class TestWriteFiles:
+    """The one crash-safe writer every save goes through."""
+
+    def test_contents_in_order_and_stale_names_removed(self, tmp_path):
+        (tmp_path / "stale.bin").write_bytes(b"old")
+        (tmp_path / "kept.txt").write_text("kept")
+        weights = {"w": torch.arange(3.0)}
+        written = checkpoint_files.write_files(
+            tmp_path,
+            {"a.txt": "t\u00e9xt", "b.bin": b"\x00\xff", "c.pt": lambda f: torch.save(weights, f)},
+            remove=["stale.bin", "absent.bin"],
+        )
+        assert written == [tmp_path / "a.txt", tmp_path / "b.bin", tmp_path / "c.pt"]
+        assert (tmp_path / "a.txt").read_text(encoding="utf-8") == "t\u00e9xt"
+        assert (tmp_path / "b.bin").read_bytes() == b"\x00\xff"
+        assert_same(load_state_dict(tmp_path / "c.pt"), weights)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.bin", "c.pt", "kept.txt"]
+
+    def test_a_failed_rename_leaves_the_directory_as_it_was(self, tmp_path, monkeypatch):
+        (tmp_path / "b.txt").write_text("old b")
+        before = snapshot(tmp_path)
+        fail_call(monkeypatch, os, "replace", 1)  # "a.txt" is renamed in, "b.txt" fails
+        with pytest.raises(OSError, match="injected"):
+            checkpoint_files.write_files(tmp_path, {"a.txt": "new a", "b.txt": "new b"})
+        assert snapshot(tmp_path) == before
+
+    def test_links_are_replaced_not_written_through(self, tmp_path, victim):
+        directory = tmp_path / "dir"
+        directory.mkdir()
+        (directory / "a.txt").symlink_to(victim)
+        checkpoint_files.write_files(directory, {"a.txt": "new"})
+        assert_untouched(victim)
+        assert not (directory / "a.txt").is_symlink()
+        assert (directory / "a.txt").read_text() == "new"
 
 
 @pytest.mark.parametrize(("first", "second"), [(None, 10_000), (10_000, None), (10_000, 20_000)])
