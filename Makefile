@@ -11,7 +11,7 @@ export HYPOTHESIS_PROFILE ?= ci
 .PHONY: run test lint clean
 
 run: $(STAMP)
-	$(BIN)/python -m fusion.training
+	$(BIN)/python -m recipes.captioner
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest

@@ -5,10 +5,10 @@ import pytest
 from torch import nn
 
 from fusion import EarlyFusion
-from fusion.encoders import VisionEncoder
 from fusion.parallel import apply_fsdp, fsdp_units
 from helpers import build_tiny_decoder
 from parallel.sharding_scenarios import CASES, Case, assert_matches_one_process, build
+from recipes.captioner.vision import VisionEncoder
 
 FSDP_CASES = [c for c in CASES if c.plan in ("fsdp", "decoder_unit")]
 

@@ -1,5 +1,0 @@
-import sys
-
-from fusion.training.cli import main
-
-sys.exit(main())

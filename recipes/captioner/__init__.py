@@ -1,0 +1,25 @@
+"""The main job: train an early-fusion captioner on generated shapes, on one process or many,
+and caption image files with what it trained.
+
+``python -m recipes.captioner --help`` lists the training flags; under ``torchrun`` it runs DDP
+or FSDP2. ``python -m recipes.captioner.caption --checkpoint DIR IMAGE...`` (or
+:func:`recipes.captioner.caption.caption`) captions images.
+"""
+
+from recipes.captioner.cli import main
+from recipes.captioner.config import TrainConfig, parse_config
+from recipes.captioner.errors import TrainingError
+from recipes.captioner.model import build_decoder, build_model, build_tokenizer
+from recipes.captioner.train_checkpoint import load_model, read_model_state_dict
+
+__all__ = [
+    "TrainConfig",
+    "TrainingError",
+    "build_decoder",
+    "build_model",
+    "build_tokenizer",
+    "load_model",
+    "main",
+    "parse_config",
+    "read_model_state_dict",
+]

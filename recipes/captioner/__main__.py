@@ -1,0 +1,5 @@
+import sys
+
+from recipes.captioner.cli import main
+
+sys.exit(main())

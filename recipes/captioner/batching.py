@@ -1,0 +1,149 @@
+"""Caption sequences, loss masks, deterministic batch order and batches for training.
+
+A training sequence is ``<image> * T, describe:, caption words, <eos>, <pad>...``, all the
+same length. The model reads it without its last token and is trained to predict it without
+its first; only targets that are caption words or ``<eos>`` count in the loss.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from recipes.captioner.shapes import ShapesSplit, max_caption_words
+from recipes.captioner.tokenizer import CaptionTokenizer
+
+IGNORE_INDEX = -100
+
+
+def prompt_length(tokens_per_image: int) -> int:
+    """Length of a prompt: the image placeholders and ``describe:``."""
+    return tokens_per_image + 1
+
+
+def sequence_length(tokens_per_image: int) -> int:
+    """Length of a model input: prompt, longest caption and ``<eos>``, minus the last token."""
+    return prompt_length(tokens_per_image) + max_caption_words()
+
+
+def prompt_tokens(tokenizer: CaptionTokenizer, n: int, tokens_per_image: int) -> torch.Tensor:
+    """``n`` prompts ``<image> * tokens_per_image, describe:`` as ids [n, tokens_per_image + 1]."""
+    prompt = [tokenizer.image_id] * tokens_per_image + [tokenizer.prompt_id]
+    return torch.tensor([prompt] * n, dtype=torch.long)
+
+
+def encode_captions(
+    tokenizer: CaptionTokenizer, captions: list[str], tokens_per_image: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Model inputs and targets for ``captions``.
+
+    Returns:
+        tokens: int64 [n, s] (``s = sequence_length(tokens_per_image)``), the sequence without
+            its last token, right-padded with ``<pad>``.
+        labels: int64 [n, s], the sequence without its first token, with ``IGNORE_INDEX``
+            wherever the target is not a caption word or the final ``<eos>``.
+
+    Raises:
+        ValueError: a caption longer than the longest the dataset produces, or with unknown words.
+    """
+    prompt = prompt_tokens(tokenizer, 1, tokens_per_image)[0].tolist()
+    full = sequence_length(tokens_per_image) + 1
+    tokens, labels = [], []
+    for text in captions:
+        target = [*tokenizer.encode(text), tokenizer.eos_id]
+        if len(prompt) + len(target) > full:
+            raise ValueError(
+                f"captions: expected at most {max_caption_words()} words, got {text!r}"
+            )
+        pad = [tokenizer.pad_id] * (full - len(prompt) - len(target))
+        sequence = prompt + target + pad
+        tokens.append(sequence[:-1])
+        # labels[j] is the target read at input position j, i.e. sequence[j + 1].
+        labels.append([IGNORE_INDEX] * (len(prompt) - 1) + target + [IGNORE_INDEX] * len(pad))
+    return torch.tensor(tokens, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class CaptionBatch:
+    """One batch: ``tokens`` and ``labels`` int64 [b, s], ``images`` float32 [b, 3, h, w] in
+    [0, 1]. ``num_targets`` is the number of labels that count in the loss."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    images: torch.Tensor
+    num_targets: int
+
+    def to(self, device: torch.device) -> "CaptionBatch":
+        return CaptionBatch(
+            self.tokens.to(device, non_blocking=True),
+            self.labels.to(device, non_blocking=True),
+            self.images.to(device, non_blocking=True),
+            self.num_targets,
+        )
+
+
+class CaptionDataset:
+    """A split encoded once for training: images, token ids, labels and target counts.
+
+    Args:
+        split: the rendered images and captions.
+        tokenizer: the caption tokenizer.
+        tokens_per_image: how many placeholders an image takes (the encoder's output rows).
+    """
+
+    def __init__(self, split: ShapesSplit, tokenizer: CaptionTokenizer, tokens_per_image: int):
+        self.split = split
+        self.tokens, self.labels = encode_captions(tokenizer, split.captions, tokens_per_image)
+        self.targets_per_sample = (self.labels != IGNORE_INDEX).sum(1)
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def batch(self, indices: torch.Tensor) -> CaptionBatch:
+        """The samples at ``indices`` [b] (int64), in that order."""
+        return CaptionBatch(
+            self.tokens[indices],
+            self.labels[indices],
+            self.split.images[indices].float() / 255,
+            int(self.targets_per_sample[indices].sum()),
+        )
+
+    def count_targets(self, indices: torch.Tensor) -> int:
+        """Number of loss targets in the samples at ``indices``, computed on the host."""
+        return int(self.targets_per_sample[indices].sum())
+
+
+class EpochSampler:
+    """Deterministic sample order: a fresh permutation per epoch, derived from ``seed``.
+
+    The order is a pure function of ``(seed, num_samples)``, so the data position is just the
+    number of samples consumed; a resumed or re-sharded run reads the same samples.
+    """
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        if num_samples <= 0:
+            raise ValueError(f"num_samples: expected a positive count, got {num_samples}")
+        self.num_samples = num_samples
+        self.seed = seed
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._cache:
+            self._cache = {epoch: self._make(epoch)}  # only the current epoch is kept
+        return self._cache[epoch]
+
+    def _make(self, epoch: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def indices(self, start: int, count: int) -> torch.Tensor:
+        """The sample indices at global positions ``start .. start + count - 1`` [count]."""
+        if start < 0 or count < 0:
+            raise ValueError(f"start, count: expected non-negative values, got {start}, {count}")
+        out = []
+        position = start
+        while position < start + count:
+            epoch, offset = divmod(position, self.num_samples)
+            take = min(self.num_samples - offset, start + count - position)
+            out.append(self._permutation(epoch)[offset : offset + take])
+            position += take
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.long)

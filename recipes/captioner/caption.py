@@ -1,0 +1,158 @@
+"""Caption images with a trained checkpoint of the main job.
+
+    python -m recipes.captioner.caption --checkpoint runs/x/checkpoints/step_00001000 a.png b.png
+
+prints ``<file>: <caption>`` per image, in order. From Python, :func:`caption` takes files,
+Pillow images or uint8 tensors. Decoding files needs Pillow (``pip install -e '.[vision]'``).
+
+An image is taken as the training images are: 8-bit RGB (grayscale repeated, transparency
+over white), square; one of another side is resized to the model's ``image_size`` (bicubic,
+as Pillow resizes), so a shape drawn at any scale is read at the scale the model learned.
+"""
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from fusion.preprocessing import as_uint8_image, load_image, resize, to_rgb
+from recipes.captioner.distributed import resolve_device
+from recipes.captioner.errors import TrainingError, one_line
+from recipes.captioner.evaluate import greedy_captions
+from recipes.captioner.model import build_tokenizer, tokens_per_image
+from recipes.captioner.state import load_train_state
+from recipes.captioner.train_checkpoint import checkpoint_dir, load_model
+
+PROG = "python -m recipes.captioner.caption"
+
+
+def _pixels(image: Any, name: str, image_size: int) -> torch.Tensor:
+    """One image (a path, a Pillow image or a uint8 tensor [c, h, w]) as uint8 RGB
+    [3, image_size, image_size]."""
+    if isinstance(image, (str, os.PathLike)):
+        name = f"image {os.fspath(image)!r}"
+        decoded = load_image(image)
+    else:
+        decoded = as_uint8_image(image, name)
+    height, width = decoded.shape[1:]
+    if height != width:
+        raise ValueError(
+            f"{name}: expected a square image (the model reads {image_size}x{image_size} "
+            f"pixels; stretching would distort the shape), got {width}x{height}"
+        )
+    rgb = to_rgb(decoded)
+    if height != image_size:
+        rgb = resize(rgb, (image_size, image_size))
+    return rgb
+
+
+def caption(
+    checkpoint: str | os.PathLike,
+    images: Sequence[Any],
+    *,
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+) -> list[str]:
+    """Greedy captions of ``images`` by the model of training checkpoint ``checkpoint`` (a
+    ``step_<N>`` directory), in order.
+
+    Every image is decoded and checked before the model is loaded.
+
+    Args:
+        checkpoint: a checkpoint directory of ``python -m recipes.captioner``.
+        images: a list of image files (paths), Pillow images or uint8 tensors
+            [1, 3 or 4 channels, h, w], each square.
+        batch_size: images per generation batch.
+        device: where the model runs.
+
+    Raises:
+        TypeError: ``images`` is not a list or tuple, or holds something that is no image.
+        ValueError: ``batch_size`` is not a positive integer; an image is not square, or of a
+            format or mode that cannot be taken (named by path or index).
+        ImportError: an image is a file and Pillow is not installed.
+        OSError: an image file cannot be read.
+        TrainingError: ``checkpoint`` is not an intact checkpoint directory.
+    """
+    if not isinstance(images, (list, tuple)):
+        raise TypeError(
+            "images: expected a list of image files, Pillow images or uint8 tensors, got "
+            f"{type(images).__name__} (a single image goes in a list)"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
+    path = checkpoint_dir(checkpoint, "checkpoint")
+    config = load_train_state(path).config
+    pixels = [_pixels(image, f"images[{i}]", config.image_size) for i, image in enumerate(images)]
+    if not pixels:
+        return []
+    model, config = load_model(path)
+    return greedy_captions(
+        model.to(device),
+        torch.stack(pixels),
+        build_tokenizer(),
+        tokens_per_image=tokens_per_image(config),
+        batch_size=batch_size,
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive(text: str) -> int:
+    value = int(text)  # argparse reports a ValueError as an invalid value of the flag
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description=(
+            "Caption image files with a checkpoint of python -m recipes.captioner; prints "
+            "'<file>: <caption>' per image. Images are square; other sizes than the model's "
+            "are resized to it. Needs Pillow: pip install -e '.[vision]'."
+        ),
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a checkpoint directory, e.g. runs/x/checkpoints/step_00001000",
+    )
+    parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="cpu",
+        help="where the model runs (default: cpu)",
+    )
+    parser.add_argument(
+        "--batch-size", type=_positive, default=256, help="images per batch (default: 256)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Caption the images of the command line; returns the exit status: 0, or 1 with one line
+    on stderr (2 on a bad command line, argparse's ``SystemExit``)."""
+    args = build_parser().parse_args(argv)
+    try:
+        path = checkpoint_dir(args.checkpoint, "--checkpoint")
+        device = resolve_device(args.device, 0)
+        captions = caption(path, args.images, batch_size=args.batch_size, device=device)
+    except (TrainingError, ValueError, TypeError, ImportError, OSError) as error:
+        print(f"{PROG}: error: {' '.join(one_line(error).splitlines())}", file=sys.stderr)
+        return 1
+    for file, text in zip(args.images, captions, strict=True):
+        print(f"{file}: {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""The training job's configuration: one dataclass, its command-line flags, its checks, and
+what a resumed run takes from its checkpoint."""
+
+import argparse
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from recipes.captioner.errors import TrainingError
+
+
+def _opt(default: Any, help: str, group: str, **kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, **kwargs})
+
+
+# What --resume does with each group of settings (see resumed_config).
+GROUP_TITLES = {
+    "data": "data (restored by --resume; a different value is refused)",
+    "model": "model (restored by --resume; a different value is refused)",
+    "optim": "optimisation (restored by --resume; a different value is refused)",
+    "run": "run (restored by --resume unless given; --steps may extend the run)",
+    "session": "this invocation (never restored)",
+}
+# The groups that define what a checkpoint continues: resuming with other values would train
+# another model on other data.
+FIXED_GROUPS = ("data", "model", "optim")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on, in groups (:data:`GROUP_TITLES`): ``data``, ``model`` and
+    ``optim`` are fixed for the life of a run; ``run`` settings are stored and may change on
+    resuming; ``session`` settings belong to one invocation (where it runs, how it shows)."""
+
+    # data
+    seed: int = _opt(0, "seed of the dataset, the model's initialisation and the order", "data")
+    num_train: int = _opt(10_000, "training images", "data")
+    num_heldout: int = _opt(1_000, "held-out images (accuracy is measured on them)", "data")
+    image_size: int = _opt(32, "image side in pixels", "data")
+    # model
+    patch_size: int = _opt(8, "vision encoder patch side; one image token per patch", "model")
+    encoder_dim: int = _opt(64, "vision encoder width", "model")
+    encoder_layers: int = _opt(2, "vision transformer blocks", "model")
+    encoder_heads: int = _opt(4, "vision attention heads", "model")
+    decoder_dim: int = _opt(64, "decoder width", "model")
+    decoder_layers: int = _opt(2, "decoder blocks", "model")
+    decoder_heads: int = _opt(4, "decoder query heads", "model")
+    decoder_kv_heads: int = _opt(2, "decoder key/value heads (grouped-query attention)", "model")
+    decoder_mlp_dim: int = _opt(192, "decoder MLP hidden width", "model")
+    # optimisation
+    batch_size: int = _opt(64, "global batch size (split across processes)", "optim")
+    lr: float = _opt(3e-3, "peak learning rate (AdamW)", "optim")
+    warmup_steps: int = _opt(50, "linear warm-up steps, then cosine decay to 0", "optim")
+    weight_decay: float = _opt(0.01, "AdamW weight decay", "optim")
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)", "optim")
+    # run: stored; a resumed run may change them
+    steps: int = _opt(1_000, "total optimiser steps (a resumed run may extend them)", "run")
+    checkpoint_every: int = _opt(250, "save a checkpoint every N steps (and at the end)", "run")
+    keep_checkpoints: int = _opt(2, "how many of the latest checkpoints to keep", "run")
+    parallel: str = _opt(
+        "ddp",
+        "under torchrun: 'ddp' (DistributedDataParallel) or 'fsdp' (FSDP2 fully_shard)",
+        "run",
+        choices=("ddp", "fsdp"),
+    )
+    log_every: int = _opt(10, "read the loss back every N steps (a host sync on GPU)", "run")
+    num_samples: int = _opt(8, "held-out sample generations to print", "run")
+    eval_batch_size: int = _opt(256, "batch size of the held-out greedy generation", "run")
+    # session: this invocation's alone
+    output_dir: str | None = _opt(
+        None,
+        "where checkpoints, the loss plot and the metrics go; unset: a new "
+        "runs/shapes-<date>-<time>",
+        "session",
+    )
+    resume: bool = _opt(
+        False,
+        "continue the run in --output-dir from its latest intact checkpoint, with its stored "
+        "configuration",
+        "session",
+    )
+    device: str = _opt(
+        "auto",
+        "'auto' (CUDA if available), 'cpu' or 'cuda'",
+        "session",
+        choices=("auto", "cpu", "cuda"),
+    )
+    threads: int = _opt(
+        1,
+        "CPU threads per process (0: torch's default); 1 is fastest for this small model on a "
+        "shared machine",
+        "session",
+    )
+    progress: bool = _opt(True, "show the progress bar", "session")
+
+    def group(self, name: str) -> dict[str, Any]:
+        """The fields of one group (``data``, ``model``, ``optim``, ``run``, ``session``) as a
+        dict."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata["group"] == name
+        }
+
+
+_POSITIVE = (
+    "num_train",
+    "num_heldout",
+    "image_size",
+    "patch_size",
+    "encoder_dim",
+    "encoder_heads",
+    "decoder_dim",
+    "decoder_layers",
+    "decoder_heads",
+    "decoder_kv_heads",
+    "decoder_mlp_dim",
+    "batch_size",
+    "steps",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "log_every",
+    "eval_batch_size",
+)
+_NON_NEGATIVE = (
+    "encoder_layers",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+    "threads",
+    "num_samples",
+)
+# No count or size of this job comes near it; above it products of sizes could overflow int64.
+MAX_INT = 2**31 - 1
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of config field ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) -> None:
+    """Raise ``ValueError`` naming the setting when a value is out of range or sizes do not
+    fit. ``name`` turns a field name into how the message names it (default: its flag)."""
+
+    def fail(field_name: str, expected: str) -> None:
+        got = getattr(config, field_name)
+        raise ValueError(f"{name(field_name)}: expected {expected}, got {got!r}")
+
+    for field_name, value in vars(config).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(field_name, "a finite number")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            fail(field_name, f"at most {MAX_INT} in magnitude")
+    for field_name in _POSITIVE:
+        if getattr(config, field_name) <= 0:
+            fail(field_name, "a positive value")
+    for field_name in _NON_NEGATIVE:
+        if getattr(config, field_name) < 0:
+            fail(field_name, "a value >= 0")
+    if not config.lr > 0:
+        fail("lr", "a positive learning rate")
+    if config.image_size % config.patch_size:
+        fail("image_size", f"a multiple of {name('patch_size')}={config.patch_size}")
+    if config.encoder_dim % config.encoder_heads:
+        fail("encoder_dim", f"a multiple of {name('encoder_heads')}={config.encoder_heads}")
+    if config.decoder_dim % config.decoder_heads:
+        fail("decoder_dim", f"a multiple of {name('decoder_heads')}={config.decoder_heads}")
+    if config.decoder_heads % config.decoder_kv_heads:
+        kv = f"{name('decoder_kv_heads')}={config.decoder_kv_heads}"
+        fail("decoder_heads", f"a multiple of {kv}")
+    if (config.decoder_dim // config.decoder_heads) % 2:
+        fail("decoder_dim", "an even head size (decoder_dim / decoder_heads) for RoPE")
+    if config.output_dir is not None and (not config.output_dir or "\0" in config.output_dir):
+        fail("output_dir", "a directory path (not empty, no NUL character)")
+    if config.resume and config.output_dir is None:
+        raise ValueError(
+            f"{name('resume')}: expected {name('output_dir')}, the directory of the run to resume"
+        )
+
+
+def config_from_values(values: dict[str, Any], file: Path) -> TrainConfig:
+    """A :class:`TrainConfig` from the JSON object ``values`` (the ``config`` of ``file``),
+    checked before use: every field present, of its type (an integer for a float is taken),
+    within the ranges of :func:`check_config`.
+
+    Raises:
+        TrainingError: naming ``file`` and the key.
+    """
+
+    def fail(message: str) -> TrainingError:
+        return TrainingError(f"checkpoint {file.parent}: {file.name}: {message}")
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    missing, unknown = sorted(set(fields) - set(values)), sorted(set(values) - set(fields))
+    if missing or unknown:
+        raise fail(f"key 'config': missing keys {missing}, unknown keys {unknown}")
+    checked: dict[str, Any] = {}
+    for key, f in fields.items():
+        value = values[key]
+        if f.type is float and type(value) is int:
+            value = float(value)
+        allowed: tuple[type, ...] = (str, type(None)) if f.type == str | None else (f.type,)  # type: ignore[assignment]
+        if type(value) not in allowed:
+            scalar = isinstance(value, (bool, int, float, str))
+            shown = f"{value!r:.60}" if scalar else f"a value of type {type(value).__name__}"
+            expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise fail(f"key 'config.{key}': expected {expected}, got {shown}")
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise fail(f"key 'config.{key}': expected one of {list(choices)}, got {value!r:.60}")
+        checked[key] = value
+    config = TrainConfig(**checked)
+    try:
+        check_config(config, name=lambda n: f"key 'config.{n}'")
+    except ValueError as error:
+        raise fail(str(error)) from None
+    return config
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line in one line (argparse's usage text is many lines)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one flag per :class:`TrainConfig` field, grouped as in the dataclass.
+
+    Flags not given are absent from the parsed namespace (their defaults are the dataclass's),
+    so that a resumed run can tell the flags given from its stored configuration.
+    """
+    parser = _Parser(
+        prog="python -m recipes.captioner",
+        description=(
+            "Train an early-fusion captioner (vision encoder + Llama-style decoder) from scratch "
+            "on generated shapes, report held-out exact-match accuracy with greedy generation, "
+            "and check that the checkpoint's decoder loads into a plain TransformerDecoder. "
+            "Runs under torchrun for DDP or FSDP2."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    groups = {name: parser.add_argument_group(title) for name, title in GROUP_TITLES.items()}
+    for f in dataclasses.fields(TrainConfig):
+        flag = flag_name(f.name)
+        group = groups[f.metadata["group"]]
+        shown = "unset" if f.default is None else f.default
+        help = f"{f.metadata['help']} (default: {shown})"
+        if f.type is bool:
+            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
+            group.add_argument(flag, action=action, help=help)
+            continue
+        kind = f.type if f.type in (int, float) else str
+        group.add_argument(
+            flag,
+            type=kind,
+            help=help,
+            choices=f.metadata.get("choices"),
+            metavar=None if f.metadata.get("choices") else f.name.upper(),
+        )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, frozenset[str]]:
+    """Parse ``argv`` into a checked :class:`TrainConfig` and the names of the fields given
+    as flags; exits with status 2 (argparse's) and a message naming the flag on unknown flags
+    or bad values."""
+    parser = build_parser()
+    given = vars(parser.parse_args(argv))
+    config = TrainConfig(**given)
+    try:
+        check_config(config)
+    except ValueError as error:
+        parser.error(str(error))
+    cpus = os.cpu_count() or 1
+    if config.threads > cpus:  # far more threads than CPUs crashes torch's thread pool
+        parser.error(f"--threads: expected at most the {cpus} CPUs here, got {config.threads}")
+    return config, frozenset(given)
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """:func:`parse_args` without the names of the flags given."""
+    return parse_args(argv)[0]
+
+
+def resumed_config(
+    config: TrainConfig, given: Collection[str], stored: TrainConfig, step: int
+) -> TrainConfig:
+    """The configuration of a run resumed from a checkpoint at ``step`` that stores
+    ``stored``: the stored one, with this invocation's ``session`` settings (from ``config``)
+    and the ``run`` settings named in ``given`` (the flags given).
+
+    A ``data``, ``model`` or ``optim`` flag may be given only with the stored value: another
+    would train another model, or on other data, than the checkpoint continues.
+
+    Raises:
+        TrainingError: naming each flag given with another value than the checkpoint's, or
+            ``--steps`` below the checkpoint's step.
+    """
+    fixed = {name for group in FIXED_GROUPS for name in stored.group(group)}
+    changed = [
+        f.name
+        for f in dataclasses.fields(stored)
+        if f.name in given
+        and f.name in fixed
+        and getattr(config, f.name) != getattr(stored, f.name)
+    ]
+    if changed:
+        reasons = "; ".join(
+            f"{flag_name(name)}: the checkpoint was trained with {getattr(stored, name)}, "
+            f"not {getattr(config, name)}"
+            for name in changed
+        )
+        flags = "the flag" if len(changed) == 1 else "these flags"
+        raise TrainingError(
+            f"{reasons}; drop {flags} to resume (a different run needs another --output-dir)"
+        )
+    if "steps" in given and config.steps < step:
+        raise TrainingError(
+            f"--steps: expected at least the checkpoint's step {step}, got {config.steps}"
+        )
+    ours = set(config.group("session")) | (set(given) & set(config.group("run")))
+    restored = {f.name: getattr(stored, f.name) for f in dataclasses.fields(stored)}
+    return dataclasses.replace(config, **{k: v for k, v in restored.items() if k not in ours})

@@ -1,0 +1,160 @@
+"""The captioner's small vision transformer: patch embedding, pre-norm blocks and a projection
+head that maps each patch into the decoder's width.
+
+It is the recipe's own encoder, not the library's CLIP / SigLIP towers
+(:mod:`fusion.encoders.vit_blocks`): its blocks use one fused ``qkv`` projection, so its
+checkpoint keys and its initialisation (hence the trained results) are its own.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusion import register_fusion_module
+
+
+class PatchEmbedding(nn.Module):
+    """Split images into ``patch_size`` squares and embed each one, plus learned positions.
+
+    Args:
+        image_size: side of the square input images, a multiple of ``patch_size``.
+        patch_size: side of a patch.
+        in_channels: image channels.
+        dim: embedding width.
+
+    Raises:
+        ValueError: ``image_size`` is not a positive multiple of ``patch_size``.
+    """
+
+    def __init__(self, image_size: int, patch_size: int, in_channels: int, dim: int) -> None:
+        super().__init__()
+        if patch_size <= 0 or image_size <= 0 or image_size % patch_size:
+            raise ValueError(
+                f"image_size: expected a positive multiple of patch_size={patch_size}, "
+                f"got {image_size}"
+            )
+        self.image_size = image_size
+        self.in_channels = in_channels
+        self.num_patches = (image_size // patch_size) ** 2
+        self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
+        self.pos_embedding = nn.Parameter(torch.randn(self.num_patches, dim) * 0.02)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [n, c, h, w] -> patch embeddings [n, num_patches, dim], row-major order."""
+        # [n, dim, h / p, w / p] -> [n, dim, num_patches] -> [n, num_patches, dim]
+        patches = self.proj(images).flatten(2).transpose(1, 2)
+        return patches + self.pos_embedding
+
+
+class VisionTransformerLayer(nn.Module):
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``; every patch attends to every patch.
+
+    Args:
+        dim: width.
+        num_heads: attention heads; must divide ``dim``.
+        mlp_ratio: hidden width of the MLP as a multiple of ``dim``.
+
+    Raises:
+        ValueError: ``num_heads`` does not divide ``dim``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4) -> None:
+        super().__init__()
+        if num_heads <= 0 or dim % num_heads:
+            raise ValueError(f"num_heads: expected a divisor of dim={dim}, got {num_heads}")
+        self.num_heads = num_heads
+        self.attn_norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.attn_out = nn.Linear(dim, dim)
+        self.mlp_norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, p, dim] -> [n, p, dim]."""
+        n, p, dim = x.shape
+        # [n, p, 3 * dim] -> [n, p, 3, heads, head_dim]
+        qkv = self.qkv(self.attn_norm(x)).view(n, p, 3, self.num_heads, dim // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [n, heads, p, head_dim]
+        attended = F.scaled_dot_product_attention(q, k, v)
+        # [n, heads, p, head_dim] -> [n, p, heads, head_dim] -> [n, p, dim]
+        x = x + self.attn_out(attended.transpose(1, 2).reshape(n, p, dim))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class VisionEncoder(nn.Module):
+    """Patch embedding, ``num_layers`` transformer blocks, a final norm and a projection head.
+
+    The head (``self.projection``, a linear map from ``dim`` to ``out_dim``) is registered with
+    :func:`fusion.register_fusion_module`, so ``EarlyFusion(fusion_trainable=...)`` governs it.
+    Each image becomes ``tokens_per_image`` rows, one per patch, row-major.
+
+    Args:
+        image_size: side of the square input images, a multiple of ``patch_size``.
+        patch_size: side of a patch.
+        dim: the encoder's width.
+        num_layers: transformer blocks.
+        num_heads: attention heads per block; must divide ``dim``.
+        out_dim: the decoder's embedding width.
+        in_channels: image channels.
+
+    Raises:
+        ValueError: a non-positive size, or sizes that do not divide as required.
+    """
+
+    def __init__(
+        self,
+        image_size: int,
+        patch_size: int,
+        dim: int,
+        num_layers: int,
+        num_heads: int,
+        out_dim: int,
+        in_channels: int = 3,
+    ) -> None:
+        super().__init__()
+        for name, value in (("dim", dim), ("out_dim", out_dim), ("in_channels", in_channels)):
+            if value <= 0:
+                raise ValueError(f"{name}: expected a positive integer, got {value}")
+        if num_layers < 0:
+            raise ValueError(f"num_layers: expected a non-negative integer, got {num_layers}")
+        self.patch_embedding = PatchEmbedding(image_size, patch_size, in_channels, dim)
+        self.layers = nn.ModuleList(
+            VisionTransformerLayer(dim, num_heads) for _ in range(num_layers)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.projection = nn.Linear(dim, out_dim)
+        register_fusion_module(self.projection)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.patch_embedding.num_patches
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Encode images.
+
+        Args:
+            images: float [n, in_channels, image_size, image_size].
+
+        Returns:
+            packed rows [n, tokens_per_image, out_dim] in the projection's dtype, ready for
+            :class:`fusion.EarlyFusion` (image ``i``'s rows fill the ``i``-th run of placeholders).
+
+        Raises:
+            ValueError: wrong shape or a non-floating dtype, before any computation.
+        """
+        size, channels = self.patch_embedding.image_size, self.patch_embedding.in_channels
+        if (
+            images.dim() != 4
+            or images.shape[1:] != (channels, size, size)
+            or (not images.dtype.is_floating_point)
+        ):
+            raise ValueError(
+                f"images: expected floating images [n, {channels}, {size}, {size}], "
+                f"got shape {list(images.shape)}, dtype {images.dtype}"
+            )
+        x = self.patch_embedding(images.to(self.projection.weight.dtype))
+        for layer in self.layers:
+            x = layer(x)
+        return self.projection(self.norm(x))
