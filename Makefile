@@ -1,4 +1,4 @@
-# `make run` runs the main job, `make test` the whole test suite (with ruff).
+# `make run` runs the main job, `make test` the whole test suite (with ruff and mypy).
 # Both create the virtual environment in .venv on first use; nothing else is needed.
 PYTHON ?= python3.11
 VENV := .venv
@@ -19,6 +19,7 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
