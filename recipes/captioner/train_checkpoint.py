@@ -20,7 +20,6 @@ import dataclasses
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fusion.checkpoint.files import write_files
 from fusion.early_fusion import EarlyFusion
 from recipes.captioner import safe_dcp
 from recipes.captioner.config import TrainConfig
@@ -88,19 +88,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
-    a temporary file in the same directory, flushed and fsynced, then renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix
+    (the library's crash-safe writer: staged, fsynced, renamed over ``path``)."""
+    write_files(path.parent, {path.name: data})
 
 
 # ---------------------------------------------------------------------------------- saving
