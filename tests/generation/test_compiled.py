@@ -308,3 +308,26 @@ def test_cuda_graphs_greedy_equals_eager_and_steps_never_synchronise():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(torch.stack([first, *rest], 1), expected[:, -NEW:])
+
+
+def test_one_row_matvecs_compile_to_reductions_on_cpu():
+    """B=1 on CPU: every linear layer of the decoding step is traced as a multiply-and-sum
+    (one pass over the weight under inductor; BLAS reads it at a third of the bandwidth), the
+    prefill keeps its matrix products, and the tokens stay the eager ones."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    decoder = lively_decoder()
+    tokens = left_pad(PROMPTS[:1], pad_id=0)
+    expected = greedy(decoder, tokens)
+    assert torch.equal(greedy(decoder, tokens, compile={"backend": record}), expected)
+    linears = [
+        [n for n in gm.graph.nodes if n.target is torch._C._nn.linear] for gm in graphs
+    ]
+    assert len(graphs) == 2 and linears[0]  # the prefill: [1, s] rows, matrix products
+    step = graphs[1]
+    assert not linears[1]
+    assert sum(n.target is torch.Tensor.sum or n.target == "sum" for n in step.graph.nodes) >= 15
