@@ -9,7 +9,7 @@ from torch import nn
 
 from fusion.decoder import TransformerDecoder
 from fusion.merge import IMPLEMENTATIONS, EncoderRows, merge_embeddings
-from fusion.merge.placement import check_encoder_tokens
+from fusion.merge.placement import PlaceholderIds
 
 _FUSION_MODULE_FLAG = "_fusion_module"
 
@@ -93,7 +93,7 @@ class EarlyFusion(nn.Module):
             raise TypeError(
                 f"encoders: expected a mapping of name -> nn.Module, got {encoders!r:.200}"
             )
-        check_encoder_tokens(encoder_tokens)
+        encoder_tokens = PlaceholderIds(encoder_tokens)  # checked here, once
         if merge_impl != "auto" and merge_impl not in IMPLEMENTATIONS:
             raise ValueError(
                 f"merge_impl: expected 'auto' or one of {list(IMPLEMENTATIONS)}, got {merge_impl!r}"
@@ -106,7 +106,7 @@ class EarlyFusion(nn.Module):
             raise ValueError(f"encoders, encoder_tokens: expected the same names, got: {listed}")
         self.decoder = decoder
         self.encoders = nn.ModuleDict(encoders)
-        self.encoder_tokens = dict(encoder_tokens)
+        self.encoder_tokens = encoder_tokens
         self.merge_impl = merge_impl
         self.eager_checks = eager_checks
         flags = (decoder_trainable, encoders_trainable, fusion_trainable)

@@ -437,3 +437,12 @@ class TestBadArguments:
             EarlyFusion(build_tiny_decoder(), {"image": lambda x: x}, {"image": IMAGE_ID})
         with pytest.raises(ValueError, match=r"merge_impl: expected 'auto' or one of"):
             EarlyFusion(build_tiny_decoder(), {}, {}, merge_impl="fast")
+
+
+def test_placeholder_ids_are_checked_at_construction_and_read_only():
+    """Checked once when the model is built (not again on every forward); then read-only, so
+    they cannot change unchecked."""
+    model = build_tiny_fusion()
+    assert model.encoder_tokens == {"image": IMAGE_ID, "audio": AUDIO_ID}
+    with pytest.raises(TypeError):
+        model.encoder_tokens["image"] = AUDIO_ID  # type: ignore[index]

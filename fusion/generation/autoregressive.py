@@ -473,7 +473,7 @@ def _checked_tokens(
             f"tokens: expected them on the model's device {device}, got {tokens.device}"
         )
     inner = model.inner
-    placeholders: dict[str, int] = {}
+    placeholders: Mapping[str, int] = {}
     if isinstance(inner, EarlyFusion):
         if encoder_input is not None and not isinstance(encoder_input, Mapping):
             raise ValueError(

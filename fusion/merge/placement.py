@@ -1,7 +1,7 @@
 """Where each encoder row goes: resolved, validated inputs shared by every merge implementation."""
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -109,8 +109,31 @@ def resolve_placements(
     return placements, text_ids
 
 
+class PlaceholderIds(Mapping[str, int]):
+    """Encoder name -> placeholder id, checked once when built (:func:`check_encoder_tokens`)
+    and read-only after, so a model that merges on every forward does not check them again."""
+
+    def __init__(self, encoder_tokens: Mapping[str, int]) -> None:
+        check_encoder_tokens(encoder_tokens)
+        self._ids = dict(encoder_tokens)
+
+    def __getitem__(self, name: str) -> int:
+        return self._ids[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __repr__(self) -> str:
+        return repr(self._ids)
+
+
 def check_encoder_tokens(encoder_tokens: Mapping[str, int]) -> None:
     """Raise unless ``encoder_tokens`` maps names to distinct Python int placeholder ids."""
+    if isinstance(encoder_tokens, PlaceholderIds):
+        return  # checked when built
     if not isinstance(encoder_tokens, Mapping):
         raise TypeError(
             "encoder_tokens: expected a mapping of encoder name -> placeholder id, got "

@@ -350,7 +350,7 @@ class TestBadInput:
             save_hf_idefics3(llava_model, tmp_path / "a")
         with pytest.raises(TypeError, match="model: expected an EarlyFusion"):
             save_hf_llava(llava_model.decoder, tmp_path / "b")
-        llava_model.encoder_tokens["image"] = TEXT_VOCAB + 3
+        llava_model.encoder_tokens = {"image": TEXT_VOCAB + 3}
         with pytest.raises(ValueError, match=r"placeholder id 131 lies outside the vocabulary"):
             save_hf_llava(llava_model, tmp_path / "c")
         model = load_hf_idefics3(idefics3_dir[1])
@@ -358,7 +358,7 @@ class TestBadInput:
         with pytest.raises(ValueError, match="a LayerNorm differs from what its config describes"):
             save_hf_idefics3(model, tmp_path / "d")
         # A module without parameters that the config cannot describe.
-        llava_model.encoder_tokens["image"] = IMAGE_ID
+        llava_model.encoder_tokens = {"image": IMAGE_ID}
         llava_model.encoders["image"].vision_tower.extra = torch.nn.Identity()
         with pytest.raises(ValueError, match=r"^model: not a llava model .* modules, expected"):
             save_hf_llava(llava_model, tmp_path / "e")

@@ -57,6 +57,7 @@ def test_help(capsys):
     usage = capsys.readouterr().out
     assert exit_info.value.code == 0 and usage.startswith("usage: python -m fusion.generation")
     assert "--checkpoint" in usage and "--prompt-ids" in usage
+    assert "default: 32" in usage  # --max-new-tokens says its default
 
 
 def test_one_prompt_end_to_end(model_dir):

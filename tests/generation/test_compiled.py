@@ -324,9 +324,7 @@ def test_one_row_matvecs_compile_to_reductions_on_cpu():
     tokens = left_pad(PROMPTS[:1], pad_id=0)
     expected = greedy(decoder, tokens)
     assert torch.equal(greedy(decoder, tokens, compile={"backend": record}), expected)
-    linears = [
-        [n for n in gm.graph.nodes if n.target is torch._C._nn.linear] for gm in graphs
-    ]
+    linears = [[n for n in gm.graph.nodes if n.target is torch._C._nn.linear] for gm in graphs]
     assert len(graphs) == 2 and linears[0]  # the prefill: [1, s] rows, matrix products
     step = graphs[1]
     assert not linears[1]
