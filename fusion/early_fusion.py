@@ -172,7 +172,7 @@ class EarlyFusion(nn.Module):
 
         Raises:
             ValueError: unknown encoder names, or placeholder counts that do not match the rows
-                (see :func:`fusion.merge_embeddings`), before the decoder runs.
+                (see :func:`fusion.merge_embeddings`), before any decoder layer runs.
         """
         rows = self.encode(encoder_input or {})
 
@@ -194,9 +194,19 @@ class EarlyFusion(nn.Module):
     # ------------------------------------------------------------------ delegated to the decoder
 
     def setup_caches(
-        self, batch_size: int, dtype: torch.dtype, *, decoder_max_seq_len: int | None = None
+        self,
+        batch_size: int,
+        dtype: torch.dtype,
+        *,
+        encoder_max_seq_len: None = None,
+        decoder_max_seq_len: int | None = None,
     ) -> None:
-        self.decoder.setup_caches(batch_size, dtype, decoder_max_seq_len=decoder_max_seq_len)
+        self.decoder.setup_caches(
+            batch_size,
+            dtype,
+            encoder_max_seq_len=encoder_max_seq_len,
+            decoder_max_seq_len=decoder_max_seq_len,
+        )
 
     def caches_are_setup(self) -> bool:
         return self.decoder.caches_are_setup()
