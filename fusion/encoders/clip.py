@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fusion.encoders.vit_blocks import VisionLayerStack, check_pixels, check_vision_sizes
+from fusion.encoders.vit_blocks import VisionTower, check_pixels
 
 
 class ClipVisionEmbeddings(nn.Module):
@@ -35,7 +35,7 @@ class ClipVisionEmbeddings(nn.Module):
         return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
 
 
-class ClipVisionTransformer(nn.Module):
+class ClipVisionTransformer(VisionTower):
     """CLIP's vision transformer: embeddings, ``pre_layrnorm``, the encoder layers and
     ``post_layernorm`` (which only CLIP's pooled output uses; kept so checkpoints round-trip).
 
@@ -66,43 +66,21 @@ class ClipVisionTransformer(nn.Module):
         hidden_act: str = "quick_gelu",
         layer_norm_eps: float = 1e-5,
     ) -> None:
-        super().__init__()
-        check_vision_sizes(
+        super().__init__(
             hidden_size=hidden_size,
             intermediate_size=intermediate_size,
-            num_layers=num_hidden_layers,
-            num_heads=num_attention_heads,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
             image_size=image_size,
             patch_size=patch_size,
             num_channels=num_channels,
-            layer_norm_eps=layer_norm_eps,
             hidden_act=hidden_act,
+            layer_norm_eps=layer_norm_eps,
         )
-        self.image_size = image_size
-        self.patch_size = patch_size
-        self.num_channels = num_channels
-        self.hidden_size = hidden_size
-        self.hidden_act = hidden_act
-        self.layer_norm_eps = layer_norm_eps
         self.embeddings = ClipVisionEmbeddings(hidden_size, image_size, patch_size, num_channels)
         self.pre_layrnorm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
-        self.encoder = VisionLayerStack(
-            num_hidden_layers,
-            hidden_size,
-            intermediate_size,
-            num_attention_heads,
-            hidden_act,
-            layer_norm_eps,
-        )
+        self.encoder = self.layer_stack()
         self.post_layernorm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.encoder.layers)
-
-    @property
-    def num_patches(self) -> int:
-        return self.embeddings.num_patches
 
     def resolve_layer(self, layer: int) -> int:
         """Hidden-state number ``layer`` (negative counts from the end) in ``[0, num_layers]``.

@@ -9,7 +9,7 @@ head, which vision-language models do not use, is not part of this module.
 import torch
 from torch import nn
 
-from fusion.encoders.vit_blocks import VisionLayerStack, check_pixels, check_vision_sizes
+from fusion.encoders.vit_blocks import VisionTower, check_pixels
 
 POSITION_SCHEMES = ("fixed", "bucketed")
 
@@ -74,7 +74,7 @@ class SiglipVisionEmbeddings(nn.Module):
         return patches + self.position_embedding(self.position_ids(patches.device))
 
 
-class SiglipVisionTransformer(nn.Module):
+class SiglipVisionTransformer(VisionTower):
     """SigLIP's vision transformer: embeddings, the encoder layers and ``post_layernorm``.
 
     Args:
@@ -104,44 +104,22 @@ class SiglipVisionTransformer(nn.Module):
         layer_norm_eps: float = 1e-6,
         position_scheme: str = "fixed",
     ) -> None:
-        super().__init__()
-        check_vision_sizes(
+        super().__init__(
             hidden_size=hidden_size,
             intermediate_size=intermediate_size,
-            num_layers=num_hidden_layers,
-            num_heads=num_attention_heads,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
             image_size=image_size,
             patch_size=patch_size,
             num_channels=num_channels,
-            layer_norm_eps=layer_norm_eps,
             hidden_act=hidden_act,
+            layer_norm_eps=layer_norm_eps,
         )
-        self.image_size = image_size
-        self.patch_size = patch_size
-        self.num_channels = num_channels
-        self.hidden_size = hidden_size
-        self.hidden_act = hidden_act
-        self.layer_norm_eps = layer_norm_eps
         self.embeddings = SiglipVisionEmbeddings(
             hidden_size, image_size, patch_size, num_channels, position_scheme
         )
-        self.encoder = VisionLayerStack(
-            num_hidden_layers,
-            hidden_size,
-            intermediate_size,
-            num_attention_heads,
-            hidden_act,
-            layer_norm_eps,
-        )
+        self.encoder = self.layer_stack()
         self.post_layernorm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.encoder.layers)
-
-    @property
-    def num_patches(self) -> int:
-        return self.embeddings.num_patches
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Images [n, num_channels, image_size, image_size] -> ``post_layernorm`` of the last

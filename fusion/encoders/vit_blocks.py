@@ -140,7 +140,75 @@ class VisionLayerStack(nn.Module):
         )
 
 
-def check_vision_sizes(
+class VisionTower(nn.Module):
+    """What CLIP's and SigLIP's vision transformers share: their config, checked and kept as
+    attributes (savers write configs from them), and the encoder layers they stack.
+
+    Raises:
+        ValueError: naming the first argument a vision tower cannot be built from: a size that
+            is not a positive integer, ``image_size`` not a multiple of ``patch_size``, heads
+            that do not divide ``hidden_size``, an unknown activation or ``layer_norm_eps``
+            outside (0, 1).
+    """
+
+    encoder: "VisionLayerStack"
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        intermediate_size: int,
+        num_hidden_layers: int,
+        num_attention_heads: int,
+        image_size: int,
+        patch_size: int,
+        num_channels: int,
+        hidden_act: str,
+        layer_norm_eps: float,
+    ) -> None:
+        super().__init__()
+        _check_vision_sizes(
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_layers=num_hidden_layers,
+            num_heads=num_attention_heads,
+            image_size=image_size,
+            patch_size=patch_size,
+            num_channels=num_channels,
+            layer_norm_eps=layer_norm_eps,
+            hidden_act=hidden_act,
+        )
+        self.image_size = image_size
+        self.patch_size = patch_size
+        self.num_channels = num_channels
+        self.hidden_size = hidden_size
+        self.hidden_act = hidden_act
+        self.layer_norm_eps = layer_norm_eps
+        self._layer_config = (
+            num_hidden_layers,
+            hidden_size,
+            intermediate_size,
+            num_attention_heads,
+            hidden_act,
+            layer_norm_eps,
+        )
+
+    def layer_stack(self) -> "VisionLayerStack":
+        """A new stack of the encoder layers this config describes (subclasses register it as
+        ``encoder``, in the place their checkpoints' key order puts it)."""
+        return VisionLayerStack(*self._layer_config)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.encoder.layers)
+
+    @property
+    def num_patches(self) -> int:
+        """Patches per image (CLIP's class token not counted)."""
+        return (self.image_size // self.patch_size) ** 2
+
+
+def _check_vision_sizes(
     *,
     hidden_size: int,
     intermediate_size: int,
