@@ -22,18 +22,16 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+from common import add_out_argument, output_dir
 from torch import nn
 from torch.utils.benchmark import Timer
 
 from fusion import EarlyFusion, merge_embeddings
 from fusion.merge import default_impl
 from fusion.models import llama3_2
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,18 +48,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=15, help="back-to-back measurements")
     p.add_argument("--min-run-time", type=float, default=0.2, help="seconds per measurement")
     p.add_argument("--quick", action="store_true", help="a tiny model: checks the script")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="where to write (default: benchmarks/results/ for full runs, a new temporary "
-        "directory for checks, so the committed results are never overwritten by them)",
-    )
+    add_out_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
-    if args.out is None:
-        args.out = Path(tempfile.mkdtemp(prefix="fusion-bench-")) if args.quick else RESULTS
+    args.out = output_dir(args.out, check=args.quick)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:

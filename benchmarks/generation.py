@@ -56,6 +56,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import RESULTS as RESULTS  # where full runs write (tests compare against it)
+from common import add_out_argument, output_dir
 
 from fusion import generate
 from fusion.checkpoint import save_hf_llama
@@ -64,7 +66,6 @@ from fusion.generation import generate_stream
 from fusion.generation.steps import bucket
 from fusion.models import llama3_2
 
-RESULTS = Path(__file__).parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CONTESTANTS = ("fusion_eager", "fusion_compiled", "hf_default", "hf_static_compiled", "torchtune")
 THIRD_PARTY = ("hf_default", "hf_static_compiled", "torchtune")
@@ -555,13 +556,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allow-mismatch", action="store_true", help="time differing tokens too")
     p.add_argument("--target", action="store_true", help="only the issue's target case")
     p.add_argument("--quick", action="store_true", help="a tiny model: checks the script")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="where to write (default: benchmarks/results/; --quick: a new temporary "
-        "directory, so the committed results are never overwritten by a check)",
-    )
+    add_out_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
@@ -580,8 +575,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.copy_repeat = 2
         if args.compile_backend == "inductor":
             args.compile_backend = "eager"  # dynamo without kernel compilation: seconds
-    if args.out is None:
-        args.out = Path(tempfile.mkdtemp(prefix="fusion-bench-")) if args.quick else RESULTS
+    args.out = output_dir(args.out, check=args.quick)
     for name in ("prompt_len", "new_tokens", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected a positive integer")

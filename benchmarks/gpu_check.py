@@ -25,13 +25,12 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import merge_kernels as mk  # benchmarks/ is on sys.path when this file runs as a script
 import torch
+from common import add_out_argument, output_dir
 
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 CONFIGS = [  # (BLOCK_R, BLOCK_D, num_warps)
@@ -44,8 +43,6 @@ CONFIGS = [  # (BLOCK_R, BLOCK_D, num_warps)
     (16, 1024, 8),
 ]
 
-RESULTS = Path(__file__).parent / "results"
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -54,16 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--dtype", choices=sorted(mk.DTYPES), default="bf16")
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny, on the interpreter")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="where to write (default: benchmarks/results/ for full runs, a new temporary "
-        "directory for checks, so the committed results are never overwritten by them)",
-    )
+    add_out_argument(p)
     args = p.parse_args(argv)
-    if args.out is None:
-        args.out = Path(tempfile.mkdtemp(prefix="fusion-bench-")) if args.cpu_smoke else RESULTS
+    args.out = output_dir(args.out, check=args.cpu_smoke)
     bench = mk.parse_args(["--quick"] if args.cpu_smoke else [])
     bench.dtype = args.dtype
     if args.cpu_smoke:

@@ -43,12 +43,12 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import add_out_argument, output_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.benchmark import Timer
 
@@ -61,7 +61,6 @@ from fusion.merge.reference import merge_reference
 BASELINES = ("index_table", "bool_index", "torchtune")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 2**20
-RESULTS = Path(__file__).parent / "results"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -640,19 +639,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a tiny sweep that checks the script")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="where to write (default: benchmarks/results/ for full runs, a new temporary "
-        "directory for checks, so the committed results are never overwritten by them)",
-    )
+    add_out_argument(p)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.out is None:
-        args.out = (
-            Path(tempfile.mkdtemp(prefix="fusion-bench-")) if args.quick or args.target else RESULTS
-        )
+    args.out = output_dir(args.out, check=args.quick or args.target)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

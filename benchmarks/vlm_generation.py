@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import add_out_argument, output_dir
 
 from fusion.checkpoint.hf_vlm import load_hf_idefics3
 from fusion.generation import generate_stream
@@ -45,14 +46,13 @@ from fusion.models.idefics3 import (
 )
 from fusion.preprocessing import Idefics3ImageProcessor, VisionLanguageProcessor
 
-RESULTS = Path(__file__).parent / "results"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a tiny model: checks the script")
-    p.add_argument("--out", type=Path, default=None, help="default: see the module docstring")
+    add_out_argument(p)
     p.add_argument("--image-height", type=int, default=768)
     p.add_argument("--image-width", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -65,8 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.image_height, args.image_width, args.max_new_tokens = 40, 56, 4
-    if args.out is None:
-        args.out = Path(tempfile.mkdtemp(prefix="vlm_generation_quick_")) if args.quick else RESULTS
+    args.out = output_dir(args.out, check=args.quick)
     return args
 
 

@@ -16,6 +16,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_script():
+    """The script as a module; its sibling imports (``common``) resolve as when it runs."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location("generation_bench", BENCHMARKS / "generation.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
