@@ -32,5 +32,5 @@ def merge_index(
     for p in placements:
         # Clamped: unchecked counts (on accelerators) fail by a device-side assertion.
         out.index_copy_(0, p.destinations(spill_column=spill).clamp_(max=last), p.rows)
-    out = out.view(batch, -1, out.size(-1))
+    out = out.view(batch, text_ids.size(1), out.size(-1))  # text_ids has the spill column
     return out[:, :seq_len] if spill else out

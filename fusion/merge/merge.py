@@ -170,6 +170,11 @@ def _checked(
                 f"embedding: expected floating rows [{', '.join(map(str, ids.shape))}, d] for "
                 f"ids {list(ids.shape)}, got {got}"
             )
+        if out.device != ids.device:
+            raise ValueError(
+                f"embedding: expected rows on {ids.device} (the tokens' device), got them on "
+                f"{out.device}"
+            )
         if is_dtensor(out):
             raise ValueError(
                 "embedding: returned a DTensor; the merge writes local rows, so its output must "

@@ -221,3 +221,19 @@ def test_an_embedding_that_returns_a_view_is_not_written_through():
     merged.sum().backward()
     assert torch.equal(base, before) and merged[0, 0].tolist() == [1.0, 1.0]
     assert rows.grad.tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0)])
+def test_empty_batches_and_sequences(impl, shape):
+    tokens = torch.zeros(shape, dtype=torch.long)
+    merged = merge_embeddings(tokens, torch.randn(8, 4), {}, {"image": 9}, impl=impl)
+    assert merged.shape == (*shape, 4)
+
+
+def test_an_embedding_on_another_device_is_named():
+    meta_embedding = torch.nn.Embedding(8, 2, device="meta")
+    with pytest.raises(ValueError, match=r"embedding: expected rows on cpu .* got them on meta"):
+        merge_embeddings(
+            **_args(tokens=torch.tensor([[1, 2]]), embedding=meta_embedding, encoder_rows={})
+        )
