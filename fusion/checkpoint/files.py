@@ -22,7 +22,6 @@ import pickle
 import re
 import secrets
 import shutil
-import stat
 import sys
 import tempfile
 import zipfile
@@ -36,6 +35,7 @@ from typing import Any, TypeGuard
 import torch
 from safetensors.torch import save_file
 
+from fusion._io import NotRegularFile, open_regular
 from fusion.checkpoint.errors import (
     CheckpointError,
     as_path,
@@ -238,14 +238,14 @@ def _resolve(path: Path) -> Path:
 
 def _open_regular(file: Path, what: str = "file") -> BufferedReader:
     """Open ``file`` for reading, refusing anything but a regular file (after symlinks)."""
-    try:  # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        return open_regular(file)
+    except NotRegularFile:
+        raise CheckpointError(
+            file, None, f"{what} is not a regular file (a FIFO, device, ...)"
+        ) from None
     except OSError as error:
         raise CheckpointError(file, None, f"unreadable {what}: {error.strerror}") from error
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(file, None, f"{what} is not a regular file (a FIFO, device, ...)")
-    return os.fdopen(fd, "rb")
 
 
 def _parse_json(raw: bytes, file: Path, problem: str) -> Any:

@@ -22,6 +22,7 @@ from typing import Any, NoReturn, TextIO, cast
 
 import torch
 
+from fusion._io import NotRegularFile, open_regular
 from fusion.checkpoint import CheckpointError, load_hf_llama, load_hf_vlm
 from fusion.generation._checks import as_device
 from fusion.generation.autoregressive import generate_stream
@@ -403,11 +404,11 @@ def _check_directory(directory: Path) -> None:
 
 def _read_regular_file(file: Path, limit: int) -> bytes:
     """The bytes of ``file``, which must be a regular file of at most ``limit`` bytes."""
-    # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it.
-    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(file, None, "not a regular file (a FIFO or device?)")
+    try:
+        handle = open_regular(file)
+    except NotRegularFile:
+        raise CheckpointError(file, None, "not a regular file (a FIFO or device?)") from None
+    with handle:
         data = handle.read(limit + 1)
     if len(data) > limit:
         raise CheckpointError(file, None, f"larger than the {limit} bytes this file may have")

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from fusion._io import NotRegularFile, open_regular
 from recipes.captioner.errors import TrainingError, one_line
 
 METADATA = ".metadata"
@@ -69,7 +70,7 @@ def fail(file: Path, message: str) -> TrainingError:
     return TrainingError(f"checkpoint {file.parent}: {file.name}: {message}")
 
 
-def open_regular(file: Path) -> BinaryIO:
+def open_checked(file: Path) -> BinaryIO:
     """Open ``file`` for reading, refusing anything but a regular file (a FIFO would block,
     a device such as ``/dev/zero`` never ends).
 
@@ -77,20 +78,13 @@ def open_regular(file: Path) -> BinaryIO:
         TrainingError: the file is missing, unreadable or not a regular file.
     """
     try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused just below.
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        return open_regular(file)
     except FileNotFoundError:
         raise fail(file, "is missing") from None
+    except NotRegularFile:
+        raise fail(file, "is not a regular file") from None
     except OSError as error:
         raise fail(file, f"cannot be opened ({error.strerror or error})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise fail(file, "is not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def read_regular_file(file: Path, *, limit: int) -> bytes:
@@ -99,7 +93,7 @@ def read_regular_file(file: Path, *, limit: int) -> bytes:
     Raises:
         TrainingError: missing, not a regular file, larger than ``limit`` or unreadable.
     """
-    with open_regular(file) as f:
+    with open_checked(file) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
             raise fail(file, f"is {size} bytes, more than the {limit} allowed")
@@ -418,7 +412,7 @@ def verify_data(path: Path, checked: CheckedMetadata) -> None:
         by_file.setdefault(storage[index].relative_path, []).append(index)
     for name, indices in sorted(by_file.items()):
         file = path / name
-        with open_regular(file) as f:
+        with open_checked(file) as f:
             for index in indices:
                 _read_entry(f, file, index, storage[index], checked.chunks[index])
 
@@ -449,7 +443,7 @@ class SafeFileSystemReader(FileSystemReader):
             by_file.setdefault(info.relative_path, []).append(item)
         for name, items in by_file.items():
             file = directory / name
-            with open_regular(file) as f:
+            with open_checked(file) as f:
                 for item in items:
                     index = item.storage_index
                     tensor = _read_entry(
