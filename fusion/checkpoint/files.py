@@ -632,7 +632,7 @@ def write_files(
     """
     if not directory.is_dir():
         directory.mkdir(parents=True)
-        _fsync(directory.parent)
+        fsync_path(directory.parent)
     staging = Path(tempfile.mkdtemp(prefix=".fusion-save-", suffix=".tmp", dir=directory))
     try:
         for name, content in files.items():
@@ -640,7 +640,7 @@ def write_files(
                 _write_bytes(staging / name, content)
             else:
                 content(staging / name)
-            _fsync(staging / name)
+            fsync_path(staging / name)
         moved: list[str] = []
         replaced = False
         try:
@@ -654,12 +654,12 @@ def write_files(
                 for name in moved:
                     (directory / name).unlink(missing_ok=True)
             raise
-        _fsync(directory)
+        fsync_path(directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     for name in remove:
         (directory / name).unlink(missing_ok=True)
-    _fsync(directory)
+    fsync_path(directory)
     return [directory / name for name in files]
 
 
@@ -675,7 +675,8 @@ def _write_bytes(file: Path, content: str | bytes) -> None:
         f.write(content.encode() if isinstance(content, str) else content)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Make a file's content, or a directory's entries (new, renamed, removed), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fusion.checkpoint import select_prefix
+from fusion.checkpoint.files import fsync_path
 from recipes.captioner.batching import encode_captions
 from recipes.captioner.config import TrainConfig, parse_args, resumed_config
 from recipes.captioner.distributed import Runtime, init_runtime, shutdown
@@ -24,7 +25,6 @@ from recipes.captioner.report import plot_losses, plotting_unavailable, write_js
 from recipes.captioner.state import TrainState
 from recipes.captioner.train_checkpoint import (
     checkpoint_root,
-    fsync_dir,
     inspect_checkpoint,
     latest_checkpoint,
     list_checkpoints,
@@ -99,7 +99,7 @@ def _set_aside(path: Path) -> Path:
         n += 1
         target = path.with_name(f"{path.name}.damaged-{n}")
     os.replace(path, target)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
     return target
 
 

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fusion.checkpoint.files import write_files
+from fusion.checkpoint.files import fsync_path, write_files
 from fusion.early_fusion import EarlyFusion
 from recipes.captioner import safe_dcp
 from recipes.captioner.config import TrainConfig
@@ -78,15 +78,6 @@ def latest_checkpoint(root: Path) -> Path | None:
 # ---------------------------------------------------------------------------------- atomic files
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (new, renamed or removed files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix
     (the library's crash-safe writer: staged, fsynced, renamed over ``path``)."""
@@ -113,7 +104,7 @@ def _remove_dir(path: Path) -> None:
     through never leaves a partial ``step_*`` directory behind."""
     trash = _trash_name(path)
     os.replace(path, trash)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
     shutil.rmtree(trash)
 
 
@@ -125,7 +116,7 @@ def _commit(tmp: Path, final: Path) -> None:
         old = _trash_name(final)
         os.replace(final, old)
     os.replace(tmp, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
     if old is not None:
         shutil.rmtree(old)
 
@@ -196,7 +187,7 @@ def save_checkpoint(
     if rank == 0:
         state = dataclasses.replace(state, param_groups=param_groups, rng=rng)
         atomic_write_bytes(tmp / TRAIN_STATE, state.encode())
-        fsync_dir(tmp)
+        fsync_path(tmp)
         _commit(tmp, final)
         for _, old in list_checkpoints(root)[:-keep]:
             _remove_dir(old)
