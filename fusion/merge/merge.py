@@ -54,7 +54,10 @@ def default_impl(device: torch.device, embedding: Embedding) -> str:
     rows are written into its output. On CPU ``index`` measured 1.1x to 1.3x the time of
     copying the output once (``benchmarks/README.md``). Neither synchronises with the host.
     """
-    table = embedding_table(embedding)
+    return _auto_impl(device, embedding_table(embedding))
+
+
+def _auto_impl(device: torch.device, table: torch.Tensor | None) -> str:
     if device.type == "cuda" and table is not None and fused_supported(device, table.dtype):
         return "fused"
     return "index"
@@ -108,7 +111,7 @@ def merge_embeddings(
     check_token_ids(tokens)
     table = embedding_table(embedding)
     if impl == "auto":
-        impl = default_impl(tokens.device, embedding)
+        impl = _auto_impl(tokens.device, table)
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl: expected 'auto' or one of {list(IMPLEMENTATIONS)}, got {impl!r}")
     if isinstance(embedding, torch.Tensor):
