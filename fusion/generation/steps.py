@@ -35,7 +35,8 @@ def prefill_logits(
     hidden states); float32 logits [b, vocab] of the last slot only: the output projection of
     the other slots (a [b, s, vocab] tensor) is never computed."""
     hidden = call(tokens, mask=mask, input_pos=input_pos, **extra)
-    return decoder.unembed(hidden[:, -1])
+    with _one_row_ops_as_reductions():  # B=1: one row, the step's largest matrix
+        return decoder.unembed(hidden[:, -1])
 
 
 def step_logits(
@@ -48,19 +49,21 @@ def step_logits(
     cache = first_cache(decoder)
     slot = cache.fill  # a device tensor: no value read on the host, none baked into a graph
     mask = step_mask(pad_counts, slot, cache.max_seq_len)
-    with _cpu_matvecs_as_reductions():
+    with _one_row_ops_as_reductions():
         hidden = call(token[:, None], mask=mask, input_pos=(slot - pad_counts)[:, None])
         return decoder.unembed(hidden[:, -1])
 
 
-class _MatvecsAsReductions(TorchFunctionMode):
-    """Bias-free ``F.linear`` of one row on CPU as ``(x * weight).sum(-1)``.
+class _OneRowOpsAsReductions(TorchFunctionMode):
+    """One-row linear layers and one-query attention on CPU, as multiplies and sums.
 
     For one row, a linear layer is a matrix-vector product whose cost is reading the weight.
     On CPU the BLAS call reads a ``[out, in]`` weight at about a third of the memory bandwidth
     (measured: 6.5 ms for 32000 x 512 fp32, against 2.0 ms for ``weight.sum()``), while
-    inductor compiles the multiply-and-sum into one pass at the full bandwidth (2.0 ms). Used
-    only while compiling a decoding step; the sum's order differs from BLAS' in the last bits.
+    inductor compiles the multiply-and-sum into one pass at the full bandwidth (2.0 ms). One
+    query's attention is an external call that inductor cannot fuse (about 45 us a layer in a
+    decoding step on two cores); as multiply, softmax and sum it joins the kernels around it.
+    Used only while compiling; the sums' order differs from BLAS' and SDPA's in the last bits.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -71,13 +74,55 @@ class _MatvecsAsReductions(TorchFunctionMode):
             if bias is None and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
                 rows = (x.reshape(1, -1) * weight).sum(-1)
                 return rows.reshape(*x.shape[:-1], weight.size(0))
+        elif func is F.scaled_dot_product_attention:
+            out = _one_query_attention(*args, **kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
 
 
-def _cpu_matvecs_as_reductions() -> contextlib.AbstractContextManager[object]:
-    """:class:`_MatvecsAsReductions` while ``torch.compile`` traces a step; eagerly, nothing
-    (a multiply-and-sum run op by op would be slower than BLAS)."""
-    return _MatvecsAsReductions() if torch.compiler.is_compiling() else contextlib.nullcontext()
+def _one_query_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor | None:
+    """``scaled_dot_product_attention`` of one query per head on CPU ``q`` [b, h, 1, hd] over
+    ``k``, ``v`` [b, h_kv, L, hd] with a boolean mask, as plain ops, in float32 (as SDPA
+    accumulates); None for any other case (the caller then calls SDPA itself)."""
+    if not (
+        q.device.type == "cpu"
+        and q.dim() == k.dim() == v.dim() == 4
+        and q.size(2) == 1
+        and isinstance(attn_mask, torch.Tensor)
+        and attn_mask.dtype == torch.bool
+        and attn_mask.dim() == 4
+        and dropout_p == 0.0
+        and not is_causal
+        and (q.size(1) == k.size(1) or (enable_gqa and q.size(1) % k.size(1) == 0))
+    ):
+        return None
+    b, heads, _, head_dim = q.shape
+    kv_heads, length = k.size(1), k.size(2)
+    group = heads // kv_heads  # GQA: consecutive query heads share a key/value head
+    scale = head_dim**-0.5 if scale is None else scale
+    queries = q.float().reshape(b, kv_heads, group, 1, head_dim)
+    scores = (queries * k.float()[:, :, None]).sum(-1) * scale  # [b, h_kv, g, L]
+    mask = attn_mask.expand(b, heads, 1, length).reshape(b, kv_heads, group, length)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # as SDPA: no slot, zeros
+    out = (weights[..., None] * v.float()[:, :, None]).sum(-2)  # [b, h_kv, g, hd]
+    return out.reshape(b, heads, 1, head_dim).to(q.dtype)
+
+
+def _one_row_ops_as_reductions() -> contextlib.AbstractContextManager[object]:
+    """:class:`_OneRowOpsAsReductions` while ``torch.compile`` traces; eagerly, nothing (the
+    plain ops run one by one would be slower than BLAS and SDPA)."""
+    return _OneRowOpsAsReductions() if torch.compiler.is_compiling() else contextlib.nullcontext()
 
 
 def settle(

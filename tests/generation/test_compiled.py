@@ -11,12 +11,13 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 from fusion import EarlyFusion, generate
 from fusion.generation import generate_stream, left_pad
-from fusion.generation.steps import bucket
+from fusion.generation.steps import _one_query_attention, bucket
 from helpers import EMBED_DIM, VOCAB, build_tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15], [7, 0, 9, 0]]
@@ -310,10 +311,12 @@ def test_cuda_graphs_greedy_equals_eager_and_steps_never_synchronise():
     assert torch.equal(torch.stack([first, *rest], 1), expected[:, -NEW:])
 
 
-def test_one_row_matvecs_compile_to_reductions_on_cpu():
-    """B=1 on CPU: every linear layer of the decoding step is traced as a multiply-and-sum
-    (one pass over the weight under inductor; BLAS reads it at a third of the bandwidth), the
-    prefill keeps its matrix products, and the tokens stay the eager ones."""
+def test_one_row_ops_compile_to_reductions_on_cpu():
+    """B=1 on CPU: every linear layer and attention of the decoding step is traced as
+    multiplies and sums (inductor fuses them into one pass over the weights; BLAS reads a
+    one-row weight at a third of the bandwidth, SDPA is a call it cannot fuse), the prefill
+    keeps its matrix products and SDPA but projects its last row as a reduction, and the tokens
+    stay the eager ones."""
     graphs: list[torch.fx.GraphModule] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs):
@@ -324,8 +327,59 @@ def test_one_row_matvecs_compile_to_reductions_on_cpu():
     tokens = left_pad(PROMPTS[:1], pad_id=0)
     expected = greedy(decoder, tokens)
     assert torch.equal(greedy(decoder, tokens, compile={"backend": record}), expected)
-    linears = [[n for n in gm.graph.nodes if n.target is torch._C._nn.linear] for gm in graphs]
-    assert len(graphs) == 2 and linears[0]  # the prefill: [1, s] rows, matrix products
-    step = graphs[1]
-    assert not linears[1]
-    assert sum(n.target is torch.Tensor.sum or n.target == "sum" for n in step.graph.nodes) >= 15
+    assert len(graphs) == 2  # the prefill, the step
+
+    def calls(gm: torch.fx.GraphModule, target) -> int:
+        return sum(n.target is target for n in gm.graph.nodes)
+
+    prefill, step = graphs
+    layers = len(decoder.layers)
+    assert calls(prefill, torch._C._nn.linear) == 7 * layers  # not the output projection
+    assert calls(prefill, torch._C._nn.scaled_dot_product_attention) == layers
+    assert calls(step, torch._C._nn.linear) == 0
+    assert calls(step, torch._C._nn.scaled_dot_product_attention) == 0
+    sums = sum(n.target is torch.Tensor.sum or n.target == "sum" for n in step.graph.nodes)
+    assert sums >= 8 * layers + 1  # 7 projections and attention's 2 per layer, the output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("mask_shape", [(3, 1, 1, 9), (3, "h", 1, 9), (1, 1, 1, 9)])
+def test_one_query_attention_matches_sdpa(dtype, heads, mask_shape):
+    """The plain-ops attention of a decoding step equals SDPA (fp32 to rounding, bf16 to one
+    unit in the last place), GQA and broadcast masks included; a row with no allowed slot
+    gives zeros, as SDPA does; any scale."""
+    num_heads, kv_heads = heads
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, num_heads, 1, 8, generator=gen).to(dtype)
+    k = torch.randn(3, kv_heads, 9, 8, generator=gen).to(dtype)
+    v = torch.randn(3, kv_heads, 9, 8, generator=gen).to(dtype)
+    shape = [num_heads if size == "h" else size for size in mask_shape]
+    mask = torch.rand(*shape, generator=gen) > 0.4
+    mask[-1] = False  # the last sample (or every sample, broadcast) may attend to nothing
+    for scale in (None, 0.3):
+        expected = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != kv_heads
+        )
+        got = _one_query_attention(q, k, v, mask, scale=scale, enable_gqa=num_heads != kv_heads)
+        assert got is not None and got.dtype == dtype and got.shape == expected.shape
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+        assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+
+
+def test_one_query_attention_leaves_other_cases_to_sdpa():
+    q, kv = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
+    assert _one_query_attention(q, kv, kv, mask) is not None
+    others = [
+        ((torch.randn(1, 2, 2, 8), kv, kv, torch.ones(1, 1, 2, 5, dtype=torch.bool)), {}),
+        ((q, kv, kv), {}),  # no mask
+        ((q, kv, kv, mask.float()), {}),  # additive mask
+        ((q, kv, kv, mask), {"dropout_p": 0.1}),
+        ((q, kv, kv, mask), {"is_causal": True}),
+        ((torch.randn(1, 4, 1, 8), kv, kv, mask), {}),  # GQA heads without enable_gqa
+        ((q.to("meta"), kv.to("meta"), kv.to("meta"), mask.to("meta")), {}),
+    ]
+    for args, kwargs in others:
+        assert _one_query_attention(*args, **kwargs) is None
