@@ -17,7 +17,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 from fusion import EarlyFusion, generate
 from fusion.generation import generate_stream, left_pad
-from fusion.generation.steps import _one_query_attention, bucket
+from fusion.generation.steps import FEW_ROWS, _one_query_attention, bucket
 from helpers import EMBED_DIM, VOCAB, build_tiny_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15], [7, 0, 9, 0]]
@@ -311,12 +311,9 @@ def test_cuda_graphs_greedy_equals_eager_and_steps_never_synchronise():
     assert torch.equal(torch.stack([first, *rest], 1), expected[:, -NEW:])
 
 
-def test_one_row_ops_compile_to_reductions_on_cpu():
-    """B=1 on CPU: every linear layer and attention of the decoding step is traced as
-    multiplies and sums (inductor fuses them into one pass over the weights; BLAS reads a
-    one-row weight at a third of the bandwidth, SDPA is a call it cannot fuse), the prefill
-    keeps its matrix products and SDPA but projects its last row as a reduction, and the tokens
-    stay the eager ones."""
+def _recorded_graphs(batch: int) -> tuple[torch.nn.Module, list[torch.fx.GraphModule]]:
+    """Greedy generation of ``batch`` prompts compiled with a backend that records its graphs
+    (the prefill, the step); the tokens checked against eager ones."""
     graphs: list[torch.fx.GraphModule] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs):
@@ -324,22 +321,38 @@ def test_one_row_ops_compile_to_reductions_on_cpu():
         return gm.forward
 
     decoder = lively_decoder()
-    tokens = left_pad(PROMPTS[:1], pad_id=0)
+    tokens = left_pad((PROMPTS * 5)[:batch], pad_id=0)
     expected = greedy(decoder, tokens)
     assert torch.equal(greedy(decoder, tokens, compile={"backend": record}), expected)
-    assert len(graphs) == 2  # the prefill, the step
+    assert len(graphs) == 2
+    return decoder, graphs
 
-    def calls(gm: torch.fx.GraphModule, target) -> int:
-        return sum(n.target is target for n in gm.graph.nodes)
 
-    prefill, step = graphs
+def _calls(gm: torch.fx.GraphModule, target) -> int:
+    return sum(n.target is target for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_decoding_ops_compile_to_reductions_on_cpu(batch):
+    """A few rows on CPU: every linear layer and attention of the decoding step is traced as
+    multiplies and sums (inductor fuses them into one pass over the weights; BLAS reads a
+    few-row weight at a fifth to a third of the bandwidth, SDPA is a call it cannot fuse), the
+    prefill keeps its matrix products and SDPA but projects its last rows as a reduction, and
+    the tokens stay the eager ones."""
+    decoder, (prefill, step) = _recorded_graphs(batch)
     layers = len(decoder.layers)
-    assert calls(prefill, torch._C._nn.linear) == 7 * layers  # not the output projection
-    assert calls(prefill, torch._C._nn.scaled_dot_product_attention) == layers
-    assert calls(step, torch._C._nn.linear) == 0
-    assert calls(step, torch._C._nn.scaled_dot_product_attention) == 0
+    assert _calls(prefill, torch._C._nn.linear) == 7 * layers  # not the output projection
+    assert _calls(prefill, torch._C._nn.scaled_dot_product_attention) == layers
+    assert _calls(step, torch._C._nn.linear) == 0
+    assert _calls(step, torch._C._nn.scaled_dot_product_attention) == 0
     sums = sum(n.target is torch.Tensor.sum or n.target == "sum" for n in step.graph.nodes)
-    assert sums >= 8 * layers + 1  # 7 projections and attention's 2 per layer, the output
+    assert sums >= 9 * layers + 1  # 7 projections and attention's 2 per layer, the output
+
+
+def test_many_rows_keep_their_matrix_products():
+    """Above ``FEW_ROWS`` rows BLAS is as fast: the step keeps its linear layers."""
+    decoder, (_, step) = _recorded_graphs(FEW_ROWS + 1)
+    assert _calls(step, torch._C._nn.linear) == 7 * len(decoder.layers) + 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
