@@ -54,12 +54,12 @@ def step_logits(
         return decoder.unembed(hidden[:, -1])
 
 
-FEW_ROWS = 16  # measured: up to here the multiply-and-sum beats BLAS on CPU (1.3x at 16 rows)
+FEW_ROWS = 16  # measured, float32: up to here the multiply-and-sum beats BLAS (1.3x at 16 rows)
 
 
 class _DecodingOpsAsReductions(TorchFunctionMode):
-    """Bias-free linear layers of a few rows (``FEW_ROWS``) and one-query attention on CPU, as
-    multiplies and sums (not under autocast, whose casts they would skip).
+    """Bias-free linear layers of one row (float32: up to ``FEW_ROWS``) and one-query attention
+    on CPU, as multiplies and sums (not under autocast, whose casts they would skip).
 
     For a few rows, a linear layer costs reading its weight. On CPU, BLAS reads a ``[out, in]``
     weight at a fifth to a third of the memory bandwidth for 1 to 8 rows (measured, 32000 x 512
@@ -78,7 +78,9 @@ class _DecodingOpsAsReductions(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             rows = x.shape[:-1].numel()
             cpu = x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-            if bias is None and cpu and 0 < rows <= FEW_ROWS:
+            # float32: a few rows; other dtypes: one (bf16 BLAS is faster from 4 rows)
+            few = rows == 1 or (1 < rows <= FEW_ROWS and weight.dtype == torch.float32)
+            if bias is None and cpu and few:
                 flat = x.reshape(rows, -1)
                 if rows > 1:
                     # Pin the rows' layout to [rows, in]: left free, inductor may store them as
@@ -116,6 +118,7 @@ def _one_query_attention(
         and attn_mask.dim() == 4
         and dropout_p == 0.0
         and not is_causal
+        and k.size(1) > 0
         and (q.size(1) == k.size(1) or (enable_gqa and q.size(1) % k.size(1) == 0))
     ):
         return None

@@ -311,19 +311,22 @@ def test_cuda_graphs_greedy_equals_eager_and_steps_never_synchronise():
     assert torch.equal(torch.stack([first, *rest], 1), expected[:, -NEW:])
 
 
-def _recorded_graphs(batch: int) -> tuple[torch.nn.Module, list[torch.fx.GraphModule]]:
+def _recorded_graphs(
+    batch: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, list[torch.fx.GraphModule]]:
     """Greedy generation of ``batch`` prompts compiled with a backend that records its graphs
-    (the prefill, the step); the tokens checked against eager ones."""
+    (the prefill, the step); in float32 the tokens are checked against eager ones."""
     graphs: list[torch.fx.GraphModule] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    decoder = lively_decoder()
+    decoder = lively_decoder().to(dtype)
     tokens = left_pad((PROMPTS * 5)[:batch], pad_id=0)
-    expected = greedy(decoder, tokens)
-    assert torch.equal(greedy(decoder, tokens, compile={"backend": record}), expected)
+    compiled = greedy(decoder, tokens, compile={"backend": record})
+    if dtype == torch.float32:
+        assert torch.equal(compiled, greedy(decoder, tokens))
     assert len(graphs) == 2
     return decoder, graphs
 
@@ -349,10 +352,18 @@ def test_decoding_ops_compile_to_reductions_on_cpu(batch):
     assert sums >= 9 * layers + 1  # 7 projections and attention's 2 per layer, the output
 
 
-def test_many_rows_keep_their_matrix_products():
-    """Above ``FEW_ROWS`` rows BLAS is as fast: the step keeps its linear layers."""
-    decoder, (_, step) = _recorded_graphs(FEW_ROWS + 1)
+@pytest.mark.parametrize(("batch", "dtype"), [(FEW_ROWS + 1, torch.float32), (4, torch.bfloat16)])
+def test_more_rows_keep_their_matrix_products(batch, dtype):
+    """Above ``FEW_ROWS`` rows in float32, and above one row in bfloat16, BLAS is as fast or
+    faster: the step keeps its linear layers (attention still becomes plain ops)."""
+    decoder, (_, step) = _recorded_graphs(batch, dtype)
     assert _calls(step, torch._C._nn.linear) == 7 * len(decoder.layers) + 1
+    assert _calls(step, torch._C._nn.scaled_dot_product_attention) == 0
+
+
+def test_one_bfloat16_row_is_a_reduction():
+    _, (_, step) = _recorded_graphs(1, torch.bfloat16)
+    assert _calls(step, torch._C._nn.linear) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
