@@ -584,6 +584,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    info = machine(args.device)  # the date and load average at the start
     # Llama 3.2's rope scaling covers 8192 positions before it: a shorter max_seq_len would
     # only make transformers warn. The rotary table is all max_seq_len costs.
     needed = bucket(bucket(args.prompt_len, 1 << 30) + args.new_tokens, 1 << 30)
@@ -600,7 +601,6 @@ def main(argv: list[str] | None = None) -> dict:
                 print(table([case], rows), file=sys.stderr, flush=True)
                 gc.collect()
                 torch._dynamo.reset()  # each case compiles anew: no recompilation limit hit
-    info = machine(args.device)
     info["load_average_end"] = os.getloadavg()
     settings = {
         k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()

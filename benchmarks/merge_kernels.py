@@ -676,13 +676,13 @@ def main(argv: list[str] | None = None) -> dict:
             "the benchmark needs matplotlib and tqdm (the bench extra): pip install matplotlib tqdm"
         ) from None
     device = args.device
+    info = machine(device)  # the date and load average at the start
     dtype = DTYPES[args.dtype]
     found = contestants(device, dtype, args.impls)
     todo = cases(args)
     results: list[dict] = []
     for case in tqdm(todo, desc="merge cases", disable=args.no_progress, file=sys.stderr):
         results += run_case(case, args, device, found)
-    info = machine(device)
     info["load_average_end"] = os.getloadavg()
     settings = {
         k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()
