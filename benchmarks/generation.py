@@ -43,11 +43,9 @@ the ``bench`` extra (matplotlib).
 import argparse
 import copy
 import dataclasses
-import datetime
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -57,7 +55,7 @@ from pathlib import Path
 
 import torch
 from common import RESULTS as RESULTS  # where full runs write (tests compare against it)
-from common import add_out_argument, output_dir
+from common import add_out_argument, machine, output_dir
 
 from fusion import generate
 from fusion.checkpoint import save_hf_llama
@@ -393,34 +391,6 @@ def cuda_step_syncs(compiled: Callable, prompts: torch.Tensor) -> str | None:
 # ------------------------------------------------------------------ report
 
 
-def machine(device: torch.device) -> dict:
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": str(device),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_average_start": os.getloadavg(),
-        "command": " ".join(["python", *sys.argv]),
-    }
-    for package in ("transformers", "torchtune"):
-        try:
-            info[package] = __import__(package).__version__
-        except ImportError:
-            info[package] = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        info["cpu"] = names[0] if names else platform.processor()
-    except OSError:
-        info["cpu"] = platform.processor()
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
 def evaluate_targets(cases: list[dict], results: list[dict], device: torch.device) -> list[dict]:
     """The issue's targets, where the run holds their case."""
 
@@ -584,7 +554,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    info = machine(args.device)  # the date and load average at the start
+    info = machine(args.device, ("transformers", "torchtune"))  # at the start
     # Llama 3.2's rope scaling covers 8192 positions before it: a shorter max_seq_len would
     # only make transformers warn. The rotary table is all max_seq_len costs.
     needed = bucket(bucket(args.prompt_len, 1 << 30) + args.new_tokens, 1 << 30)

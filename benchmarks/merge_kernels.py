@@ -35,12 +35,10 @@ Output: a table on stdout, ``merge_kernels.json`` (machine, settings, results, t
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import itertools
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 from collections.abc import Callable, Iterator
@@ -48,7 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import add_out_argument, output_dir
+from common import add_out_argument, machine, output_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.benchmark import Timer
 
@@ -444,35 +442,6 @@ def paired(numerator: list[float], denominator: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
 
 
-def machine(device: torch.device) -> dict:
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": str(device),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_average_start": os.getloadavg(),
-        "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        info["cpu"] = names[0] if names else platform.processor()
-    except OSError:
-        info["cpu"] = platform.processor()
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
 def evaluate_targets(results: list[dict], device: torch.device, dtype: str) -> list[dict]:
     """The targets (see ``benchmarks/README.md``), where the sweep holds their case: CPU fp32
     16k tokens x 2048 and GPU bf16 32k x 4096, 25% placeholders in image blocks."""
@@ -676,7 +645,8 @@ def main(argv: list[str] | None = None) -> dict:
             "the benchmark needs matplotlib and tqdm (the bench extra): pip install matplotlib tqdm"
         ) from None
     device = args.device
-    info = machine(device)  # the date and load average at the start
+    info = machine(device, ("triton",))  # at the start
+    info["THP_MEM_ALLOC_ENABLE"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
     dtype = DTYPES[args.dtype]
     found = contestants(device, dtype, args.impls)
     todo = cases(args)
