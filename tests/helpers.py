@@ -26,6 +26,17 @@ def build_tiny_decoder(tie_word_embeddings: bool = True, seed: int = 0) -> Trans
     )
 
 
+def lively_decoder(seed: int = 0) -> TransformerDecoder:
+    """The tiny decoder, untied and with larger weights, in eval mode: greedy decoding does not
+    just repeat the last token, so a wrong position, mask or cache slot changes the tokens."""
+    decoder = build_tiny_decoder(tie_word_embeddings=False, seed=seed)
+    with torch.no_grad():
+        for param in decoder.parameters():
+            if param.dim() == 2:
+                param.mul_(3)
+    return decoder.eval()
+
+
 IMAGE_ID = VOCAB + 5  # outside the vocabulary
 AUDIO_ID = 3  # inside the vocabulary: reserved, never embedded as text
 FEATURES = 6

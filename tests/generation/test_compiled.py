@@ -18,23 +18,12 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from fusion import EarlyFusion, generate
 from fusion.generation import generate_stream, left_pad
 from fusion.generation.steps import FEW_ROWS, _one_query_attention, bucket
-from helpers import EMBED_DIM, VOCAB, build_tiny_decoder
+from helpers import EMBED_DIM, VOCAB, lively_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15], [7, 0, 9, 0]]
 NEW = 10
 IMAGE = VOCAB + 1
 SYNC_TAGS = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
-
-
-def lively_decoder(seed: int = 0):
-    """Untied, larger weights: greedy decoding does not repeat one token, so a wrong position,
-    mask or cache slot changes the tokens."""
-    decoder = build_tiny_decoder(tie_word_embeddings=False, seed=seed)
-    with torch.no_grad():
-        for param in decoder.parameters():
-            if param.dim() == 2:
-                param.mul_(3)
-    return decoder.eval()
 
 
 class Encoder(torch.nn.Module):

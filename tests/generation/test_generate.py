@@ -4,23 +4,12 @@ from torch import nn
 
 from fusion import EarlyFusion, generate
 from fusion.generation import generate_stream, left_pad, sample_next_token
-from helpers import EMBED_DIM, VOCAB, build_tiny_decoder
+from helpers import EMBED_DIM, VOCAB, lively_decoder
 
 IMAGE = VOCAB + 1  # placeholder outside the vocabulary: it can never be generated
 # Different lengths; the 4th has real 0s (= pad_id) that are not leading, so not padding.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15], [7, 0, 9, 0]]
 NEW = 12
-
-
-def lively_decoder(seed: int = 0):
-    """The tiny decoder, untied and with larger weights, so greedy decoding does not just
-    repeat the last token (which would hide position and mask errors)."""
-    decoder = build_tiny_decoder(tie_word_embeddings=False, seed=seed)
-    with torch.no_grad():
-        for param in decoder.parameters():
-            if param.dim() == 2:
-                param.mul_(3)
-    return decoder.eval()
 
 
 class CountingEncoder(nn.Module):

@@ -7,22 +7,11 @@ import torch
 
 from fusion import generate
 from fusion.generation import generate_stream, left_pad
-from helpers import FEATURES, IMAGE_ID, build_tiny_decoder, build_tiny_fusion
+from helpers import FEATURES, IMAGE_ID, build_tiny_fusion, lively_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15], [7, 0, 9, 0]]
 NEW = 6
 BUSY = "another generation on this model is in progress"
-
-
-def lively_decoder():
-    """Untied, with larger weights: greedy decoding does not just repeat the last token, so
-    tokens computed from a corrupted cache differ from the right ones."""
-    decoder = build_tiny_decoder(tie_word_embeddings=False)
-    with torch.no_grad():
-        for param in decoder.parameters():
-            if param.dim() == 2:
-                param.mul_(3)
-    return decoder.eval()
 
 
 def tiny_fusion():
