@@ -81,6 +81,19 @@ class Shape:
     hidden: int | None  # None: llama3_2's default MLP width
     tied: bool = True
 
+    def builder_kwargs(self, max_seq_len: int) -> dict:
+        """Keyword arguments of ``llama3_2``, ours and torchtune's alike."""
+        return dict(
+            vocab_size=self.vocab,
+            num_layers=self.layers,
+            num_heads=self.heads,
+            num_kv_heads=self.kv_heads,
+            embed_dim=self.dim,
+            max_seq_len=max_seq_len,
+            intermediate_dim=self.hidden,
+            tie_word_embeddings=self.tied,
+        )
+
 
 SHAPES = {
     "cpu": Shape(32_000, 4, 8, 2, 512, None),  # the issue's CPU model
@@ -94,17 +107,7 @@ SHAPES = {
 
 def build_decoder(shape: Shape, max_seq_len: int, seed: int) -> TransformerDecoder:
     torch.manual_seed(seed)
-    decoder = llama3_2(
-        vocab_size=shape.vocab,
-        num_layers=shape.layers,
-        num_heads=shape.heads,
-        num_kv_heads=shape.kv_heads,
-        embed_dim=shape.dim,
-        max_seq_len=max_seq_len,
-        intermediate_dim=shape.hidden,
-        tie_word_embeddings=shape.tied,
-    )
-    return decoder.eval()
+    return llama3_2(**shape.builder_kwargs(max_seq_len)).eval()
 
 
 def load_hf(directory: Path, dtype: torch.dtype, device: torch.device):
@@ -118,16 +121,7 @@ def load_torchtune(decoder: TransformerDecoder, shape: Shape, dtype: torch.dtype
     """torchtune's ``llama3_2`` with the decoder's weights (this library keeps its keys)."""
     from torchtune.models.llama3_2._component_builders import llama3_2 as tt_llama3_2
 
-    model = tt_llama3_2(
-        vocab_size=shape.vocab,
-        num_layers=shape.layers,
-        num_heads=shape.heads,
-        num_kv_heads=shape.kv_heads,
-        embed_dim=shape.dim,
-        max_seq_len=decoder.max_seq_len,
-        intermediate_dim=shape.hidden,
-        tie_word_embeddings=shape.tied,
-    )
+    model = tt_llama3_2(**shape.builder_kwargs(decoder.max_seq_len))
     model.load_state_dict(decoder.state_dict())
     return model.to(device=decoder.device, dtype=dtype).eval()
 
