@@ -84,12 +84,12 @@ class TransformerDecoder(nn.Module):
     def device(self) -> torch.device:
         """Where the decoder computes: the device of its rotary table (a buffer, so it stays
         put when parameters are sharded or offloaded)."""
-        return self.attentions()[0].pos_embeddings.cache.device
+        return self._first_attention().pos_embeddings.cache.device
 
     @property
     def decoder_max_cache_seq_len(self) -> int | None:
         """Positions per sequence of the KV cache, None without one (as in torchtune)."""
-        cache = self.attentions()[0].kv_cache
+        cache = self._first_attention().kv_cache
         return None if cache is None else cache.max_seq_len
 
     # ------------------------------------------------------------------ KV cache
@@ -123,10 +123,10 @@ class TransformerDecoder(nn.Module):
             attn.setup_cache(batch_size, max_len, dtype, self.device)
 
     def caches_are_setup(self) -> bool:
-        return self.attentions()[0].kv_cache is not None
+        return self._first_attention().kv_cache is not None
 
     def caches_are_enabled(self) -> bool:
-        return self.caches_are_setup() and self.attentions()[0].cache_enabled
+        return self.caches_are_setup() and self._first_attention().cache_enabled
 
     def reset_caches(self) -> None:
         """Empty the caches (keep them allocated)."""
@@ -162,6 +162,11 @@ class TransformerDecoder(nn.Module):
         """Each layer's attention module, typed (``nn.ModuleList`` items are plain modules):
         how code outside the decoder reaches head counts and KV caches."""
         return [cast(TransformerSelfAttentionLayer, layer).attn for layer in self.layers]
+
+    def _first_attention(self) -> MultiHeadAttention:
+        """The first layer's attention (its cache's length and fill level are every layer's),
+        without building the list of all of them: several calls per decoding step."""
+        return cast(TransformerSelfAttentionLayer, self.layers[0]).attn
 
     # ------------------------------------------------------------------ forward
 
@@ -363,7 +368,7 @@ class TransformerDecoder(nn.Module):
         return [cast(KVCache, attn.kv_cache) for attn in self.attentions()]
 
     def _first_cache(self) -> KVCache:
-        return cast(KVCache, self.attentions()[0].kv_cache)
+        return cast(KVCache, self._first_attention().kv_cache)
 
     def _validate_input_pos(self, input_pos: torch.Tensor, batch_size: int, seq_len: int) -> None:
         # torchtune's decode step passes one position per sample: [b] for s == 1.
