@@ -35,8 +35,7 @@ def prefill_logits(
     hidden states); float32 logits [b, vocab] of the last slot only: the output projection of
     the other slots (a [b, s, vocab] tensor) is never computed."""
     hidden = call(tokens, mask=mask, input_pos=input_pos, **extra)
-    with _decoding_ops_as_reductions():  # a few rows: the largest matrix of all
-        return decoder.unembed(hidden[:, -1])
+    return _last_slot_logits(decoder, hidden)
 
 
 def step_logits(
@@ -51,6 +50,18 @@ def step_logits(
     mask = step_mask(pad_counts, slot, cache.max_seq_len)
     with _decoding_ops_as_reductions():
         hidden = call(token[:, None], mask=mask, input_pos=(slot - pad_counts)[:, None])
+    return _last_slot_logits(decoder, hidden)
+
+
+def _last_slot_logits(decoder: TransformerDecoder, hidden: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [b, vocab] of the last slot of ``hidden`` [b, s, d]: a few rows through
+    the largest matrix of all, as reductions when compiled, through oneDNN when eager."""
+    mode: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if torch.compiler.is_compiling():
+        mode = _DecodingOpsAsReductions()
+    elif _ONEDNN_LINEAR is not None and hidden.device.type == "cpu":
+        mode = _Float32LinearsInOneDNN()
+    with mode:
         return decoder.unembed(hidden[:, -1])
 
 
@@ -133,6 +144,48 @@ def _one_query_attention(
     weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # as SDPA: no slot, zeros
     out = (weights[..., None] * v.float()[:, :, None]).sum(-2)  # [b, h_kv, g, hd]
     return out.reshape(b, heads, 1, head_dim).to(q.dtype)
+
+
+# Private, but what inductor's own CPU linear fusions call; absent from builds without oneDNN.
+_ONEDNN_LINEAR: Callable[..., torch.Tensor] | None = (
+    getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if torch.backends.mkldnn.is_available()
+    else None
+)
+
+
+class _Float32LinearsInOneDNN(TorchFunctionMode):
+    """Float32 linear layers of plain CPU tensors through oneDNN instead of BLAS, without
+    autograd and outside autocast; anything else (other dtypes and devices, tensor subclasses
+    such as DTensor, gradients) goes to ``F.linear`` unchanged.
+
+    For the output projection, eager: on the AMD EPYC this was measured on, MKL reads a
+    32000 x 512 weight at a third of the memory bandwidth for one row (6.0 ms against 3.0 ms
+    through oneDNN), and oneDNN was faster for every output shape and row count tried (1.1x to
+    3.7x; 8000 to 32000 x 128 to 512, 1 to 512 rows). Used for that one matrix only: with the
+    layers' smaller ones too, whole generations were no faster. bfloat16 keeps ``F.linear``
+    (generation 0.85x as fast through this op)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and not torch.is_grad_enabled():
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if not torch.is_autocast_enabled("cpu") and all(
+                _plain_cpu_float32(t) for t in (x, weight, bias) if t is not None
+            ):
+                assert _ONEDNN_LINEAR is not None  # entered only when there is one
+                return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+        return func(*args, **kwargs)
+
+
+def _plain_cpu_float32(tensor: Any) -> bool:
+    return (
+        type(tensor) in (torch.Tensor, nn.Parameter)
+        and tensor.device.type == "cpu"
+        and tensor.dtype == torch.float32
+        and tensor.layout == torch.strided
+    )
 
 
 def _decoding_ops_as_reductions() -> contextlib.AbstractContextManager[object]:
