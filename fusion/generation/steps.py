@@ -147,9 +147,11 @@ def _one_query_attention(
 
 
 # Private, but what inductor's own CPU linear fusions call; absent from builds without oneDNN.
+# x86 with AVX2 or AVX-512 only, where oneDNN has its own kernels (measured on AVX-512).
 _ONEDNN_LINEAR: Callable[..., torch.Tensor] | None = (
     getattr(torch.ops.mkldnn, "_linear_pointwise", None)
     if torch.backends.mkldnn.is_available()
+    and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     else None
 )
 
