@@ -15,7 +15,7 @@ from fusion.generation import steps
 from helpers import VOCAB, build_tiny_decoder, lively_decoder, text_tokens
 
 pytestmark = pytest.mark.skipif(
-    steps._ONEDNN_LINEAR is None, reason="this torch build has no oneDNN linear"
+    steps._ONEDNN_LINEAR is None, reason="no oneDNN linear in this torch build, or no AVX2"
 )
 
 
