@@ -5,9 +5,10 @@ from collections.abc import Callable
 import torch
 
 
-def checks_eagerly(device: torch.device) -> bool:
-    """Whether a check of tensor values may read them on the host now: on CPU, outside
-    ``torch.compile`` (where reading costs nothing and errors come before any work)."""
+def host_reads_are_free(device: torch.device) -> bool:
+    """Whether reading tensor values on the host costs nothing now: on CPU, outside
+    ``torch.compile``. Checks then raise before any work (elsewhere they are device-side
+    assertions), and cached attention skips the cache's unfilled slots."""
     return device.type == "cpu" and not torch.compiler.is_compiling()
 
 
@@ -33,7 +34,7 @@ def check_in_range(values: torch.Tensor, name: str, low: int, high: int) -> None
     check_values(
         ((values >= low) & (values < high)).all(),
         f"{name}: expected values in [{low}, {high})",
-        eager=checks_eagerly(values.device),
+        eager=host_reads_are_free(values.device),
         details=lambda: f", got values from {int(values.min())} to {int(values.max())}",
     )
 

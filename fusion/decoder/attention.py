@@ -61,7 +61,8 @@ class MultiHeadAttention(nn.Module):
 
         Args:
             mask: boolean [b, 1, s, kv_len], True where attention is allowed; None means causal
-                over ``x`` (only valid without a cache).
+                over ``x`` (only valid without a cache). With a cache, attention reads its
+                first ``kv_len`` slots (the whole cache, or the filled part).
             input_pos: rotary positions, [b, s] or [s].
 
         Returns:
@@ -76,6 +77,8 @@ class MultiHeadAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
         if self.kv_cache is not None and self.cache_enabled:
             k, v = self.kv_cache.update(k, v)  # [b, h_kv, cache_len, hd]
+            if mask is not None and mask.size(-1) < k.size(2):  # the slots the mask covers
+                k, v = k[:, :, : mask.size(-1)], v[:, :, : mask.size(-1)]
         out = F.scaled_dot_product_attention(  # [b, h, s, hd]; GQA: h_kv heads shared by h
             q,
             k,

@@ -11,8 +11,8 @@ from fusion._validation import (
     check_in_range,
     check_token_ids,
     check_values,
-    checks_eagerly,
     describe,
+    host_reads_are_free,
     is_dtensor,
 )
 from fusion.decoder.attention import MultiHeadAttention
@@ -229,6 +229,9 @@ class TransformerDecoder(nn.Module):
             mask = mask[:, None]  # [b or 1, 1, s, kv_len]: one mask for every head
         elif slots is not None:
             mask = (torch.arange(kv_len, device=device) <= slots[:, None])[None, None]
+        if slots is not None and host_reads_are_free(device):
+            filled = self._first_cache().size + seq_len  # after this call's writes
+            mask = _without_unfilled_slots(cast(torch.Tensor, mask), filled)
 
         if input_embeds is not None:
             h = input_embeds
@@ -353,7 +356,7 @@ class TransformerDecoder(nn.Module):
             cache.fill <= cache.max_seq_len - seq_len,
             f"tokens: {seq_len} more positions do not fit in the KV cache of "
             f"{cache.max_seq_len}; call reset_caches() or set up a larger cache",
-            eager=checks_eagerly(cache.fill.device),
+            eager=host_reads_are_free(cache.fill.device),
             details=lambda: f" (it holds {cache.size})",
         )
         return cache.fill + torch.arange(seq_len, device=cache.fill.device)
@@ -404,3 +407,13 @@ class TransformerDecoder(nn.Module):
             )
         if mask.device != self.device:
             raise ValueError(f"mask: expected device {self.device}, got {mask.device}")
+
+
+def _without_unfilled_slots(mask: torch.Tensor, filled: int) -> torch.Tensor:
+    """``mask`` [.., kv_len] cut to the first ``filled`` cache slots when it allows none after
+    them, so that attention reads only those (the layers attend to as many slots as the mask
+    has); unchanged otherwise. Only where reading the fill level costs nothing: elsewhere every
+    step attends to the whole cache, which keeps its shapes static."""
+    if filled < mask.size(-1) and not bool(mask[..., filled:].any()):
+        return mask[..., :filled]
+    return mask

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fusion._validation import check_values, checks_eagerly
+from fusion._validation import check_values, host_reads_are_free
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
 from fusion.generation._checks import (
@@ -568,5 +568,5 @@ def _check_not_all_padding(pad_counts: torch.Tensor, seq_len: int, pad_id: int) 
     check_values(
         (pad_counts < seq_len).all(),
         f"tokens: a prompt is all padding (pad_id={pad_id}); each needs a real token",
-        eager=checks_eagerly(pad_counts.device),
+        eager=host_reads_are_free(pad_counts.device),
     )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusion._validation import check_in_range, check_values, checks_eagerly, describe
+from fusion._validation import check_in_range, check_values, describe, host_reads_are_free
 from fusion.merge.layouts import EncoderRows, Padded, as_layout
 
 
@@ -86,7 +86,7 @@ def resolve_placements(
             f"(known: {sorted(encoder_tokens)})"
         )
 
-    eager = checks_eagerly(tokens.device) if eager_checks is None else eager_checks
+    eager = host_reads_are_free(tokens.device) if eager_checks is None else eager_checks
     eager = eager and not torch.compiler.is_compiling()
     placements = []
     any_placeholder = torch.zeros_like(tokens, dtype=torch.bool)

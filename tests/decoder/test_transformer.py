@@ -147,6 +147,62 @@ class TestKVCache:
                 step(tokens[:, 3:4])
         torch._dynamo.reset()
 
+    @staticmethod
+    def _key_lengths(decoder, *calls):
+        """The number of keys each attention call read, and each call's output."""
+        lengths, outs = [], []
+
+        class Keys(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is torch.nn.functional.scaled_dot_product_attention:
+                    lengths.append(args[1].size(2))
+                return func(*args, **(kwargs or {}))
+
+        with torch.no_grad(), Keys():
+            for tokens, kwargs in calls:
+                outs.append(decoder(tokens, **kwargs))
+        return lengths, outs
+
+    def test_eager_cpu_attention_reads_the_filled_slots_only(self, tiny_decoder):
+        # A cache set up long once (as generation advises) costs no attention over its empty
+        # slots on CPU; the logits are those of a cache of exactly the length used.
+        tokens = random_tokens(seq=7)
+        calls = [(tokens[:, :5], {}), (tokens[:, 5:6], {}), (tokens[:, 6:7], {})]
+        tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=64)
+        lengths, long = self._key_lengths(tiny_decoder, *calls)
+        layers = len(tiny_decoder.layers)
+        assert lengths == [5] * layers + [6] * layers + [7] * layers
+        tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=7)
+        lengths, exact = self._key_lengths(tiny_decoder, *calls)
+        assert lengths == [5] * layers + [6] * layers + [7] * layers
+        for a, b in zip(long, exact, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+    def test_a_mask_that_allows_unfilled_slots_keeps_them(self, tiny_decoder):
+        # Attending to an empty slot is the caller's choice, and its zero key still weighs in
+        # the softmax: the whole cache is read, as under torch.compile and on accelerators.
+        tokens = random_tokens(seq=3)
+        tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=8)
+        mask = torch.ones(2, 3, 8, dtype=torch.bool).tril()
+        mask[0, 2, 5] = True  # slot 5 stays empty after this call
+        lengths, (out,) = self._key_lengths(tiny_decoder, (tokens, {"mask": mask}))
+        assert lengths == [8] * len(tiny_decoder.layers)
+        tiny_decoder.reset_caches()
+        mask[0, 2, 5] = False
+        _, (without,) = self._key_lengths(tiny_decoder, (tokens, {"mask": mask}))
+        assert not torch.allclose(out[0, 2], without[0, 2])  # the empty slot did count
+        torch.testing.assert_close(out[1], without[1])
+
+    def test_compiled_attention_reads_the_whole_cache(self):
+        # Static shapes: under torch.compile every step attends to every slot.
+        torch._dynamo.reset()
+        decoder = build_tiny_decoder().eval()
+        decoder.setup_caches(2, torch.float32, decoder_max_seq_len=16)
+        compiled = torch.compile(decoder, backend="eager", fullgraph=True, dynamic=False)
+        lengths, _ = self._key_lengths(compiled, (random_tokens(seq=3), {}))
+        assert lengths == [16] * len(decoder.layers)
+        torch._dynamo.reset()
+
     def test_cache_under_autocast_keeps_its_dtype(self, tiny_decoder):
         tokens = random_tokens(seq=6)
         tiny_decoder.setup_caches(2, torch.float32, decoder_max_seq_len=8)
