@@ -206,7 +206,9 @@ class TransformerDecoder(nn.Module):
         With an enabled cache, this call's keys and values go to the slots after the cache's
         fill level (a device tensor, advanced on the device): called step by step under
         ``torch.compile``, the decoder sees the same shapes and constants at every step, so
-        it compiles once, and nothing in it synchronises with the host.
+        it compiles once, and nothing in it synchronises with the host. There every call
+        attends to the whole cache; eagerly on CPU, where reading the fill level is free,
+        only to its filled slots (unless ``mask`` allows an empty one).
 
         Raises:
             ValueError: bad shapes, dtypes, ids or positions, too long a sequence, or more
