@@ -39,6 +39,19 @@ class Job:
         return [*TINY, *extra]
 
     @staticmethod
+    def error(argv: list[str], capsys, status: int) -> str:
+        """Run the job in this process with ``argv``, expecting exit ``status`` (2: argparse
+        refused it); what it wrote to stderr."""
+        capsys.readouterr()
+        if status == 2:
+            with pytest.raises(SystemExit) as exit_info:
+                main(argv)
+            assert exit_info.value.code == 2
+        else:
+            assert main(argv) == status
+        return capsys.readouterr().err
+
+    @staticmethod
     def losses(output_dir: Path) -> list[float]:
         return json.loads((Path(output_dir) / "metrics.json").read_text())["losses"]
 

@@ -15,15 +15,8 @@ from recipes.captioner import main
 PROG = "python -m recipes.captioner: "
 
 
-def _fails_in_one_line(argv, capsys, status: int) -> str:
-    capsys.readouterr()
-    if status == 2:  # argparse
-        with pytest.raises(SystemExit) as exit_info:
-            main(argv)
-        assert exit_info.value.code == 2
-    else:
-        assert main(argv) == status
-    err = capsys.readouterr().err
+def _fails_in_one_line(job, argv, capsys, status: int) -> str:
+    err = job.error(argv, capsys, status)
     assert err.count("\n") == 1 and err.startswith(PROG + "error: "), err
     return err
 
@@ -45,21 +38,21 @@ def _fails_in_one_line(argv, capsys, status: int) -> str:
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )
-def test_bad_flags(argv, message, capsys):
-    assert message in _fails_in_one_line(argv, capsys, status=2)
+def test_bad_flags(argv, message, capsys, job):
+    assert message in _fails_in_one_line(job, argv, capsys, status=2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there")
 def test_cuda_without_cuda(job, tmp_path, capsys):
     argv = job.tiny("--device", "cuda", "--output-dir", str(tmp_path / "run"))
-    err = _fails_in_one_line(argv, capsys, status=1)
+    err = _fails_in_one_line(job, argv, capsys, status=1)
     assert "--device: 'cuda' requested, but torch sees no CUDA device" in err
     assert not (tmp_path / "run").exists()
 
 
 def test_unusable_output_dirs(job, tmp_path, capsys):
     for where in ("/proc/fusion-run", "/sys/fusion-run"):  # refused even to root
-        err = _fails_in_one_line(job.tiny("--output-dir", where), capsys, status=1)
+        err = _fails_in_one_line(job, job.tiny("--output-dir", where), capsys, status=1)
         assert f"--output-dir: {where} is not writable" in err
 
 
@@ -67,7 +60,7 @@ def test_malformed_torchrun_environment(job, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "first")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    err = _fails_in_one_line(job.tiny("--output-dir", str(tmp_path)), capsys, status=1)
+    err = _fails_in_one_line(job, job.tiny("--output-dir", str(tmp_path)), capsys, status=1)
     assert "environment variable RANK: expected an integer >= 0, got 'first'" in err
 
 
@@ -121,7 +114,7 @@ def test_a_full_disk_while_training_is_one_line(job, tmp_path, capsys, monkeypat
 
     monkeypatch.setattr(recipes.captioner.train_checkpoint, "atomic_write_bytes", full)
     out = tmp_path / "run"
-    err = _fails_in_one_line(job.tiny("--steps", "2", "--output-dir", str(out)), capsys, 1)
+    err = _fails_in_one_line(job, job.tiny("--steps", "2", "--output-dir", str(out)), capsys, 1)
     assert "I/O error: [Errno 28] No space left on device" in err
     assert not list((out / "checkpoints").glob("step_*"))  # no partial checkpoint committed
 
@@ -132,7 +125,7 @@ def test_out_of_memory_is_one_line(job, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(recipes.captioner.trainer, "make_splits", refuse)
     argv = job.tiny("--image-size", "65536", "--output-dir", str(tmp_path / "run"))
-    assert "error: out of memory: " in _fails_in_one_line(argv, capsys, 1)
+    assert "error: out of memory: " in _fails_in_one_line(job, argv, capsys, 1)
 
 
 def test_other_runtime_errors_keep_their_traceback(job, tmp_path, monkeypatch):

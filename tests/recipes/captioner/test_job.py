@@ -43,14 +43,8 @@ def test_a_fixed_seed_gives_the_same_loss_curve(job, tmp_path, capsys):
 # ------------------------------------------------------------------------------ bad input
 
 
-def _expect_failure(argv: list[str], capsys, *, status: int, message: str) -> None:
-    if status == 2:  # argparse
-        with pytest.raises(SystemExit) as exit_info:
-            main(argv)
-        assert exit_info.value.code == 2
-    else:
-        assert main(argv) == status
-    err = capsys.readouterr().err
+def _expect_failure(job, argv: list[str], capsys, *, status: int, message: str) -> None:
+    err = job.error(argv, capsys, status)
     assert message in err, err
 
 
@@ -59,11 +53,14 @@ def test_bad_input_changes_no_checkpoint(finished_run, job, capsys, tmp_path):
     before = _snapshot(out)
     base = job.tiny("--steps", "12", "--checkpoint-every", "5", "--output-dir", str(out))
 
-    _expect_failure([*base, "--no-such-flag"], capsys, status=2, message="unrecognized arguments")
     _expect_failure(
-        base, capsys, status=1, message="already holds checkpoints (latest: step_00000012)"
+        job, [*base, "--no-such-flag"], capsys, status=2, message="unrecognized arguments"
     )
     _expect_failure(
+        job, base, capsys, status=1, message="already holds checkpoints (latest: step_00000012)"
+    )
+    _expect_failure(
+        job,
         [*base, "--resume", "--decoder-dim", "32", "--decoder-mlp-dim", "48"],
         capsys,
         status=1,
@@ -71,12 +68,14 @@ def test_bad_input_changes_no_checkpoint(finished_run, job, capsys, tmp_path):
         "the checkpoint was trained with 32, not 48; drop these flags to resume",
     )
     _expect_failure(
+        job,
         [*base, "--resume", "--lr", "0.5"],
         capsys,
         status=1,
         message="--lr: the checkpoint was trained with 0.01, not 0.5; drop the flag to resume",
     )
     _expect_failure(
+        job,
         [*base, "--resume", "--steps", "11"],
         capsys,
         status=1,
@@ -88,6 +87,7 @@ def test_bad_input_changes_no_checkpoint(finished_run, job, capsys, tmp_path):
 def test_resume_without_a_checkpoint(job, capsys, tmp_path):
     out = tmp_path / "empty"
     _expect_failure(
+        job,
         job.tiny("--steps", "3", "--resume", "--output-dir", str(out)),
         capsys,
         status=1,
@@ -100,12 +100,14 @@ def test_output_dir_that_cannot_be_written(job, capsys, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("keep me")
     _expect_failure(
+        job,
         job.tiny("--steps", "3", "--output-dir", str(blocker)),
         capsys,
         status=1,
         message=f"--output-dir: {blocker} exists and is not a directory",
     )
     _expect_failure(
+        job,
         job.tiny("--steps", "3", "--output-dir", str(blocker / "run")),
         capsys,
         status=1,
@@ -119,6 +121,7 @@ def test_read_only_output_dir(job, capsys, tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     _expect_failure(
+        job,
         job.tiny("--steps", "3", "--output-dir", str(locked / "run")),
         capsys,
         status=1,
