@@ -1,0 +1,5 @@
+import sys
+
+from recipes.finetune.cli import main
+
+sys.exit(main())

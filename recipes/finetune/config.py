@@ -1,0 +1,370 @@
+"""The fine-tuning run's configuration: one dataclass, its command-line flags, its checks, and
+what a resumed run takes from its checkpoint."""
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from fusion.training import TrainingError
+
+PROG = "python -m recipes.finetune"
+
+
+def _opt(default: Any, help: str, group: str, **kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, **kwargs})
+
+
+# What --resume does with each group of settings (see resumed_config).
+GROUP_TITLES = {
+    "data": "data (restored by --resume; a different value is refused)",
+    "model": "model and what trains (restored by --resume; a different value is refused)",
+    "optim": "optimisation (restored by --resume; a different value is refused)",
+    "run": "run (restored by --resume unless given; --steps/--epochs may extend the run)",
+    "session": "this invocation (never restored)",
+}
+FIXED_GROUPS = ("data", "model", "optim")
+TRAIN_MODES = ("lora", "full", "projector")
+DTYPES = ("float32", "bfloat16")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
+
+
+@dataclass
+class FinetuneConfig:
+    """Everything a fine-tuning run depends on, in groups (:data:`GROUP_TITLES`)."""
+
+    # data
+    data: str | None = _opt(
+        None,
+        "training conversations: JSON Lines, one conversation a line, in Hugging Face's "
+        "messages format or LLaVA-Instruct's; image paths relative to the file (required)",
+        "data",
+    )
+    eval_data: str | None = _opt(
+        None, "held-out conversations in the same formats (eval loss)", "data"
+    )
+    max_seq_len: int = _opt(2048, "longest packed sequence, in tokens", "data")
+    packing: bool = _opt(
+        True,
+        "pack conversations into sequences of --max-seq-len tokens (block-causal attention); "
+        "--no-packing pads each to the longest in its micro-batch",
+        "data",
+    )
+    truncate: bool = _opt(
+        False,
+        "cut the answers' end of conversations longer than --max-seq-len (counted) instead of "
+        "refusing them",
+        "data",
+    )
+    skip_bad_samples: bool = _opt(
+        False, "skip (and count) bad conversations instead of refusing the data file", "data"
+    )
+    seed: int = _opt(0, "seed of the data order, LoRA's initialisation and dropout", "data")
+    # model and what trains
+    model: str | None = _opt(
+        None,
+        "a Hugging Face model directory: LLaVA, Idefics3, SmolVLM or a text-only Llama (required)",
+        "model",
+    )
+    train: str = _opt(
+        "lora",
+        "what trains: 'lora' (adapters on the decoder's linear layers), 'full' (every "
+        "parameter of the decoder and connector; the vision tower too with --train-vision), "
+        "'projector' (the connector alone, LLaVA's stage 1)",
+        "model",
+        choices=TRAIN_MODES,
+    )
+    train_vision: bool = _opt(False, "with --train full: train the vision tower too", "model")
+    lora_rank: int = _opt(8, "LoRA rank", "model")
+    lora_alpha: float = _opt(16.0, "LoRA alpha (the update is scaled by alpha / rank)", "model")
+    lora_dropout: float = _opt(0.0, "dropout on LoRA's input", "model")
+    lora_targets: str = _opt(
+        "q_proj,v_proj",
+        f"comma-separated decoder linear layers that get adapters, of {', '.join(LORA_TARGETS)}",
+        "model",
+    )
+    # optimisation
+    lr: float = _opt(2e-4, "peak learning rate (AdamW)", "optim")
+    batch_tokens: int = _opt(
+        8192, "tokens per optimizer step (whole conversations, over every process)", "optim"
+    )
+    grad_accum: int = _opt(
+        1, "micro-batches per optimizer step per process (gradients accumulated)", "optim"
+    )
+    warmup_steps: int = _opt(10, "linear warm-up steps, then cosine decay to 0", "optim")
+    weight_decay: float = _opt(0.0, "AdamW weight decay", "optim")
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)", "optim")
+    dtype: str = _opt(
+        "float32",
+        "compute dtype: 'bfloat16' runs the forward under bf16 autocast (weights and optimizer "
+        "state stay float32)",
+        "optim",
+        choices=DTYPES,
+    )
+    # run
+    steps: int = _opt(0, "optimizer steps (0: as many as --epochs take)", "run")
+    epochs: int = _opt(1, "passes over the data, when --steps is 0", "run")
+    checkpoint_every: int = _opt(100, "save a checkpoint every N steps (and at the end)", "run")
+    keep_checkpoints: int = _opt(2, "how many of the latest checkpoints to keep", "run")
+    eval_every: int = _opt(0, "eval loss every N steps (0: at checkpoints only)", "run")
+    parallel: str = _opt(
+        "fsdp",
+        "under torchrun: 'fsdp' (FSDP2, fusion.parallel's per-module plan) or 'ddp'",
+        "run",
+        choices=("fsdp", "ddp"),
+    )
+    activation_checkpointing: bool = _opt(
+        False, "recompute each decoder layer's activations in the backward pass", "run"
+    )
+    # session
+    output_dir: str | None = _opt(
+        None,
+        "where checkpoints, final/ (the fine-tuned model), metrics.json and the loss plot go "
+        "(required)",
+        "session",
+    )
+    resume: bool = _opt(
+        False,
+        "continue the run in --output-dir from its newest intact checkpoint, with its stored "
+        "configuration",
+        "session",
+    )
+    device: str = _opt(
+        "auto",
+        "'auto' (CUDA if available), 'cpu' or 'cuda'",
+        "session",
+        choices=("auto", "cpu", "cuda"),
+    )
+    threads: int = _opt(0, "CPU threads per process (0: torch's default)", "session")
+    progress: bool = _opt(True, "show the progress bar", "session")
+
+    def group(self, name: str) -> dict[str, Any]:
+        """The fields of one group as a dict."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata["group"] == name
+        }
+
+    @property
+    def lora_target_list(self) -> list[str]:
+        return [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+
+
+_POSITIVE = (
+    "max_seq_len",
+    "lora_rank",
+    "batch_tokens",
+    "grad_accum",
+    "checkpoint_every",
+    "keep_checkpoints",
+)
+_NON_NEGATIVE = (
+    "steps",
+    "epochs",
+    "warmup_steps",
+    "weight_decay",
+    "grad_clip",
+    "threads",
+    "eval_every",
+    "seed",
+)
+MAX_INT = 2**31 - 1
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of config field ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name) -> None:
+    """Raise ``ValueError`` naming the setting when a value is out of range or settings
+    contradict each other. ``name`` turns a field name into how the message names it."""
+
+    def fail(field_name: str, expected: str) -> NoReturn:
+        got = getattr(config, field_name)
+        raise ValueError(f"{name(field_name)}: expected {expected}, got {got!r}")
+
+    for field_name, value in vars(config).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(field_name, "a finite number")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            fail(field_name, f"at most {MAX_INT} in magnitude")
+        if isinstance(value, str) and "\0" in value:
+            fail(field_name, "no NUL character")
+    for field_name in _POSITIVE:
+        if getattr(config, field_name) <= 0:
+            fail(field_name, "a positive value")
+    for field_name in _NON_NEGATIVE:
+        if getattr(config, field_name) < 0:
+            fail(field_name, "a value >= 0")
+    if not config.lr > 0:
+        fail("lr", "a positive learning rate")
+    if not 0 <= config.lora_dropout < 1:
+        fail("lora_dropout", "a probability in [0, 1)")
+    if not config.lora_alpha > 0:
+        fail("lora_alpha", "a positive value")
+    if config.steps == 0 and config.epochs == 0:
+        fail("epochs", f"a positive number of epochs when {name('steps')} is 0")
+    targets = config.lora_target_list
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if not targets or unknown or len(set(targets)) != len(targets):
+        fail("lora_targets", f"distinct names of {', '.join(LORA_TARGETS)}")
+    if config.train_vision and config.train != "full":
+        fail("train_vision", f"{name('train')} full")
+    if config.batch_tokens < config.max_seq_len:
+        fail("batch_tokens", f"at least {name('max_seq_len')}={config.max_seq_len}")
+    for required in ("model", "data", "output_dir"):
+        if not config.resume and getattr(config, required) is None:
+            raise ValueError(f"{name(required)}: required")
+        if getattr(config, required) == "":
+            fail(required, "a path")
+    if config.resume and config.output_dir is None:
+        raise ValueError(
+            f"{name('resume')}: expected {name('output_dir')}, the directory of the run to resume"
+        )
+
+
+def config_to_json(config: FinetuneConfig) -> dict[str, Any]:
+    """The run's stored settings (``data``, ``model``, ``optim`` and ``run`` groups)."""
+    return {k: v for g in ("data", "model", "optim", "run") for k, v in config.group(g).items()}
+
+
+def config_from_json(values: Any, file: Path) -> FinetuneConfig:
+    """A :class:`FinetuneConfig` from a checkpoint's stored settings (:func:`config_to_json`),
+    every key present, of its type and in range.
+
+    Raises:
+        TrainingError: naming ``file`` and the key.
+    """
+
+    def fail(message: str) -> TrainingError:
+        return TrainingError(f"checkpoint {file.parent}: {file.name}: {message}")
+
+    if not isinstance(values, dict):
+        raise fail("key 'config': expected an object")
+    fields = {
+        f.name: f for f in dataclasses.fields(FinetuneConfig) if f.metadata["group"] != "session"
+    }
+    missing, unknown = sorted(set(fields) - set(values)), sorted(set(values) - set(fields))
+    if missing or unknown:
+        raise fail(f"key 'config': missing keys {missing}, unknown keys {unknown}")
+    checked: dict[str, Any] = {}
+    for key, f in fields.items():
+        value = values[key]
+        if f.type is float and type(value) is int:
+            value = float(value)
+        allowed: tuple[type, ...] = (str, type(None)) if f.type == str | None else (f.type,)  # type: ignore[assignment]
+        if type(value) not in allowed:
+            expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise fail(f"key 'config.{key}': expected {expected}, got {value!r:.60}")
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise fail(f"key 'config.{key}': expected one of {list(choices)}, got {value!r:.60}")
+        checked[key] = value
+    config = FinetuneConfig(**checked)
+    try:
+        check_config(config, name=lambda n: f"key 'config.{n}'")
+    except ValueError as error:
+        raise fail(str(error)) from None
+    return config
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line in one line (argparse's usage text is many lines)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per :class:`FinetuneConfig` field, grouped. Flags not given are absent from
+    the parsed namespace, so that a resumed run tells the flags given from its stored ones."""
+    parser = _Parser(
+        prog=PROG,
+        description=(
+            "Fine-tune a Hugging Face vision-language model (LLaVA, Idefics3, SmolVLM) or a "
+            "Llama on your own conversations: packed batches, LoRA or full fine-tuning, "
+            "crash-safe checkpoints that resume bit for bit, and at the end "
+            "<output-dir>/final/, a Hugging Face directory transformers loads. Runs under "
+            "torchrun for FSDP2 or DDP."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    groups = {name: parser.add_argument_group(title) for name, title in GROUP_TITLES.items()}
+    for f in dataclasses.fields(FinetuneConfig):
+        flag = flag_name(f.name)
+        group = groups[f.metadata["group"]]
+        shown = "unset" if f.default is None else f.default
+        help = f"{f.metadata['help']} (default: {shown})"
+        if f.type is bool:
+            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
+            group.add_argument(flag, action=action, help=help)
+            continue
+        kind = f.type if f.type in (int, float) else str
+        group.add_argument(
+            flag,
+            type=kind,
+            help=help,
+            choices=f.metadata.get("choices"),
+            metavar=None if f.metadata.get("choices") else f.name.upper(),
+        )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[FinetuneConfig, frozenset[str]]:
+    """Parse ``argv`` into a checked :class:`FinetuneConfig` and the names of the fields given;
+    exits with status 2 and one line naming the flag on unknown flags or bad values."""
+    parser = build_parser()
+    given = vars(parser.parse_args(argv))
+    config = FinetuneConfig(**given)
+    try:
+        check_config(config)
+    except ValueError as error:
+        parser.error(str(error))
+    return config, frozenset(given)
+
+
+def resumed_config(
+    config: FinetuneConfig, given: Collection[str], stored: FinetuneConfig, step: int
+) -> FinetuneConfig:
+    """The configuration of a run resumed at ``step`` from a checkpoint storing ``stored``:
+    the stored one with this invocation's ``session`` settings and the ``run`` settings given.
+
+    Raises:
+        TrainingError: a ``data``, ``model`` or ``optim`` flag given with another value than
+            the checkpoint's (another run), or ``--steps`` below the checkpoint's step.
+    """
+    fixed = {name for group in FIXED_GROUPS for name in stored.group(group)}
+    changed = [
+        name
+        for name in sorted(given)
+        if name in fixed and getattr(config, name) != getattr(stored, name)
+    ]
+    if changed:
+        reasons = "; ".join(
+            f"{flag_name(name)}: the checkpoint was trained with {getattr(stored, name)!r}, "
+            f"not {getattr(config, name)!r}"
+            for name in changed
+        )
+        flags = "the flag" if len(changed) == 1 else "these flags"
+        raise TrainingError(
+            f"{reasons}; drop {flags} to resume (a different run needs another --output-dir)"
+        )
+    if "steps" in given and 0 < config.steps < step:
+        raise TrainingError(
+            f"--steps: expected at least the checkpoint's step {step}, got {config.steps}"
+        )
+    run = {name: getattr(config if name in given else stored, name) for name in stored.group("run")}
+    session = config.group("session")
+    values = {
+        **stored.group("data"),
+        **stored.group("model"),
+        **stored.group("optim"),
+        **run,
+        **session,
+    }
+    return FinetuneConfig(**values)

@@ -1,0 +1,474 @@
+"""The fine-tuning loop, in steps: :func:`setup` reads the data and builds what a run trains
+with, :func:`train_step` is one optimizer step over its micro-batches, :func:`evaluate` the
+eval loss, :func:`train` the loop with its checkpoints."""
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fusion import masked_token_loss
+from fusion.checkpoint import CheckpointError
+from fusion.data import (
+    IGNORE_INDEX,
+    Batch,
+    ChatTemplateError,
+    ConversationEncoder,
+    DataError,
+    EncodedData,
+    Sample,
+    collate_packed,
+    collate_padded,
+    encode_conversations,
+    pack_samples,
+    read_conversations,
+)
+from fusion.lora import apply_lora
+from fusion.training import (
+    Runtime,
+    TrainingError,
+    TrainState,
+    checkpoint_root,
+    log,
+    one_line,
+    progress_bar,
+    restore_checkpoint,
+    save_checkpoint,
+    wrap_model,
+)
+from recipes.finetune.config import FinetuneConfig, config_to_json
+from recipes.finetune.model import (
+    checkpoint_activations,
+    load_base_model,
+    set_trainable,
+    trainable_parameters,
+)
+from recipes.finetune.steps import Step, plan_steps, split_step
+
+
+def read_data(
+    encoder: ConversationEncoder, path: str, config: FinetuneConfig, flag: str
+) -> EncodedData:
+    """Read, check and encode a whole data file before any training.
+
+    Raises:
+        TrainingError: one line naming the file, line and problem (unless
+            ``--skip-bad-samples``), or a file with no usable conversation.
+    """
+    try:
+        read = read_conversations(path, skip_bad=config.skip_bad_samples)
+        encoded = encode_conversations(
+            encoder,
+            read.conversations,
+            max_seq_len=config.max_seq_len,
+            truncate=config.truncate,
+            skip_bad=config.skip_bad_samples,
+        )
+    except DataError as error:
+        raise TrainingError(f"{flag}: {error}") from None
+    return dataclasses.replace(encoded, skipped=[*read.skipped, *encoded.skipped])
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Setup:
+    """What a run trains with, the same on every process."""
+
+    config: FinetuneConfig
+    runtime: Runtime
+    train_data: EncodedData
+    eval_data: EncodedData | None
+    plan: list[Step]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    pad_id: int
+    num_params: int
+    num_trainable: int
+    lengths: list[int] = field(default_factory=list)
+
+
+def _pad_id(encoder: ConversationEncoder) -> int:
+    """The tokenizer's pad token (else its EOS, else 0): padding is never attended to by a
+    real token nor a target, so any id in the vocabulary does."""
+    tokens = encoder.template.special_tokens
+    for key in ("pad_token", "eos_token"):
+        if key in tokens and (found := encoder.tokenizer.token_to_id(tokens[key])) is not None:
+            return int(found)
+    return 0
+
+
+def build_model(config: FinetuneConfig) -> nn.Module:
+    """The base model with what ``--train`` trains (LoRA adapters seeded by ``--seed``), in
+    float32 on CPU, unwrapped."""
+    model = load_base_model(config)
+    set_trainable(model, config)
+    if config.train == "lora":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            try:
+                apply_lora(
+                    model,
+                    config.lora_target_list,
+                    rank=config.lora_rank,
+                    alpha=config.lora_alpha,
+                    dropout=config.lora_dropout,
+                )
+            except ValueError as error:
+                raise TrainingError(f"--lora-targets: {one_line(error)}") from None
+    return model
+
+
+def setup(config: FinetuneConfig, runtime: Runtime) -> Setup:
+    """Read and encode the data (all of it checked first), build the model and optimizer."""
+    assert config.model is not None and config.data is not None
+    try:
+        encoder = ConversationEncoder.from_directory(config.model)
+    except (CheckpointError, ChatTemplateError, OSError, ValueError) as error:
+        raise TrainingError(f"--model: {one_line(error)}") from None
+    train_data = read_data(encoder, config.data, config, "--data")
+    eval_data = None
+    if config.eval_data is not None:
+        eval_data = read_data(encoder, config.eval_data, config, "--eval-data")
+    for name, data in (("--data", train_data), ("--eval-data", eval_data)):
+        if data is not None and (data.skipped or data.truncated):
+            log(
+                runtime,
+                f"{name}: {len(data.samples)} conversations; skipped {len(data.skipped)} bad "
+                f"ones, truncated {data.truncated}"
+                + (f" (first skipped: {data.skipped[0]})" if data.skipped else ""),
+            )
+    lengths = [len(sample) for sample in train_data.samples]
+    plan = plan_steps(
+        lengths,
+        batch_tokens=config.batch_tokens,
+        seed=config.seed,
+        epochs=config.epochs,
+        steps=config.steps,
+    )
+    model = build_model(config)
+    if config.train == "projector" and not any(s.pixel_values.numel() for s in train_data.samples):
+        raise TrainingError("--train: 'projector' trains on images, but --data holds none")
+    num_params = sum(p.numel() for p in model.parameters())
+    num_trainable = sum(p.numel() for p in trainable_parameters(model))
+    if config.activation_checkpointing:
+        checkpoint_activations(model)
+    wrapped = wrap_model(model, runtime, config.parallel)
+    optimizer = torch.optim.AdamW(
+        trainable_parameters(wrapped),
+        lr=config.lr,
+        betas=(0.9, 0.95),
+        weight_decay=config.weight_decay,
+    )
+    total = len(plan)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, config.warmup_steps, total)
+    )
+    return Setup(
+        config,
+        runtime,
+        train_data,
+        eval_data,
+        plan,
+        wrapped,
+        optimizer,
+        scheduler,
+        _pad_id(encoder),
+        num_params,
+        num_trainable,
+        lengths,
+    )
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+def _ignored(sample: Sample) -> Sample:
+    return dataclasses.replace(sample, labels=torch.full_like(sample.labels, IGNORE_INDEX))
+
+
+def _has_images(samples: Sequence[Sample]) -> bool:
+    return any(s.pixel_values.numel() for s in samples)
+
+
+def micro_batch(
+    run: Setup, groups: Sequence[Sequence[Sample]], rank: int
+) -> tuple[Batch | None, int]:
+    """Process ``rank``'s batch among the ``groups`` of one micro-batch (one group per
+    process), and how many of its tokens are real samples' (not fillers).
+
+    Every process must run the same modules (FSDP2 gathers each block's weights
+    collectively), so a process whose group is empty, or has no images when another's has,
+    adds a filler: another process's sample with no target (its loss and gradients are
+    zero). One process skips an empty group (None).
+    """
+    mine = list(groups[rank])
+    real = sum(len(s) for s in mine)
+    everyone = [s for group in groups for s in group]
+    if not everyone or (not mine and len(groups) == 1):
+        return None, 0
+    if not mine:
+        mine.append(_ignored(min(everyone, key=len)))
+    if _has_images(everyone) and not _has_images(mine):
+        mine.append(_ignored(min((s for s in everyone if s.pixel_values.numel()), key=len)))
+    config = run.config
+    if config.packing:
+        batch = collate_packed(pack_samples(mine, config.max_seq_len), pad_id=run.pad_id)
+    else:
+        batch = collate_padded(mine, pad_id=run.pad_id)
+    return batch.to(run.runtime.device), real
+
+
+def _forward_loss(run: Setup, batch: Batch) -> torch.Tensor:
+    """The summed cross-entropy of ``batch``'s targets (0-d, float32)."""
+    inputs = batch.model_inputs()
+    enabled = run.config.dtype == "bfloat16"
+    with torch.autocast(run.runtime.device.type, dtype=torch.bfloat16, enabled=enabled):
+        logits = run.model(**inputs)
+    return masked_token_loss(logits, batch.labels)[0]
+
+
+@dataclass
+class StepStats:
+    """Host-side counts of one step (no device sync): real tokens and batch slots."""
+
+    tokens: int = 0
+    slots: int = 0
+
+
+def train_step(run: Setup, step: int) -> tuple[torch.Tensor, StepStats]:
+    """One optimizer step on ``run.plan[step]``; returns its mean loss per target token
+    (0-d on the device, summed over processes, not read back) and its token counts.
+
+    The step's samples are dealt into ``grad_accum`` micro-batches per process
+    (:func:`split_step`). Each micro-batch's summed loss is divided by the step's number of
+    targets over all processes (known on the host), so gradients accumulate by tokens and do
+    not depend on how the step is split; processes average gradients, hence the factor
+    ``world``.
+    """
+    config, runtime = run.config, run.runtime
+    world, rank = runtime.world_size, runtime.rank
+    samples = run.train_data.samples
+    indices = run.plan[step].samples
+    num_targets = sum(samples[i].num_targets for i in indices)
+    groups = split_step(indices, run.lengths, world * config.grad_accum)
+    total = torch.zeros((), device=runtime.device)
+    stats = StepStats()
+    for k in range(config.grad_accum):
+        micro = [[samples[i] for i in groups[k * world + r]] for r in range(world)]
+        batch, real = micro_batch(run, micro, rank)
+        if batch is None:
+            continue
+        loss_sum = _forward_loss(run, batch)
+        (loss_sum * (world / num_targets)).backward()
+        total += loss_sum.detach()
+        stats.tokens += real
+        stats.slots += batch.tokens.numel()
+    if config.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(trainable_parameters(run.model), config.grad_clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    step_loss = total / num_targets
+    if runtime.distributed:
+        dist.all_reduce(step_loss)
+    return step_loss, stats
+
+
+@torch.no_grad()
+def evaluate(run: Setup) -> float | None:
+    """The mean loss per target token over the eval data (every process takes its share),
+    or None without eval data."""
+    if run.eval_data is None:
+        return None
+    config, runtime = run.config, run.runtime
+    samples = run.eval_data.samples
+    lengths = [len(s) for s in samples]
+    run.model.eval()
+    sums = torch.zeros(2, device=runtime.device, dtype=torch.float64)  # loss, targets
+    try:
+        start = 0
+        while start < len(samples):  # file order, batch_tokens per chunk
+            end, tokens = start, 0
+            while end < len(samples) and (
+                end == start or tokens + lengths[end] <= config.batch_tokens
+            ):
+                tokens += lengths[end]
+                end += 1
+            groups = split_step(range(start, end), lengths, runtime.world_size)
+            micro = [[samples[i] for i in group] for group in groups]
+            batch, _ = micro_batch(run, micro, runtime.rank)
+            if batch is not None:
+                sums[0] += _forward_loss(run, batch).double()
+                sums[1] += batch.num_targets
+            start = end
+    finally:
+        run.model.train()
+    if runtime.distributed:
+        dist.all_reduce(sums)
+    return float(sums[0] / sums[1])
+
+
+# ------------------------------------------------------------------------------------ the loop
+
+
+@dataclass
+class TrainResult:
+    """What a finished run hands to the report."""
+
+    losses: list[float]
+    eval_losses: list[tuple[int, float]]
+    checkpoint: Path
+    start_step: int
+    total_steps: int
+    train_seconds: float
+    tokens: int
+    slots: int
+    num_samples: int
+    skipped: int
+    truncated: int
+
+
+def _position(run: Setup, step: int) -> tuple[int, int]:
+    """(samples seen, epoch) after ``step`` steps."""
+    seen = sum(len(s.samples) for s in run.plan[:step])
+    epoch = run.plan[step].epoch if step < len(run.plan) else run.plan[-1].epoch + 1
+    return seen, epoch
+
+
+@contextlib.contextmanager
+def _quiet_bar(bar: Any) -> Iterator[Any]:
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def train(
+    config: FinetuneConfig,
+    runtime: Runtime,
+    output_dir: Path,
+    resume: tuple[Path, TrainState] | None,
+) -> TrainResult:
+    """Train to the end of the plan (or continue from checkpoint ``resume``), checkpoint every
+    ``--checkpoint-every`` steps and at the end; every process calls this.
+
+    Raises:
+        TrainingError: bad data or model (before any step), or a checkpoint that does not fit.
+    """
+    run = setup(config, runtime)
+    total = len(run.plan)
+    start_step, losses, eval_losses = 0, [], []
+    if resume is not None:
+        path, state = resume
+        expected = _position(run, state.step)
+        if state.step > total or (state.samples_seen, state.epoch) != expected:
+            raise TrainingError(
+                f"--resume: {path} is at step {state.step} (samples {state.samples_seen}, "
+                f"epoch {state.epoch}), which the run's data plan of {total} steps does not "
+                f"have (expected samples {expected[0]}, epoch {expected[1]}): was --data changed?"
+            )
+        restore_checkpoint(
+            path,
+            state,
+            run.model,
+            run.optimizer,
+            run.scheduler,
+            rank=runtime.rank,
+            device=runtime.device,
+        )
+        start_step, losses = state.step, list(state.losses)
+        eval_losses = list(state.eval_losses)
+        log(
+            runtime,
+            f"resumed from {path} at step {start_step} of {total} (saved by "
+            f"{state.world_size} process(es), now {runtime.world_size})",
+        )
+    log(
+        runtime,
+        f"model: {run.num_params:,} parameters, {run.num_trainable:,} trained ({config.train}); "
+        f"{len(run.train_data.samples)} conversations, {total} steps; "
+        f"{runtime.world_size} process(es) on {runtime.device}"
+        + (f" ({config.parallel})" if runtime.distributed else ""),
+    )
+    root = checkpoint_root(output_dir)
+    checkpoint = resume[0] if resume is not None else root
+    pending: list[torch.Tensor] = []
+    tokens = slots = 0
+    run.model.train()
+    started = time.perf_counter()
+    bar = progress_bar(runtime, total=total, initial=start_step, enabled=config.progress)
+    with _quiet_bar(bar):
+        for step in range(start_step, total):
+            loss, stats = train_step(run, step)
+            pending.append(loss)
+            tokens, slots = tokens + stats.tokens, slots + stats.slots
+            done = step + 1
+            save = done % config.checkpoint_every == 0 or done == total
+            evaluate_now = save or (config.eval_every and done % config.eval_every == 0)
+            if save or evaluate_now or done % 10 == 0:
+                losses += torch.stack(pending).tolist()
+                pending.clear()
+                rate = tokens * runtime.world_size / max(time.perf_counter() - started, 1e-9)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
+            bar.update(1)
+            if evaluate_now and run.eval_data is not None:
+                value = evaluate(run)
+                assert value is not None
+                eval_losses.append((done, value))
+                log(runtime, f"step {done}: eval loss {value:.4f}")
+            if save:
+                seen, epoch = _position(run, done)
+                state = TrainState(
+                    step=done,
+                    samples_seen=seen,
+                    epoch=epoch,
+                    losses=losses,
+                    config=config_to_json(config),
+                    world_size=runtime.world_size,
+                    parallel=config.parallel if runtime.distributed else "none",
+                    scheduler=run.scheduler.state_dict(),
+                    eval_losses=eval_losses,
+                )
+                checkpoint = save_checkpoint(
+                    root,
+                    run.model,
+                    run.optimizer,
+                    state,
+                    device=runtime.device,
+                    keep=config.keep_checkpoints,
+                )
+                log(runtime, f"saved checkpoint {checkpoint} (step {done}, loss {losses[-1]:.4f})")
+    seconds = time.perf_counter() - started
+    if runtime.distributed:  # every process's real tokens and slots
+        counts = torch.tensor([tokens, slots], device=runtime.device, dtype=torch.float64)
+        dist.all_reduce(counts)
+        tokens, slots = int(counts[0]), int(counts[1])
+    return TrainResult(
+        losses,
+        eval_losses,
+        checkpoint,
+        start_step,
+        total,
+        seconds,
+        tokens,
+        slots,
+        len(run.train_data.samples),
+        len(run.train_data.skipped),
+        run.train_data.truncated,
+    )

@@ -1,0 +1,146 @@
+"""Tiny Hugging Face model directories (written by transformers in the test), generated images
+and conversations, and runners for the fine-tuning recipe's tests."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlm_helpers import (
+    IDEFICS3_TOKENS,
+    TEXT_CONFIG,
+    char_tokenizer,
+    hf_tokenizer,
+    make_image,
+    tiny_hf_idefics3,
+    tiny_hf_llava,
+)
+
+# A chat template in the characters of the tests' tokenizer: "role:" headers, images where
+# the content puts them, "<end_of_utterance>" and a newline closing every turn.
+TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+END_OF_TURN = "<end_of_utterance>"
+ANSWERS = [
+    "red fox",
+    "blue cat",
+    "old dog",
+    "big owl",
+    "tiny ant",
+    "green frog",
+    "pale bee",
+    "wet eel",
+]
+KINDS = ("llava", "idefics3", "smolvlm", "llama")
+
+
+def write_model(kind: str, directory: Path, seed: int = 0) -> Path:
+    """A tiny random model of ``kind`` saved by transformers with its tokenizer, processor
+    and :data:`TEMPLATE`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = hf_tokenizer(char_tokenizer())
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from vlm_helpers import randomize
+
+        model = randomize(LlamaForCausalLM(LlamaConfig(**TEXT_CONFIG)), seed)
+        model.save_pretrained(directory)
+        tokenizer.chat_template = TEMPLATE
+        tokenizer.save_pretrained(directory)
+        return directory
+    if kind == "llava":
+        from transformers import CLIPImageProcessor, LlavaProcessor
+
+        model = tiny_hf_llava(seed)
+        processor = LlavaProcessor(
+            image_processor=CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16),
+            tokenizer=tokenizer,
+            patch_size=4,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=TEMPLATE,
+        )
+    else:
+        from transformers import Idefics3ImageProcessor, Idefics3Processor
+
+        model = tiny_hf_idefics3(seed, smolvlm=kind == "smolvlm")
+        processor = Idefics3Processor(
+            image_processor=Idefics3ImageProcessor(
+                size={"longest_edge": 16},
+                max_image_size={"longest_edge": 16},
+                do_image_splitting=False,
+            ),
+            tokenizer=tokenizer,
+            image_seq_len=IDEFICS3_TOKENS,
+            chat_template=TEMPLATE,
+        )
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    # transformers 5 keeps the image processor's settings inside processor_config.json; the
+    # separate file is what fusion.preprocessing reads.
+    processor.image_processor.save_pretrained(directory)
+    return directory
+
+
+def write_images(directory: Path, count: int, size: int = 16) -> list[str]:
+    """``count`` distinct PNG files in ``directory``; their names."""
+    names = []
+    for i in range(count):
+        rng = np.random.default_rng(i)
+        image = make_image(size, size, seed=i)
+        image[: size // 2] = rng.integers(0, 256, 3, dtype=np.uint8)  # a colour per image
+        names.append(f"img{i}.png")
+        Image.fromarray(image).save(directory / names[-1])
+    return names
+
+
+def hf_record(answer: str, image: str | None, question: str = "What is it?") -> dict:
+    content: list[dict] = [{"type": "text", "text": question}]
+    if image is not None:
+        content.insert(0, {"type": "image", "path": image})
+    return {
+        "messages": [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ]
+    }
+
+
+def write_data(
+    directory: Path, *, images: bool = True, count: int = 8, name: str = "train.jsonl"
+) -> Path:
+    """``count`` conversations (one image each unless ``images`` is False, then the question
+    tells them apart) with the answers of :data:`ANSWERS`, as a JSON Lines file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = write_images(directory, count) if images else [None] * count
+    lines = []
+    for i in range(count):
+        question = "What is it?" if images else f"What is {i}?"
+        lines.append(json.dumps(hf_record(ANSWERS[i % len(ANSWERS)], names[i], question)))
+    path = directory / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {kind: write_model(kind, root / kind) for kind in KINDS}
+
+
+@pytest.fixture(autouse=True)
+def _keep_thread_count():
+    """The recipe may set torch's thread count; give it back to the other tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
