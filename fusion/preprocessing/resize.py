@@ -10,10 +10,12 @@ by more than twice as many pixels as the width does, the horizontal pass first o
 or two at some pixels of such resizes).
 """
 
+import functools
 import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 # Pillow's resampling filter numbers, which image processor configs store (``resample``).
 NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING = 0, 1, 2, 3, 4, 5
@@ -79,6 +81,7 @@ FILTER_NAMES = {
 }
 
 
+@functools.lru_cache(maxsize=64)
 def _coefficients(in_size: int, out_size: int, resample: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For each output position: the input indices [out, k] and fixed-point weights [out, k]
     (zero beyond each position's support), computed in Python's doubles in Pillow's order."""
@@ -108,15 +111,27 @@ def _coefficients(in_size: int, out_size: int, resample: int) -> tuple[torch.Ten
     return indices, weights
 
 
-def _resample_last(image: torch.Tensor, out_size: int, resample: int) -> torch.Tensor:
-    """Resample the last dimension of a uint8 tensor to ``out_size``."""
-    indices, weights = _coefficients(image.size(-1), out_size, resample)
-    acc = torch.full((*image.shape[:-1], out_size), 1 << (_PRECISION_BITS - 1), dtype=torch.int32)
-    source = image.to(torch.int32)
-    for k in range(indices.size(1)):
-        acc += source[..., indices[:, k]] * weights[:, k]
-    # Floor division by 2**22, then clip: what Pillow's lookup table does.
-    return (acc >> _PRECISION_BITS).clamp_(0, 255).to(torch.uint8)
+def _resample_first(image: torch.Tensor, out_size: int, resample: int) -> torch.Tensor:
+    """Resample the first dimension of a uint8 tensor [n, ...] to ``out_size``: [out_size, ...].
+
+    Each output row is the weighted sum of its input rows, computed for all filter taps at
+    once by ``embedding_bag`` (a gather, multiply and sum in one kernel) in float64: every
+    product is an integer below 2**30 and every sum below 2**53, so the result is Pillow's
+    exact integer sum whatever the order of summation. Columns go through in blocks of about
+    2**21 input values, which bounds the float64 copy (16 MiB) whatever the image.
+    """
+    indices, weights = _coefficients(image.size(0), out_size, resample)
+    rows = image.reshape(image.size(0), -1)
+    out = torch.empty(out_size, rows.size(1), dtype=torch.uint8)
+    weights = weights.to(torch.float64)
+    step = max(16, (1 << 21) // rows.size(0))
+    for start in range(0, rows.size(1), step):  # blocks of columns, not taps or rows
+        table = rows[:, start : start + step].to(torch.float64)
+        acc = F.embedding_bag(indices, table, per_sample_weights=weights, mode="sum")
+        acc = acc.to(torch.int64) + (1 << (_PRECISION_BITS - 1))
+        # Floor division by 2**22, then clip: what Pillow's lookup table does.
+        out[:, start : start + step] = (acc >> _PRECISION_BITS).clamp_(0, 255)
+    return out.view(out_size, *image.shape[1:])
 
 
 def resize(image: torch.Tensor, size: tuple[int, int], resample: int = BICUBIC) -> torch.Tensor:
@@ -156,11 +171,12 @@ def resize(image: torch.Tensor, size: tuple[int, int], resample: int = BICUBIC) 
     height, width = size
     in_height, in_width = image.shape[1:]
     vertical_first = height < in_height and in_height - height > 2 * (in_width - width)
+    # Each pass resamples the first dimension of a [size, ...] view (one uint8 copy each).
     out = image.cpu()
     if vertical_first and height != in_height:
-        out = _resample_last(out.transpose(1, 2), height, resample).transpose(1, 2)
+        out = _resample_first(out.transpose(0, 1), height, resample).transpose(0, 1)
     if width != in_width:
-        out = _resample_last(out, width, resample)
+        out = _resample_first(out.permute(2, 0, 1), width, resample).permute(1, 2, 0)
     if not vertical_first and height != in_height:
-        out = _resample_last(out.transpose(1, 2), height, resample).transpose(1, 2)
+        out = _resample_first(out.transpose(0, 1), height, resample).transpose(0, 1)
     return out.contiguous().clone() if out is image else out.contiguous().to(image.device)

@@ -13,7 +13,7 @@ from fusion.preprocessing.resize import (
     HAMMING,
     LANCZOS,
     NEAREST,
-    _resample_last,
+    _resample_first,
 )
 from vlm_helpers import as_tensor, make_image
 
@@ -52,9 +52,8 @@ def test_pass_order_matters_where_pillow_runs_vertically_first():
     # the order, not only the filters.
     array = make_image(97, 64, 0)
     image = as_tensor(array)
-    horizontal_first = _resample_last(
-        _resample_last(image, 60, BICUBIC).transpose(1, 2), 8, BICUBIC
-    ).transpose(1, 2)
+    across = _resample_first(image.permute(2, 0, 1), 60, BICUBIC).permute(1, 2, 0)
+    horizontal_first = _resample_first(across.transpose(0, 1), 8, BICUBIC).transpose(0, 1)
     expected = as_tensor(pil_resize(array, (8, 60), BICUBIC))
     assert not torch.equal(horizontal_first, expected)
     assert torch.equal(resize(image, (8, 60), BICUBIC), expected)
