@@ -4,7 +4,7 @@ from fusion import checkpoint
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion, register_fusion_module
 from fusion.generation import generate
-from fusion.labels import next_token_labels
+from fusion.labels import masked_token_loss, next_token_labels
 from fusion.merge import Packed, Padded, merge_embeddings
 
 __version__ = "0.1.0"
@@ -16,6 +16,7 @@ __all__ = [
     "TransformerDecoder",
     "checkpoint",
     "generate",
+    "masked_token_loss",
     "merge_embeddings",
     "next_token_labels",
     "register_fusion_module",

@@ -64,3 +64,54 @@ def next_token_labels(
         predicted = torch.arange(1, seq_len + 1, device=tokens.device)  # position t predicts t+1
         ignored |= predicted[None, :] < loss_start[:, None]
     return targets.masked_fill(ignored, ignore_index)
+
+
+def masked_token_loss(
+    logits: torch.Tensor | list[torch.Tensor], labels: torch.Tensor, *, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed cross-entropy over target positions, and how many there are.
+
+    Divide the sums of all micro-batches of an optimizer step by the total count (known before
+    the step, e.g. ``sum(batch.num_targets)``), not each by its own: then every target token
+    weighs the same whatever batch it was packed or padded into, and the gradients are those
+    of one big batch.
+
+    Args:
+        logits: [b, s, vocab] (upcast to float32), or the list of chunks along ``s`` a decoder
+            with ``set_num_output_chunks`` returns.
+        labels: int64 [b, s] targets, ``ignore_index`` where no loss belongs.
+        ignore_index: the label skipped.
+
+    Returns:
+        (float32 scalar sum, int64 scalar count), both on ``labels``' device.
+
+    Raises:
+        ValueError: ``labels`` not integer [b, s] matching the logits' first two dimensions.
+    """
+    chunks = list(logits) if isinstance(logits, list | tuple) else [logits]
+    if not chunks or any(chunk.dim() != 3 for chunk in chunks):
+        raise ValueError("logits: expected [b, s, vocab] or a list of such chunks along s")
+    batch = chunks[0].size(0)
+    seq_len = sum(chunk.size(1) for chunk in chunks)
+    if (
+        labels.dim() != 2
+        or labels.dtype.is_floating_point
+        or labels.dtype == torch.bool
+        or tuple(labels.shape) != (batch, seq_len)
+    ):
+        raise ValueError(
+            f"labels: expected integer targets [{batch}, {seq_len}] (the logits' [b, s]), got "
+            f"{describe(labels)}"
+        )
+    total = torch.zeros((), dtype=torch.float32, device=labels.device)
+    start = 0
+    for chunk in chunks:
+        part = labels[:, start : start + chunk.size(1)]
+        start += chunk.size(1)
+        total = total + torch.nn.functional.cross_entropy(
+            chunk.float().flatten(0, 1),
+            part.long().flatten(),
+            ignore_index=ignore_index,
+            reduction="sum",
+        )
+    return total, (labels != ignore_index).sum()

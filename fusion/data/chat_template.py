@@ -1,0 +1,472 @@
+"""A model directory's chat template, rendered in Jinja's sandbox.
+
+A template comes from a model directory, so it is untrusted code: it renders in
+``jinja2.sandbox.ImmutableSandboxedEnvironment`` (no attribute starting with ``_``, no
+mutation of lists or dicts, ``range`` capped at 100,000 items, no loader: ``include``,
+``import`` and ``extends`` fail), with the names transformers gives templates
+(``raise_exception``, ``strftime_now``, the ``loopcontrols`` extension, a ``tojson`` that
+does not escape HTML, ``namespace`` without underscore attributes, the ``{% generation %}``
+tag) and nothing else. Rendering stops once the output passes ``max_chars``. A sandboxed
+template can still loop for a long time (two nested ``range(100000)`` loops) without output:
+a limit of Jinja's sandbox as of transformers'.
+
+Which file holds the template follows transformers: the processor's
+(``processor_config.json``'s ``chat_template``, else ``chat_template.json``, else
+``chat_template.jinja``), else the tokenizer's (``chat_template.jinja``, else
+``tokenizer_config.json``'s ``chat_template``); of several named templates, ``"default"``.
+"""
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fusion._io import NotRegularFile, open_regular
+from fusion.checkpoint.errors import CheckpointError, as_path
+from fusion.checkpoint.files import read_json
+
+MAX_TEMPLATE_BYTES = 2**20  # real templates are a few kilobytes
+MAX_OUTPUT_CHARS = 2**22
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# Private-use characters wrap what a {% generation %} block renders; messages holding them
+# are refused, so the markers found in the output are the template's.
+GENERATION_START, GENERATION_END = "\ue000", "\ue001"
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that cannot be read or rendered (a syntax error, a sandbox violation,
+    ``raise_exception``, output over the limit, no assistant turn)."""
+
+
+def load_chat_template(directory: str | os.PathLike) -> str:
+    """The chat template of a model directory, found as the module docstring says.
+
+    Raises:
+        TypeError, ValueError: ``directory`` is not a path.
+        CheckpointError: a template file that is not a regular file, larger than
+            :data:`MAX_TEMPLATE_BYTES`, not UTF-8 or not JSON where JSON is expected.
+        ChatTemplateError: no template in the directory, or several without a ``"default"``.
+    """
+    directory = as_path(directory, "directory")
+    processor = directory / "processor_config.json"
+    if processor.is_file():
+        value = read_json(processor, "processor config")
+        if isinstance(value, dict) and value.get("chat_template") is not None:
+            return _pick(value["chat_template"], processor)
+    legacy = directory / "chat_template.json"
+    if legacy.exists():
+        value = read_json(legacy, "chat template")
+        if not isinstance(value, dict) or "chat_template" not in value:
+            raise CheckpointError(legacy, "chat_template", "missing")
+        return _pick(value["chat_template"], legacy)
+    raw = directory / "chat_template.jinja"
+    if raw.exists():
+        return _read_text(raw)
+    tokenizer = directory / "tokenizer_config.json"
+    if tokenizer.is_file():
+        value = read_json(tokenizer, "tokenizer config")
+        if isinstance(value, dict) and value.get("chat_template") is not None:
+            return _pick(value["chat_template"], tokenizer)
+    raise ChatTemplateError(
+        f"{directory}: no chat template (looked for processor_config.json's and "
+        "tokenizer_config.json's 'chat_template', chat_template.json and chat_template.jinja)"
+    )
+
+
+def load_special_tokens(directory: str | os.PathLike) -> dict[str, str]:
+    """The special tokens a template sees (``bos_token``, ``eos_token``, ...) as strings,
+    from ``tokenizer_config.json``, completed by ``special_tokens_map.json``; ``{}`` without
+    either file.
+
+    Raises:
+        CheckpointError: a file that cannot be read as a JSON object.
+    """
+    directory = as_path(directory, "directory")
+    tokens: dict[str, str] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = directory / name
+        if not file.exists():
+            continue
+        values = read_json(file, name)
+        if not isinstance(values, dict):
+            raise CheckpointError(file, None, "expected a JSON object")
+        for key in SPECIAL_TOKEN_KEYS:
+            value = values.get(key)
+            if isinstance(value, dict):  # an AddedToken written out
+                value = value.get("content")
+            if isinstance(value, str) and key not in tokens:
+                tokens[key] = value
+    return tokens
+
+
+def _pick(value: object, file: Path) -> str:
+    """A template value: a string, ``{name: template}`` or ``[{"name", "template"}]``."""
+    if isinstance(value, list):
+        named = {item.get("name"): item.get("template") for item in value if isinstance(item, dict)}
+        value = named
+    if isinstance(value, dict):
+        if "default" not in value:
+            raise ChatTemplateError(
+                f"{file}: several chat templates ({sorted(map(str, value))[:10]}) and none is "
+                "named 'default'"
+            )
+        value = value["default"]
+    if not isinstance(value, str):
+        raise CheckpointError(
+            file, "chat_template", f"expected a string, got {type(value).__name__}"
+        )
+    if len(value) > MAX_TEMPLATE_BYTES:
+        raise CheckpointError(file, "chat_template", f"longer than {MAX_TEMPLATE_BYTES}: refused")
+    return value
+
+
+def _read_text(file: Path) -> str:
+    try:
+        with open_regular(file) as handle:
+            raw = handle.read(MAX_TEMPLATE_BYTES + 1)
+    except NotRegularFile:
+        raise CheckpointError(file, None, "not a regular file (a FIFO, device, ...)") from None
+    except OSError as error:
+        raise CheckpointError(file, None, f"unreadable: {error.strerror}") from None
+    if len(raw) > MAX_TEMPLATE_BYTES:
+        raise CheckpointError(file, None, f"larger than {MAX_TEMPLATE_BYTES} bytes: refused")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CheckpointError(file, None, f"not UTF-8: {error}") from None
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A rendered conversation.
+
+    Attributes:
+        text: the prompt text, image markers not yet expanded.
+        spans: ``[start, end)`` character ranges of ``text`` the loss covers, in order.
+    """
+
+    text: str
+    spans: list[tuple[int, int]]
+
+
+class ChatTemplate:
+    """A chat template compiled in the sandbox.
+
+    Args:
+        source: the Jinja source (e.g. from :func:`load_chat_template`).
+        special_tokens: variables every render sees (``bos_token`` and the like, as
+            transformers passes its tokenizer's ``special_tokens_map``).
+        max_chars: the most characters a render may produce.
+
+    Raises:
+        TypeError: ``source`` not a string.
+        ChatTemplateError: a syntax error (with its line) or a template over
+            :data:`MAX_TEMPLATE_BYTES` characters.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        max_chars: int = MAX_OUTPUT_CHARS,
+    ) -> None:
+        import jinja2
+
+        if not isinstance(source, str):
+            raise TypeError(f"source: expected the template text, got {type(source).__name__}")
+        if len(source) > MAX_TEMPLATE_BYTES:
+            raise ChatTemplateError(f"template longer than {MAX_TEMPLATE_BYTES} characters")
+        if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 1:
+            raise ValueError(f"max_chars: expected a positive integer, got {max_chars!r}")
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        self.max_chars = max_chars
+        self.has_generation_tags = False
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as error:
+            raise ChatTemplateError(
+                f"chat template: syntax error at line {error.lineno}: {error.message}"
+            ) from None
+        except jinja2.TemplateError as error:  # e.g. a sandbox violation found while compiling
+            raise ChatTemplateError(f"chat template: {error}") from None
+        self.has_generation_tags = _uses_generation(source)
+
+    @classmethod
+    def from_directory(
+        cls, directory: str | os.PathLike, *, max_chars: int = MAX_OUTPUT_CHARS
+    ) -> "ChatTemplate":
+        """The directory's template (:func:`load_chat_template`) with its special tokens
+        (:func:`load_special_tokens`). Raises as those and the constructor do."""
+        return cls(
+            load_chat_template(directory),
+            special_tokens=load_special_tokens(directory),
+            max_chars=max_chars,
+        )
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        **variables: Any,
+    ) -> str:
+        """The conversation as the template writes it (``{% generation %}`` blocks kept,
+        their tags dropped), as transformers' ``apply_chat_template(tokenize=False)``.
+
+        Args:
+            messages: Hugging Face messages; only JSON data (str, int, float, bool, None,
+                lists, dicts) reaches the template.
+            add_generation_prompt: end with the header of an assistant turn.
+            variables: more template variables (over the special tokens).
+
+        Raises:
+            ChatTemplateError: the template fails (``raise_exception``, a sandbox violation,
+                a type error, ...), or its output would pass ``max_chars``.
+            ValueError: messages that are not JSON data or hold the private-use characters
+                U+E000 / U+E001.
+        """
+        text, _ = self._render(messages, add_generation_prompt, variables)
+        return text
+
+    def render_with_spans(
+        self, messages: Sequence[Mapping[str, Any]], **variables: Any
+    ) -> RenderedChat:
+        """The whole conversation and the character spans its loss covers.
+
+        The rule: with ``{% generation %}`` tags in the template, what those blocks render
+        (transformers' ``return_assistant_tokens_mask``). Otherwise, for each assistant
+        message ``k``, from the end of ``render(messages[:k], add_generation_prompt=True)``
+        to the end of ``render(messages[:k + 1])``, trailing whitespace left out: the
+        assistant's text and what the template closes its turn with (the end-of-turn token),
+        never the header the prompt already ends with. Both renders must be prefixes of the
+        whole conversation's; templates that rewrite earlier turns need generation tags.
+
+        Raises:
+            ChatTemplateError: as :meth:`render`; a template without generation tags whose
+                partial renders are not prefixes of the whole; no span (the template renders
+                no assistant turn).
+        """
+        text, spans = self._render(messages, False, variables)
+        if not self.has_generation_tags:
+            spans = []
+            for k, message in enumerate(messages):
+                if message.get("role") != "assistant":
+                    continue
+                before = self._render(messages[:k], True, variables)[0] if k else ""
+                through = self._render(messages[: k + 1], False, variables)[0]
+                if not (text.startswith(before) and text.startswith(through)):
+                    raise ChatTemplateError(
+                        f"chat template: rendering the conversation up to assistant message {k} "
+                        "does not give a prefix of the whole conversation, so the assistant's "
+                        "tokens cannot be found; add {% generation %} tags around the "
+                        "assistant's text in the template"
+                    )
+                end = len(through.rstrip())
+                if end > len(before):
+                    spans.append((len(before), end))
+        if not spans:
+            raise ChatTemplateError(
+                "chat template: renders no assistant turn for this conversation, so there is "
+                "nothing to train on"
+            )
+        return RenderedChat(text, spans)
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        variables: Mapping[str, Any],
+    ) -> tuple[str, list[tuple[int, int]]]:
+        import jinja2
+
+        context = {
+            **self.special_tokens,
+            **_plain(dict(variables), "variables"),
+            "messages": _plain(list(messages), "messages"),
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": bool(add_generation_prompt),
+        }
+        pieces, size = [], 0
+        try:
+            for piece in self._template.generate(context):
+                size += len(piece)
+                if size > self.max_chars:
+                    raise ChatTemplateError(
+                        f"chat template: output longer than {self.max_chars} characters: refused"
+                    )
+                pieces.append(piece)
+        except ChatTemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as error:
+            raise ChatTemplateError(f"chat template: refused by the sandbox: {error}") from None
+        except jinja2.TemplateError as error:  # raise_exception, undefined names, includes
+            raise ChatTemplateError(f"chat template: {type(error).__name__}: {error}") from None
+        except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as error:
+            raise ChatTemplateError(f"chat template: {type(error).__name__}: {error}") from None
+        except RecursionError:
+            raise ChatTemplateError("chat template: recursion too deep") from None
+        return _take_spans("".join(pieces))
+
+
+def _take_spans(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    """Remove the generation markers from a render; their spans in the clean text."""
+    out, spans, start, length = [], [], None, 0
+    for index, part in enumerate(marked.split(GENERATION_START)):
+        if index and start is not None:
+            raise ChatTemplateError("chat template: nested {% generation %} blocks")
+        if index:
+            start = length
+        ends = part.split(GENERATION_END)
+        if len(ends) > 2 or (len(ends) == 2 and start is None):
+            raise ChatTemplateError("chat template: unbalanced {% generation %} blocks")
+        out.append(ends[0])
+        length += len(ends[0])
+        if len(ends) == 2:
+            assert start is not None
+            if length > start:
+                spans.append((start, length))
+            start = None
+            out.append(ends[1])
+            length += len(ends[1])
+    if start is not None:
+        raise ChatTemplateError("chat template: unbalanced {% generation %} blocks")
+    return "".join(out), spans
+
+
+def _plain(value: Any, where: str) -> Any:
+    """JSON data rebuilt from plain types (subclasses and other objects refused), so the
+    template sees no method beyond those of str, int, float, list and dict."""
+    if value is None or type(value) in (int, float, bool):
+        return value
+    if isinstance(value, str):
+        if GENERATION_START in value or GENERATION_END in value:
+            raise ValueError(f"{where}: holds U+E000 or U+E001, reserved for generation markers")
+        return str.__str__(value)
+    if isinstance(value, int):  # subclasses (enums, numpy ints) carry more methods
+        return bool(value) if isinstance(value, bool) else int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k, where): _plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    raise ValueError(f"{where}: expected JSON data, got {type(value).__name__}")
+
+
+def _uses_generation(source: str) -> bool:
+    import re
+
+    return re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
+
+
+_ENVIRONMENT: Any = None
+
+
+def _environment() -> Any:
+    """The one sandboxed environment (built on first use: jinja2 is imported lazily)."""
+    global _ENVIRONMENT
+    if _ENVIRONMENT is None:
+        _ENVIRONMENT = _build_environment()
+    return _ENVIRONMENT
+
+
+def _build_environment() -> Any:
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``: marks what the assistant writes."""
+
+        tags = {"generation"}  # noqa: RUF012 (Jinja reads the class attribute)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_mark")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller: Any) -> str:
+            return f"{GENERATION_START}{caller()}{GENERATION_END}"
+
+    def raise_exception(message: object) -> None:
+        raise jinja2.TemplateError(str(message))
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        # Jinja's own tojson escapes HTML characters; transformers' writes plain JSON.
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    class Namespace(jinja2.utils.Namespace):
+        """Jinja's ``namespace``, refusing attribute names starting with ``_``."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature: self in args
+            self, rest = args[0], args[1:]
+            attributes = dict(*rest, **kwargs)
+            for name in attributes:
+                _check_name(name)
+            jinja2.utils.Namespace.__init__(self, attributes)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            _check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    def _check_name(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"a namespace attribute may not start with '_', got {name!r}"
+            )
+
+    class Dict:
+        """``dict(...)`` and ``dict.fromkeys(...)``, without the type itself to climb from."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any) -> dict[Any, Any]:
+            return dict.fromkeys(*args)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[Generation, jinja2.ext.loopcontrols],
+        autoescape=False,
+        loader=None,
+    )
+    environment.filters["tojson"] = tojson
+    environment.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=strftime_now,
+        namespace=Namespace,
+        dict=Dict(),
+    )
+    return environment

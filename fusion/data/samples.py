@@ -1,0 +1,320 @@
+"""Conversations -> training samples: token ids, loss labels and pixels, as the model's own
+chat template and processor give them.
+
+The prompt text is the checkpoint's chat template rendered (:class:`ChatTemplate`); a VLM
+directory's text then goes through :class:`fusion.preprocessing.VisionLanguageProcessor`
+(each ``<image>`` expanded to its placeholders, the images processed), tokenised whole with
+the directory's ``tokenizer.json``. The ids are those of transformers'
+``processor.apply_chat_template(conversation, tokenize=True)`` (special tokens added unless
+the text starts with the BOS token, as there) or, for a text-only directory,
+``tokenizer.apply_chat_template(conversation, tokenize=True)`` (never added).
+
+Labels cover the assistant: a token is a target when its characters overlap a span of
+:meth:`ChatTemplate.render_with_spans` (the ``{% generation %}`` blocks, or each assistant
+message with the end-of-turn token, never the header before it) and it is not a placeholder.
+"""
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusion.checkpoint.errors import CheckpointError, as_path
+from fusion.data.chat_template import (
+    GENERATION_END,
+    GENERATION_START,
+    ChatTemplate,
+)
+from fusion.data.conversations import Conversation, DataError
+
+IGNORE_INDEX = -100
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One encoded conversation.
+
+    Attributes:
+        tokens: int64 [n], placeholders included.
+        labels: int64 [n]: ``labels[t]`` is ``tokens[t + 1]`` where that token is a target,
+            else :data:`IGNORE_INDEX` (always at ``t = n - 1``: a sample never predicts what
+            follows it, so packed samples stay apart).
+        pixel_values: float32 [tiles, 3, s, s], the images (LLaVA) or tiles (Idefics3) in order
+            of their placeholders; ``tiles`` is 0 without images (and for text-only models).
+        source: where it comes from (``"file:line"``), for messages.
+        truncated: whether :func:`fit_sample` cut its end.
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    pixel_values: torch.Tensor
+    source: str = ""
+    truncated: bool = False
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def num_targets(self) -> int:
+        """How many tokens the loss covers."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+class ConversationEncoder:
+    """Encodes conversations for one model directory.
+
+    Args:
+        template: the chat template.
+        tokenizer: a ``tokenizers.Tokenizer`` (the directory's ``tokenizer.json``).
+        processor: for a vision-language model, a :class:`VisionLanguageProcessor` whose
+            ``encode`` is this encoder's (build it with :meth:`from_directory`); None for a
+            text-only model (then a conversation with images is refused).
+        placeholder_ids: ids that are never targets (the image token).
+
+    Not thread-safe: one encoder per worker.
+    """
+
+    def __init__(
+        self,
+        template: ChatTemplate,
+        tokenizer: Any,
+        *,
+        processor: Any = None,
+        placeholder_ids: Sequence[int] = (),
+    ) -> None:
+        self.template = template
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.placeholder_ids = tuple(int(i) for i in placeholder_ids)
+        self._add_special_tokens = False
+        self._last: tuple[str, list[tuple[int, int]], Any] | None = None
+
+    @classmethod
+    def from_directory(cls, directory: str | os.PathLike) -> "ConversationEncoder":
+        """For a LLaVA, Idefics3 / SmolVLM or text-only Llama directory: its chat template
+        (:meth:`ChatTemplate.from_directory`), ``tokenizer.json`` and, for a VLM, its
+        processor (:meth:`VisionLanguageProcessor.from_directory`).
+
+        Raises:
+            CheckpointError: no or an unreadable ``tokenizer.json``, a bad ``config.json`` or
+                processor config.
+            ChatTemplateError: no template, or one that does not compile.
+            ImportError: ``tokenizers`` or ``jinja2`` missing.
+        """
+        from fusion.checkpoint.hf_vlm import hf_model_kind
+        from fusion.preprocessing import VisionLanguageProcessor
+
+        directory = as_path(directory, "directory")
+        template = ChatTemplate.from_directory(directory)
+        tokenizer = _load_tokenizer(directory / TOKENIZER_FILE)
+        encoder = cls(template, tokenizer)
+        if hf_model_kind(directory) != "llama":
+            processor = VisionLanguageProcessor.from_directory(directory, encode=encoder._encode)
+            encoder.processor = processor
+            encoder.placeholder_ids = (processor.image_token_id,)
+        return encoder
+
+    def encode(
+        self, messages: Sequence[dict[str, Any]], images: Sequence[object] = (), source: str = ""
+    ) -> Sample:
+        """One conversation -> a :class:`Sample`.
+
+        Args:
+            messages: Hugging Face messages (a :class:`Conversation`'s).
+            images: decoded images in order of appearance (uint8 tensors [c, h, w] or Pillow
+                images).
+            source: where it comes from, kept in the sample.
+
+        Raises:
+            ChatTemplateError: the template fails or renders no assistant turn.
+            ValueError: images that do not match the image markers of the rendered text,
+                images for a text-only model, an image the processor cannot take, no target
+                token left (e.g. an empty answer).
+        """
+        rendered = self.template.render_with_spans(messages)
+        text = _mark(rendered.text, rendered.spans)
+        bos = self.template.special_tokens.get("bos_token")
+        if self.processor is None:
+            if images:
+                raise ValueError(
+                    f"images: {len(images)} given, but the model is text-only (no processor)"
+                )
+            self._add_special_tokens = False  # as the tokenizer's apply_chat_template
+            ids = self._encode(text)
+            pixel_values = torch.empty(0)
+        else:
+            # As the processor's apply_chat_template: special tokens unless the text has BOS.
+            self._add_special_tokens = not (bos and rendered.text.startswith(bos))
+            self._last = None
+            inputs = self.processor([text], list(images))
+            ids = inputs.ids[0]
+            pixel_values = inputs.pixel_values
+        assert self._last is not None
+        _, spans, encoding = self._last
+        self._last = None
+        tokens = torch.tensor(ids, dtype=torch.int64)
+        target = torch.zeros(len(ids), dtype=torch.bool)
+        for index, (start, end) in enumerate(encoding.offsets):
+            if start == end:
+                continue
+            target[index] = any(start < b and end > a for a, b in spans)
+        if self.placeholder_ids:
+            target &= ~torch.isin(tokens, torch.tensor(self.placeholder_ids))
+        labels = torch.where(target, tokens, IGNORE_INDEX).roll(-1)
+        labels[-1] = IGNORE_INDEX
+        if not bool((labels != IGNORE_INDEX).any()):
+            raise ValueError("no target token: the assistant's turns tokenize to nothing")
+        return Sample(tokens, labels, pixel_values, source)
+
+    def _encode(self, marked: str) -> list[int]:
+        """Text with span markers -> ids (the spans kept for :meth:`encode`)."""
+        clean, spans = _unmark(marked)
+        encoding = self.tokenizer.encode(clean, add_special_tokens=self._add_special_tokens)
+        self._last = (clean, spans, encoding)
+        return list(encoding.ids)
+
+    def encode_conversation(self, conversation: Conversation) -> Sample:
+        """:meth:`encode` with the conversation's images decoded
+        (:func:`fusion.preprocessing.load_image`); errors become a :class:`DataError` naming
+        its file and line."""
+        from fusion.preprocessing import load_image
+
+        try:
+            images = [load_image(path) for path in conversation.images]
+            return self.encode(conversation.messages, images, conversation.source)
+        except (ValueError, OSError) as error:
+            raise conversation.error(str(error)) from None
+
+
+def _mark(text: str, spans: Sequence[tuple[int, int]]) -> str:
+    out, last = [], 0
+    for start, end in spans:
+        out += [text[last:start], GENERATION_START, text[start:end], GENERATION_END]
+        last = end
+    out.append(text[last:])
+    return "".join(out)
+
+
+def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    out, spans, length, start = [], [], 0, 0
+    for index, part in enumerate(marked.split(GENERATION_START)):
+        head, _, tail = part.partition(GENERATION_END)
+        if index == 0:
+            out.append(part)
+            length += len(part)
+            continue
+        start = length
+        out += [head, tail]
+        spans.append((start, start + len(head)))
+        length += len(head) + len(tail)
+    return "".join(out), spans
+
+
+def _load_tokenizer(file: Path) -> Any:
+    if not file.is_file():
+        raise CheckpointError(file, None, "missing: encoding conversations needs the tokenizer")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError("reading tokenizer.json needs the tokenizers package") from None
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as error:  # tokenizers raises plain Exception
+        raise CheckpointError(file, None, f"unreadable tokenizer: {error}") from error
+
+
+def fit_sample(
+    sample: Sample,
+    max_seq_len: int,
+    *,
+    truncate: bool = False,
+    placeholder_ids: Sequence[int] = (),
+) -> Sample:
+    """``sample`` if it holds at most ``max_seq_len`` tokens; else, with ``truncate``, its
+    first ``max_seq_len`` tokens (the answer's end cut, ``truncated=True``). A cut must keep
+    every placeholder (``placeholder_ids``): its image's rows could not be placed otherwise.
+
+    Raises:
+        ValueError: too long without ``truncate``; with it, a cut that would drop
+            placeholders (their images' rows could not be placed) or leave no target.
+    """
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise ValueError(f"max_seq_len: expected an integer >= 2, got {max_seq_len!r}")
+    length = len(sample)
+    if length <= max_seq_len:
+        return sample
+    if not truncate:
+        raise ValueError(
+            f"{length} tokens, longer than max_seq_len={max_seq_len} (truncate cuts the answer's "
+            "end)"
+        )
+    kept_labels = sample.labels[:max_seq_len].clone()
+    kept_labels[-1] = IGNORE_INDEX  # its target was cut
+    cut = sample.tokens[max_seq_len:]
+    if placeholder_ids and bool(torch.isin(cut, torch.tensor(list(placeholder_ids))).any()):
+        raise ValueError(
+            f"{length} tokens, and cutting at max_seq_len={max_seq_len} would cut image "
+            "placeholders: the prompt and images alone are too long"
+        )
+    if not bool((kept_labels != IGNORE_INDEX).any()):
+        raise ValueError(
+            f"{length} tokens, and cutting at max_seq_len={max_seq_len} leaves no answer token"
+        )
+    return replace(sample, tokens=sample.tokens[:max_seq_len], labels=kept_labels, truncated=True)
+
+
+@dataclass(frozen=True)
+class EncodedData:
+    """What :func:`encode_conversations` made.
+
+    Attributes:
+        samples: the samples, in file order.
+        skipped: errors of the conversations skipped (``skip_bad=True``).
+        truncated: how many samples were cut (``truncate=True``).
+    """
+
+    samples: list[Sample]
+    skipped: list[DataError] = field(default_factory=list)
+    truncated: int = 0
+
+
+def encode_conversations(
+    encoder: ConversationEncoder,
+    conversations: Sequence[Conversation],
+    *,
+    max_seq_len: int,
+    truncate: bool = False,
+    skip_bad: bool = False,
+) -> EncodedData:
+    """Encode every conversation and fit it to ``max_seq_len`` (:func:`fit_sample`), before
+    any training: the first failure is a :class:`DataError` naming the file, line and
+    problem, or with ``skip_bad`` the conversation is skipped and its error kept.
+
+    Raises:
+        DataError: a conversation that cannot be encoded or fitted (unless ``skip_bad``), or
+            no sample left.
+    """
+    samples, skipped, truncated = [], [], 0
+    for conversation in conversations:
+        try:
+            sample = encoder.encode_conversation(conversation)
+            sample = fit_sample(
+                sample, max_seq_len, truncate=truncate, placeholder_ids=encoder.placeholder_ids
+            )
+        except ValueError as error:
+            bad = error if isinstance(error, DataError) else conversation.error(str(error))
+            if not skip_bad:
+                raise bad from None
+            skipped.append(bad)
+            continue
+        truncated += sample.truncated
+        samples.append(sample)
+    if not samples and conversations:
+        raise DataError(
+            conversations[0].file, None, f"no usable conversation (first: {skipped[0]})"
+        )
+    return EncodedData(samples, skipped, truncated)
