@@ -217,15 +217,23 @@ def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name)
         fail("train_vision", f"{name('train')} full")
     if config.batch_tokens < config.max_seq_len:
         fail("batch_tokens", f"at least {name('max_seq_len')}={config.max_seq_len}")
+    for path in ("model", "data", "eval_data", "output_dir"):
+        if getattr(config, path) == "":
+            fail(path, "a path")
+
+
+def check_command_line(config: FinetuneConfig) -> None:
+    """:func:`check_config`, and the flags a new run (or ``--resume``) needs.
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    check_config(config)
+    if config.resume and config.output_dir is None:
+        raise ValueError("--resume: expected --output-dir, the directory of the run to resume")
     for required in ("model", "data", "output_dir"):
         if not config.resume and getattr(config, required) is None:
-            raise ValueError(f"{name(required)}: required")
-        if getattr(config, required) == "":
-            fail(required, "a path")
-    if config.resume and config.output_dir is None:
-        raise ValueError(
-            f"{name('resume')}: expected {name('output_dir')}, the directory of the run to resume"
-        )
+            raise ValueError(f"{flag_name(required)}: required")
 
 
 def config_to_json(config: FinetuneConfig) -> dict[str, Any]:
@@ -322,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[FinetuneConfig, frozenset
     given = vars(parser.parse_args(argv))
     config = FinetuneConfig(**given)
     try:
-        check_config(config)
+        check_command_line(config)
     except ValueError as error:
         parser.error(str(error))
     return config, frozenset(given)

@@ -144,3 +144,37 @@ def _keep_thread_count():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+# Sizes small enough for a step in tens of milliseconds on one CPU thread.
+TINY = ["--max-seq-len", "128", "--batch-tokens", "512", "--warmup-steps", "2"]
+TINY += ["--threads", "1", "--no-progress"]
+
+
+def recipe_args(model: Path, data: Path, output_dir: Path, *extra: str) -> list[str]:
+    args = ["--model", str(model), "--data", str(data), "--output-dir", str(output_dir)]
+    return [*args, *TINY, *extra]
+
+
+def metrics(output_dir: Path) -> dict:
+    return json.loads((Path(output_dir) / "metrics.json").read_text())
+
+
+class Helpers:
+    """This directory's helpers, for its tests (conftest modules cannot be imported by name
+    next to the suite's own conftest)."""
+
+    ANSWERS = ANSWERS
+    END_OF_TURN = END_OF_TURN
+    TEMPLATE = TEMPLATE
+    write_model = staticmethod(write_model)
+    write_data = staticmethod(write_data)
+    write_images = staticmethod(write_images)
+    hf_record = staticmethod(hf_record)
+    recipe_args = staticmethod(recipe_args)
+    metrics = staticmethod(metrics)
+
+
+@pytest.fixture(scope="session")
+def ft() -> type[Helpers]:
+    return Helpers
