@@ -7,7 +7,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion.decoder import TransformerDecoder
+from fusion.decoder_kinds import (
+    FUSION,
+    HUGGING_FACE,
+    decoder_kind,
+    embedding_module,
+    vocab_size,
+)
 from fusion.merge import IMPLEMENTATIONS, EncoderRows, merge_embeddings
 from fusion.merge.placement import PlaceholderIds
 
@@ -38,15 +44,39 @@ class EarlyFusion(nn.Module):
     """A text decoder with encoders whose outputs replace placeholder tokens' embeddings.
 
     A drop-in replacement for ``decoder``: same ``forward`` signature, same checkpoint keys
-    under ``decoder.``, no module replaced and no state-dict hook. Inside the decoder's forward,
-    text tokens are embedded by calling ``decoder.tok_embeddings`` (whatever module it is:
-    sharded, LoRA-wrapped, quantized, scaled) and encoder rows are written at their
-    placeholders by :func:`fusion.merge_embeddings` (sync-free). Under ``torch.autocast``,
-    lower-precision encoder rows are cast to the text embeddings' dtype; outside it, rows of
-    another dtype are refused.
+    under ``decoder.``, no module replaced and no state-dict hook. Text tokens are embedded by
+    calling the decoder's embedding module (whatever it is: sharded, LoRA-wrapped, quantized,
+    scaled) and encoder rows are written at their placeholders by
+    :func:`fusion.merge_embeddings` (sync-free; placeholder ids never reach the embedding).
+    Under ``torch.autocast``, lower-precision encoder rows are cast to the text embeddings'
+    dtype; outside it, rows of another dtype are refused.
+
+    Three kinds of decoder, told apart once here from what the decoder offers
+    (:func:`fusion.decoder_kinds.decoder_kind`, never by calling it), kept as
+    ``self.decoder_kind``:
+
+    - ``"fusion"``, this library's :class:`TransformerDecoder`: the merge runs inside the
+      decoder's forward (``embed=``), after its hooks, on ``decoder.tok_embeddings``.
+    - ``"torchtune"``, any module with ``tok_embeddings`` and a ``forward`` taking
+      ``input_embeds``: rows are merged into ``decoder.tok_embeddings(tokens)`` and the result
+      is passed as ``decoder(None, input_embeds=..., mask=..., input_pos=..., **kwargs)``
+      (``mask`` and ``input_pos`` only when given), as torchtune's ``EarlyFusionModel`` does.
+    - ``"huggingface"``, a transformers model with ``get_input_embeddings()`` and a ``forward``
+      taking ``inputs_embeds`` (causal LMs and base models): rows are merged into
+      ``decoder.get_input_embeddings()(tokens)`` and passed as
+      ``decoder(inputs_embeds=..., **kwargs)`` (``attention_mask``, ``position_ids``,
+      ``past_key_values``, ``labels``, ...); what it returns (its ``ModelOutput``) is returned.
+      Text only, the embeddings are those the model computes itself from ``input_ids`` (the
+      same module called on the same ids), so the output is bitwise the decoder's own on
+      ``input_ids=tokens`` (tested), and placeholder ids are still checked.
+
+    For the last two the merge runs before the decoder's forward, so outside the decoder's own
+    hooks: a sharding plan must leave the embedding in a unit of its own or in the
+    ``EarlyFusion``'s root unit (see the README's sharding notes).
 
     Args:
-        decoder: the text decoder; kept as ``self.decoder``, still callable on its own.
+        decoder: the text decoder (one of the kinds above); kept as ``self.decoder``, still
+            callable on its own.
         encoders: encoder name -> module. An encoder returns its rows for the batch: a tensor
             (packed: ``[n_rows, d]`` or ``[n_media, tokens_per_media, d]``, in order of
             appearance of the placeholders) or a :class:`fusion.Packed` / :class:`fusion.Padded`.
@@ -63,15 +93,21 @@ class EarlyFusion(nn.Module):
             checks placeholder counts on the host, with a synchronisation, on any device).
 
     Raises:
-        TypeError: ``decoder`` is not a :class:`TransformerDecoder`, an encoder is not a module,
-            or a placeholder id is not a Python int.
+        TypeError: ``decoder`` is none of the kinds above (the message names what was looked
+            for), or a ``torch.compile`` / DDP wrapper of one; an encoder is not a module; a
+            placeholder id is not a Python int.
         ValueError: the names of ``encoders``, ``encoder_tokens`` and a dict
             ``encoders_trainable`` differ, placeholder ids repeat, or ``merge_impl`` is unknown.
     """
 
+    # One of the three kinds: typed Any, so that code written for this library's decoder
+    # (``model.decoder.vocab_size``, ...) type-checks; ``decoder_kind`` says which it is.
+    decoder: Any
+    decoder_kind: str
+
     def __init__(
         self,
-        decoder: TransformerDecoder,
+        decoder: nn.Module,
         encoders: Mapping[str, nn.Module],
         encoder_tokens: Mapping[str, int],
         *,
@@ -82,11 +118,7 @@ class EarlyFusion(nn.Module):
         eager_checks: bool | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(decoder, TransformerDecoder):
-            raise TypeError(
-                "decoder: expected a fusion TransformerDecoder (wrap the EarlyFusion, not the "
-                f"decoder, in torch.compile or DDP), got {type(decoder).__name__}"
-            )
+        kind = decoder_kind(decoder)
         if not isinstance(encoders, Mapping) or not all(
             isinstance(e, nn.Module) for e in encoders.values()
         ):
@@ -105,6 +137,7 @@ class EarlyFusion(nn.Module):
             listed = ", ".join(f"{arg} has {sorted(n)}" for arg, n in names.items())
             raise ValueError(f"encoders, encoder_tokens: expected the same names, got: {listed}")
         self.decoder = decoder
+        self.decoder_kind = kind
         self.encoders = nn.ModuleDict(encoders)
         self.encoder_tokens = encoder_tokens
         self.merge_impl = merge_impl
@@ -157,41 +190,71 @@ class EarlyFusion(nn.Module):
         encoder_input: Mapping[str, Any] | None = None,
         input_pos: torch.Tensor | None = None,
         **kwargs: Any,
-    ) -> torch.Tensor | list[torch.Tensor]:
+    ) -> Any:
         """Merge encoder rows into the embeddings of ``tokens`` [b, s] and run the decoder.
 
         Args:
             tokens: ids [b, s], with placeholder ids where encoder rows go.
-            mask, input_pos, kwargs: passed to the decoder (see ``TransformerDecoder.forward``).
+            mask, input_pos: passed to a fusion or torchtune-style decoder (see
+                ``TransformerDecoder.forward``); a Hugging Face decoder takes
+                ``attention_mask`` and ``position_ids`` in ``kwargs`` instead.
+            kwargs: passed to the decoder as they are.
             encoder_input: see :meth:`encode`. Encoders without input have no rows, so their
                 placeholders must not appear.
 
         Returns:
-            what the decoder returns: float32 logits [b, s, vocab] by default. With no encoder
-            input and no placeholder, bitwise equal to ``decoder(tokens)``.
+            what the decoder returns: for this library's decoder float32 logits
+            [b, s, vocab] by default; a Hugging Face model's ``ModelOutput``. With no encoder
+            input and no placeholder, bitwise equal to ``decoder(tokens)`` (Hugging Face:
+            ``decoder(input_ids=tokens, **kwargs)``).
 
         Raises:
             ValueError: unknown encoder names, or placeholder counts that do not match the rows
-                (see :func:`fusion.merge_embeddings`), before any decoder layer runs.
+                (see :func:`fusion.merge_embeddings`); rows of another width or dtype than the
+                text embeddings; ``mask`` or ``input_pos`` given to a Hugging Face decoder, or
+                ``kwargs`` holding the embeddings or ids this model computes. All before any
+                decoder layer runs.
         """
+        kind = self.decoder_kind
+        if kind != FUSION:
+            _check_foreign_arguments(kind, mask, input_pos, kwargs)
         rows = self.encode(encoder_input or {})
+        if kind == FUSION:
 
-        def embed(tok_embeddings: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-            # Called inside the decoder's forward, so the embedding is called as the decoder
-            # would call it, after the decoder's own hooks (FSDP unshard and the like).
-            return merge_embeddings(
-                ids,
-                tok_embeddings,
-                rows,
-                self.encoder_tokens,
-                impl=self.merge_impl,
-                vocab_size=self.decoder.vocab_size,
-                eager_checks=self.eager_checks,
-            )
+            def embed(tok_embeddings: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+                # Called inside the decoder's forward, so the embedding is called as the
+                # decoder would call it, after the decoder's own hooks (FSDP unshard and the
+                # like).
+                return merge_embeddings(
+                    ids,
+                    tok_embeddings,
+                    rows,
+                    self.encoder_tokens,
+                    impl=self.merge_impl,
+                    vocab_size=self.decoder.vocab_size,
+                    eager_checks=self.eager_checks,
+                )
 
-        return self.decoder(tokens, mask=mask, input_pos=input_pos, embed=embed, **kwargs)
+            return self.decoder(tokens, mask=mask, input_pos=input_pos, embed=embed, **kwargs)
+        embedding = embedding_module(self.decoder, kind)
+        embeds = merge_embeddings(
+            tokens,
+            embedding,
+            rows,
+            self.encoder_tokens,
+            impl=self.merge_impl,
+            vocab_size=vocab_size(self.decoder, kind, embedding),
+            eager_checks=self.eager_checks,
+        )
+        if kind == HUGGING_FACE:
+            return self.decoder(inputs_embeds=embeds, **kwargs)
+        given = {"mask": mask, "input_pos": input_pos}
+        kwargs = {**{k: v for k, v in given.items() if v is not None}, **kwargs}
+        return self.decoder(None, input_embeds=embeds, **kwargs)
 
     # ------------------------------------------------------------------ delegated to the decoder
+    # A Hugging Face decoder keeps its cache in ``past_key_values`` and has none of these; a
+    # torchtune-style one has those it defines.
 
     def setup_caches(
         self,
@@ -244,3 +307,29 @@ class EarlyFusion(nn.Module):
     @output_hidden_states.setter
     def output_hidden_states(self, value: list[int]) -> None:
         self.decoder.output_hidden_states = list(value)
+
+
+def _check_foreign_arguments(
+    kind: str, mask: Any, input_pos: Any, kwargs: Mapping[str, Any]
+) -> None:
+    """Arguments a torchtune-style or Hugging Face decoder would take silently (into
+    ``**kwargs``) or twice, refused by name before anything runs."""
+    if kind == HUGGING_FACE:
+        for name, value, instead in (
+            ("mask", mask, "attention_mask"),
+            ("input_pos", input_pos, "position_ids"),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"{name}: a Hugging Face decoder takes {instead} (a keyword passed to it "
+                    f"as it is), not {name}"
+                )
+        computed = ("input_ids", "inputs_embeds")
+    else:
+        computed = ("tokens", "input_embeds")
+    for name in computed:
+        if name in kwargs:
+            raise ValueError(
+                f"{name}: EarlyFusion computes the decoder's input embeddings from tokens "
+                f"(its first argument); got {name} as well"
+            )
