@@ -2,15 +2,16 @@
 and caption image files with what it trained.
 
 ``python -m recipes.captioner --help`` lists the training flags; under ``torchrun`` it runs DDP
-or FSDP2. ``python -m recipes.captioner.caption --checkpoint DIR IMAGE...`` (or
+or FSDP2. Process setup, checkpoints, train state and reports are :mod:`fusion.training`'s.
+``python -m recipes.captioner.caption --checkpoint DIR IMAGE...`` (or
 :func:`recipes.captioner.caption.caption`) captions images.
 """
 
+from fusion.training import TrainingError, read_model_state_dict
 from recipes.captioner.cli import main
 from recipes.captioner.config import TrainConfig, parse_config
-from recipes.captioner.errors import TrainingError
 from recipes.captioner.model import build_decoder, build_model, build_tokenizer
-from recipes.captioner.train_checkpoint import load_model, read_model_state_dict
+from recipes.captioner.train_checkpoint import load_model
 
 __all__ = [
     "TrainConfig",

@@ -19,12 +19,11 @@ from typing import Any, NoReturn
 import torch
 
 from fusion.preprocessing import as_uint8_image, load_image, resize, to_rgb
-from recipes.captioner.distributed import resolve_device
-from recipes.captioner.errors import TrainingError, one_line
+from fusion.training import TrainingError, checkpoint_dir, one_line, resolve_device
 from recipes.captioner.evaluate import greedy_captions
 from recipes.captioner.model import build_tokenizer, tokens_per_image
 from recipes.captioner.state import load_train_state
-from recipes.captioner.train_checkpoint import checkpoint_dir, load_model
+from recipes.captioner.train_checkpoint import load_model
 
 PROG = "python -m recipes.captioner.caption"
 

@@ -1,7 +1,6 @@
 """``python -m recipes.captioner``: train, checkpoint, evaluate and check the early-fusion model."""
 
 import dataclasses
-import os
 import sys
 import tempfile
 import time
@@ -14,31 +13,31 @@ import torch
 import torch.distributed as dist
 
 from fusion.checkpoint import select_prefix
-from fusion.checkpoint.files import fsync_path
+from fusion.training import (
+    INSTALL_TRAIN_EXTRA,
+    Runtime,
+    TrainingError,
+    TrainState,
+    checkpoint_root,
+    init_runtime,
+    latest_checkpoint,
+    log,
+    newest_intact_checkpoint,
+    one_line,
+    plot_losses,
+    plotting_unavailable,
+    progress_unavailable,
+    read_model_state_dict,
+    set_aside_damaged,
+    shutdown,
+    write_json,
+)
 from recipes.captioner.batching import encode_captions
 from recipes.captioner.config import TrainConfig, parse_args, resumed_config
-from recipes.captioner.distributed import Runtime, init_runtime, shutdown
-from recipes.captioner.errors import TrainingError, one_line
 from recipes.captioner.evaluate import exact_match, greedy_captions
 from recipes.captioner.model import build_decoder, build_tokenizer, tokens_per_image
-from recipes.captioner.report import plot_losses, plotting_unavailable, write_json
-from recipes.captioner.state import TrainState
-from recipes.captioner.train_checkpoint import (
-    checkpoint_root,
-    inspect_checkpoint,
-    latest_checkpoint,
-    list_checkpoints,
-    load_model,
-    read_model_state_dict,
-)
-from recipes.captioner.trainer import (
-    INSTALL_TRAIN_EXTRA,
-    TrainResult,
-    check_resume_state,
-    log,
-    progress_unavailable,
-    train,
-)
+from recipes.captioner.train_checkpoint import inspect_checkpoint, load_model
+from recipes.captioner.trainer import TrainResult, check_resume_state, train
 
 PROG = "python -m recipes.captioner"
 
@@ -62,45 +61,17 @@ def _flat(message: object) -> str:
     return " ".join(str(message).splitlines())
 
 
-def newest_intact_checkpoint(root: Path) -> tuple[Path, TrainState, list[tuple[Path, str]]]:
-    """The newest checkpoint under ``root`` whose files all check out
-    (:func:`inspect_checkpoint`, :func:`check_resume_state`), its train state, and the newer
-    ones that are damaged, each with what is wrong with it.
+def inspect_for_resume(path: Path) -> TrainState:
+    """Check every file of checkpoint ``path`` (:func:`inspect_checkpoint`) and that its
+    scheduler and optimizer state fit what :func:`~recipes.captioner.trainer.setup` builds
+    (:func:`check_resume_state`); returns its train state.
 
     Raises:
-        TrainingError: there is no checkpoint, or none is intact (naming what is wrong with
-            each).
+        TrainingError: naming the file (and key) that is damaged or does not fit.
     """
-    damaged: list[tuple[Path, str]] = []
-    for _, path in reversed(list_checkpoints(root)):
-        try:
-            state = inspect_checkpoint(path)
-            check_resume_state(path, state)
-        except TrainingError as error:
-            damaged.append((path, str(error)))
-        else:
-            return path, state, damaged
-    if not damaged:
-        raise TrainingError(
-            f"--resume: no checkpoint in {root} (expected step_<N> directories); "
-            "run without --resume to start a new run"
-        )
-    reasons = "; ".join(reason for _, reason in damaged)
-    raise TrainingError(f"--resume: no intact checkpoint in {root}: {reasons}")
-
-
-def _set_aside(path: Path) -> Path:
-    """Rename the damaged checkpoint ``path`` out of the ``step_<N>`` names (never delete it):
-    the resumed run would otherwise replace it when it saves that step again, and the next
-    ``--resume`` would trip over it again."""
-    target = path.with_name(f"{path.name}.damaged")
-    n = 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}.damaged-{n}")
-    os.replace(path, target)
-    fsync_path(path.parent)
-    return target
+    state = inspect_checkpoint(path)
+    check_resume_state(path, state)
+    return state
 
 
 @dataclass(frozen=True)
@@ -158,13 +129,11 @@ def _plan_start(
         _check_writable(output_dir, root)
         return Start(config, output_dir, None)
 
-    resume, state, damaged = newest_intact_checkpoint(root)
+    resume, state, damaged = newest_intact_checkpoint(root, inspect_for_resume)
     config = resumed_config(config, given, state.config, state.step)
     _check_batch_split(config.batch_size, world_size, f" (the batch size of {resume.name})")
     _check_writable(output_dir, root)
-    for path, reason in damaged:
-        kept = _set_aside(path)
-        warn(f"{reason}; resuming from the older {resume.name}; the damaged one is kept as {kept}")
+    set_aside_damaged(damaged, resume, warn)
     return Start(config, output_dir, resume)
 
 
@@ -230,7 +199,12 @@ def _plot(losses: list[float], path: Path, accuracy: float) -> Path | None:
     if plotting_unavailable(INSTALL_TRAIN_EXTRA) is not None:
         return None
     try:
-        plot_losses(losses, path, title=f"shapes captioning: held-out exact match {accuracy:.1%}")
+        plot_losses(
+            losses,
+            path,
+            title=f"shapes captioning: held-out exact match {accuracy:.1%}",
+            ylabel="cross-entropy on caption tokens",
+        )
     except ImportError as error:  # matplotlib is there but a part of it is not
         warn(f"no loss plot: {error}; reinstall matplotlib with: {INSTALL_TRAIN_EXTRA}")
         return None

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from recipes.captioner.errors import TrainingError
+from fusion.training.errors import TrainingError
 
 
 def _opt(default: Any, help: str, group: str, **kwargs: Any) -> Any:

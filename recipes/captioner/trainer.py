@@ -1,40 +1,36 @@
 """The training loop, in steps: :func:`setup` builds what a run trains with, :func:`resume_from`
 restores a checkpoint into it, :func:`train_step` is one optimizer step, :func:`train` runs the
-loop and checkpoints :class:`~recipes.captioner.state.TrainState`."""
+loop and checkpoints :class:`fusion.training.TrainState` (:mod:`fusion.training` does the
+process setup, checkpoints and progress bar)."""
 
 import math
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.captioner.batching import IGNORE_INDEX, CaptionDataset, EpochSampler
-from recipes.captioner.config import TrainConfig
-from recipes.captioner.distributed import Runtime, wrap_model
-from recipes.captioner.model import build_model, build_tokenizer, image_input, tokens_per_image
-from recipes.captioner.shapes import ShapesSplit, make_splits
-from recipes.captioner.state import TrainState, match_saved
-from recipes.captioner.train_checkpoint import (
+from fusion.training import (
+    Runtime,
+    TrainState,
     checkpoint_root,
-    load_train_state,
-    load_training_checkpoint,
+    log,
+    match_saved,
+    progress_bar,
+    restore_checkpoint,
     save_checkpoint,
     step_dir,
+    wrap_model,
 )
-
-try:
-    from tqdm import tqdm
-except ImportError:  # part of the optional `train` extra: without it, no progress bar
-    tqdm = None
-
-INSTALL_TRAIN_EXTRA = "pip install -e '.[train]'"
+from recipes.captioner.batching import IGNORE_INDEX, CaptionDataset, EpochSampler
+from recipes.captioner.config import TrainConfig
+from recipes.captioner.model import build_model, build_tokenizer, image_input, tokens_per_image
+from recipes.captioner.shapes import ShapesSplit, make_splits
+from recipes.captioner.state import load_train_state, train_state
 
 
 @dataclass
@@ -47,36 +43,6 @@ class TrainResult:
     heldout: ShapesSplit
     start_step: int
     train_seconds: float
-
-
-def log(runtime: Runtime, message: str) -> None:
-    """Print on the main process only, without breaking the progress bar."""
-    if runtime.is_main:
-        if tqdm is None:
-            print(message)
-        else:
-            tqdm.write(message, file=sys.stdout)
-        sys.stdout.flush()
-
-
-def progress_unavailable() -> str | None:
-    """Why there can be no progress bar, or None."""
-    if tqdm is None:
-        return f"no progress bar: tqdm is not installed; install it with: {INSTALL_TRAIN_EXTRA}"
-    return None
-
-
-class _NoBar:
-    """The progress bar's interface, doing nothing (bar off, or tqdm not installed)."""
-
-    def set_postfix(self, **kwargs: object) -> None:
-        pass
-
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -142,7 +108,7 @@ def setup(config: TrainConfig, runtime: Runtime) -> Setup:
     torch.manual_seed(config.seed)
     model = build_model(config)
     num_params = sum(p.numel() for p in model.parameters())
-    wrapped = wrap_model(model, runtime, config.parallel)
+    wrapped = wrap_model(model, runtime, config.parallel, per_module=False)
     optimizer, scheduler = build_optimizer(wrapped.parameters(), config)
     sampler = EpochSampler(len(dataset), config.seed)
     return Setup(
@@ -159,13 +125,16 @@ def resume_from(run: Setup, checkpoint: Path) -> TrainState:
             before anything is loaded.
     """
     state = load_train_state(checkpoint)
-    # Checked against the live scheduler's own state before anything is loaded.
-    scheduler_state = match_saved(
-        checkpoint, "scheduler", state.scheduler, run.scheduler.state_dict()
+    runtime = run.runtime
+    restore_checkpoint(
+        checkpoint,
+        state,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        rank=runtime.rank,
+        device=runtime.device,
     )
-    load_training_checkpoint(checkpoint, run.model, run.optimizer, state)
-    run.scheduler.load_state_dict(scheduler_state)
-    state.rng_of(run.runtime.rank).restore(run.runtime.device)
     return state
 
 
@@ -204,20 +173,6 @@ def train_step(run: Setup, step: int) -> torch.Tensor:
     return step_loss
 
 
-def _progress_bar(run: Setup, start_step: int) -> Any:
-    """tqdm's bar on the main process (unless turned off or not installed), else a no-op."""
-    if not (run.runtime.is_main and run.config.progress and tqdm is not None):
-        return _NoBar()
-    return tqdm(
-        total=run.config.steps,
-        initial=start_step,
-        desc="training",
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
-    )
-
-
 def train(
     config: TrainConfig, runtime: Runtime, output_dir: Path, resume: Path | None
 ) -> TrainResult:
@@ -254,7 +209,7 @@ def train(
     checkpoint = resume if resume is not None else step_dir(root, config.steps)
     pending: list[torch.Tensor] = []  # losses not read back yet: one host sync per log_every
     run.model.train()
-    bar = _progress_bar(run, start_step)
+    bar = progress_bar(runtime, total=config.steps, initial=start_step, enabled=config.progress)
     start = time.perf_counter()
     for step in range(start_step, config.steps):
         pending.append(train_step(run, step))
@@ -266,7 +221,7 @@ def train(
             bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
         bar.update(1)
         if save:
-            state = TrainState(
+            state = train_state(
                 step=done,
                 losses=losses,
                 config=config,

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fusion.training import save_checkpoint
 from recipes.captioner import build_model, build_tokenizer, main
-from recipes.captioner import train_checkpoint as ckpt
 from recipes.captioner.config import TrainConfig
 from recipes.captioner.model import image_input
-from recipes.captioner.state import TrainState
+from recipes.captioner.state import train_state
 
 # `python -m recipes...` in a subprocess started elsewhere than the repository root.
 REPOSITORY = Path(__file__).resolve().parents[3]
@@ -128,7 +128,7 @@ class Small:
         return model, optimizer
 
     def save(self, root: Path, step: int, model, optimizer, keep: int = 3) -> Path:
-        state = TrainState(
+        state = train_state(
             step=step,
             losses=[1.0] * step,
             config=self.config,
@@ -136,9 +136,7 @@ class Small:
             parallel="none",
             scheduler={},
         )
-        return ckpt.save_checkpoint(
-            root, model, optimizer, state, device=torch.device("cpu"), keep=keep
-        )
+        return save_checkpoint(root, model, optimizer, state, device=torch.device("cpu"), keep=keep)
 
 
 @pytest.fixture(scope="session")

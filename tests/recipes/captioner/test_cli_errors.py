@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-import recipes.captioner.train_checkpoint
+import fusion.training.checkpoint
+import fusion.training.report
 import recipes.captioner.trainer
 from recipes.captioner import main
 
@@ -96,7 +97,7 @@ def test_without_matplotlib_the_metrics_are_written(job, tmp_path, capsys, monke
 
 
 def test_without_tqdm_there_is_no_progress_bar(job, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(recipes.captioner.trainer, "tqdm", None)
+    monkeypatch.setattr(fusion.training.report, "tqdm", None)
     out = tmp_path / "run"
     capsys.readouterr()
     assert main(job.tiny("--steps", "2", "--progress", "--output-dir", str(out))) == 0
@@ -112,7 +113,7 @@ def test_a_full_disk_while_training_is_one_line(job, tmp_path, capsys, monkeypat
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(recipes.captioner.train_checkpoint, "atomic_write_bytes", full)
+    monkeypatch.setattr(fusion.training.checkpoint, "atomic_write_bytes", full)
     out = tmp_path / "run"
     err = _fails_in_one_line(job, job.tiny("--steps", "2", "--output-dir", str(out)), capsys, 1)
     assert "I/O error: [Errno 28] No space left on device" in err

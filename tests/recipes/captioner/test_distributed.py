@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fusion.checkpoint import select_prefix
+from fusion.training import latest_checkpoint
 from recipes.captioner import (
     build_decoder,
     build_tokenizer,
@@ -14,7 +15,7 @@ from recipes.captioner import (
     read_model_state_dict,
 )
 from recipes.captioner.model import image_input
-from recipes.captioner.train_checkpoint import latest_checkpoint, load_train_state
+from recipes.captioner.state import load_train_state
 
 # Two processes sum the same per-token losses in a different order (and reduce gradients over
 # gloo), so the losses agree to float32 rounding, not bitwise; 1e-4 relative leaves a wide

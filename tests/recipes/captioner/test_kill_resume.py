@@ -4,8 +4,9 @@ import re
 import signal
 import subprocess
 
+from fusion.training import latest_checkpoint, list_checkpoints
 from recipes.captioner import main
-from recipes.captioner.train_checkpoint import latest_checkpoint, list_checkpoints, load_train_state
+from recipes.captioner.state import load_train_state
 
 STEPS = 60
 

@@ -11,8 +11,12 @@ LIBRARY = Path(fusion.__file__).parent
 
 
 def test_the_library_ships_no_demo():
-    for name in ("fusion.training", "fusion.data"):
-        assert importlib.util.find_spec(name) is None, name
+    # What every recipe needs is the library's (fusion.training); the captioner's own parts
+    # (its config, model and data) are not.
+    import fusion.training
+
+    assert not {"TrainConfig", "build_model", "load_model"} & set(vars(fusion.training))
+    assert importlib.util.find_spec("fusion.training.shapes") is None
     demo = {"VisionEncoder", "PatchEmbedding", "VisionTransformerLayer"}
     assert not demo & set(fusion.encoders.__all__)
     assert not demo & set(vars(fusion.encoders))

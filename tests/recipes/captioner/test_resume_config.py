@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from fusion.training import latest_checkpoint, list_checkpoints
 from recipes.captioner import TrainingError, main
 from recipes.captioner.config import TrainConfig, resumed_config
-from recipes.captioner.train_checkpoint import latest_checkpoint, list_checkpoints, load_train_state
+from recipes.captioner.state import load_train_state
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:

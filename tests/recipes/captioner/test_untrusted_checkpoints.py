@@ -21,8 +21,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import recipes.captioner.model
+from fusion.training import load_training_checkpoint
 from recipes.captioner import TrainingError, load_model, main, read_model_state_dict
-from recipes.captioner import train_checkpoint as ckpt
+from recipes.captioner.train_checkpoint import inspect_checkpoint
 
 DATA = "__0_0.distcp"
 PLANTED = "model.decoder.norm.scale"  # a model tensor every loader reads
@@ -144,9 +145,7 @@ def test_planted_code_never_runs(kind, checkpoint, small, tmp_path, capsys):
     loaders = {
         "load_model": lambda: load_model(checkpoint),
         "read_model_state_dict": lambda: read_model_state_dict(checkpoint),
-        "load_training_checkpoint": lambda: ckpt.load_training_checkpoint(
-            checkpoint, model, optimizer
-        ),
+        "load_training_checkpoint": lambda: load_training_checkpoint(checkpoint, model, optimizer),
     }
     for name, load in loaders.items():
         if name == "read_model_state_dict" and "train_state" in kind:
@@ -260,7 +259,7 @@ def test_malformed_train_state_is_refused_before_anything_is_built(case, checkpo
         return build(config)
 
     monkeypatch.setattr(recipes.captioner.model, "build_model", recording_build)
-    for load in (load_model, ckpt.inspect_checkpoint):
+    for load in (load_model, inspect_checkpoint):
         with pytest.raises(TrainingError) as error:
             load(checkpoint)
         assert message in str(error.value) and str(checkpoint) in str(error.value)

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fusion._io import NotRegularFile, open_regular
-from recipes.captioner.errors import TrainingError, one_line
+from fusion.training.errors import TrainingError, one_line
 
 METADATA = ".metadata"
 # Far above what a model's metadata needs (about 1 KB per tensor), far below a memory problem.

@@ -1,4 +1,13 @@
-"""Process setup for the training job: one process, or many under ``torchrun`` (DDP / FSDP2)."""
+"""Process setup for a training job: one process, or many under ``torchrun`` (DDP / FSDP2).
+
+A recipe calls :func:`init_runtime` first (it starts the process group when ``torchrun``
+launched it), :func:`wrap_model` on the model it built, and :func:`shutdown` at the end::
+
+    runtime = init_runtime("auto")          # Runtime(rank, world_size, ..., device)
+    model = wrap_model(model, runtime, "fsdp")
+    ...
+    shutdown(runtime)
+"""
 
 import os
 from dataclasses import dataclass
@@ -9,9 +18,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from fusion import EarlyFusion
 from fusion.parallel import apply_fsdp
-from recipes.captioner.errors import TrainingError, one_line
+from fusion.training.errors import TrainingError, one_line
+
+PARALLEL_CHOICES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -26,19 +36,25 @@ class Runtime:
 
     @property
     def is_main(self) -> bool:
+        """Whether this is rank 0, the process that writes reports and logs."""
         return self.rank == 0
 
 
 def launched_by_torchrun() -> bool:
+    """Whether ``torchrun`` started this process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
-    """``auto``: CUDA when available; a process gets the GPU of its local rank.
+    """The device ``name`` (``"auto"``, ``"cpu"`` or ``"cuda"``) names for the process of
+    ``local_rank``: ``auto`` is CUDA when available; a process gets the GPU of its local rank.
 
     Raises:
-        TrainingError: ``cuda`` requested without a CUDA device, or too few GPUs.
+        TrainingError: another name, ``cuda`` requested without a CUDA device, or too few
+            GPUs.
     """
+    if name not in ("auto", "cpu", "cuda"):
+        raise TrainingError(f"--device: expected 'auto', 'cpu' or 'cuda', got {name!r:.40}")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
@@ -93,20 +109,31 @@ def init_runtime(device: str) -> Runtime:
 
 
 def shutdown(runtime: Runtime) -> None:
+    """End the process group :func:`init_runtime` started (if any, and not ended yet)."""
     if runtime.distributed and dist.is_initialized():
         dist.destroy_process_group()
 
 
-def wrap_model(model: EarlyFusion, runtime: Runtime, parallel: str) -> nn.Module:
-    """Move ``model`` to the device and, when distributed, wrap it.
+def wrap_model(
+    model: nn.Module, runtime: Runtime, parallel: str, *, per_module: bool = True
+) -> nn.Module:
+    """Move ``model`` to the device and, when distributed, wrap it; one process gets the model
+    back unwrapped.
 
     ``ddp``: ``DistributedDataParallel``, a full replica per process, gradients averaged.
-    ``fsdp``: FSDP2 ``fully_shard`` on every encoder and decoder block, then on the whole model
-    (embeddings, norms, patch embedding and projection head), so each process holds a shard of
-    every parameter and of the optimizer state (:func:`fusion.parallel.apply_fsdp` with
-    ``per_module=False``).
-    Both average gradients over processes; the training loss is scaled to match.
+    ``fsdp``: FSDP2 ``fully_shard`` by :func:`fusion.parallel.apply_fsdp` (``model`` is a
+    ``TransformerDecoder`` or has one as ``.decoder``, such as ``EarlyFusion``): with
+    ``per_module`` each block of the encoders and the decoder, the embedding and the norm with
+    the output, then the root; without it the blocks, then the whole model (embeddings, norms,
+    the rest). Each process holds a shard of every parameter and of the optimizer state.
+    Both average gradients over processes; a recipe scales its loss to match.
+
+    Raises:
+        ValueError: ``parallel`` is not ``"ddp"`` or ``"fsdp"``.
+        TypeError: ``fsdp`` for a model with no decoder (from ``apply_fsdp``).
     """
+    if parallel not in PARALLEL_CHOICES:
+        raise ValueError(f"parallel: expected one of {list(PARALLEL_CHOICES)}, got {parallel!r}")
     model = model.to(runtime.device)
     if not runtime.distributed:
         return model
@@ -114,4 +141,4 @@ def wrap_model(model: EarlyFusion, runtime: Runtime, parallel: str) -> nn.Module
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
     mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
-    return apply_fsdp(model, mesh, per_module=False)
+    return apply_fsdp(model, mesh, per_module=per_module)

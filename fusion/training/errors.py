@@ -1,0 +1,13 @@
+"""The one error type of training jobs, reported as a one-line message and exit status 1."""
+
+
+class TrainingError(RuntimeError):
+    """A problem with a training job's input (flags, output directory, data, checkpoints),
+    found before anything was changed on disk. The message is one line meant for the user:
+    it names the file (and key) or the flag at fault."""
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message as one line (torch's are often many), for a one-line report."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
