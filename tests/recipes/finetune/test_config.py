@@ -77,7 +77,7 @@ def test_resume_restores_the_stored_run_and_refuses_changes(tmp_path):
     assert resumed.resume and resumed.output_dir == "out"
 
     config, given = parse_args(["--resume", "--output-dir", "out", "--lr", "0.5"])
-    with pytest.raises(TrainingError, match="--lr: the checkpoint was trained with 0.001"):
+    with pytest.raises(TrainingError, match=r"--lr: the checkpoint was trained with 0\.001"):
         resumed_config(config, given, stored, step=5)
     config, given = parse_args(["--resume", "--output-dir", "out", "--steps", "3"])
     with pytest.raises(TrainingError, match="--steps: expected at least the checkpoint's step 5"):
@@ -87,9 +87,9 @@ def test_resume_restores_the_stored_run_and_refuses_changes(tmp_path):
 def test_a_stored_config_is_checked_key_by_key(tmp_path):
     file = Path(tmp_path / "train_state.json")
     values = config_to_json(parse_args(REQUIRED)[0])
-    with pytest.raises(TrainingError, match="key 'config.lr': expected float, got 'x'"):
+    with pytest.raises(TrainingError, match=r"key 'config\.lr': expected float, got 'x'"):
         config_from_json({**values, "lr": "x"}, file)
     with pytest.raises(TrainingError, match=r"unknown keys \['evil'\]"):
         config_from_json({**values, "evil": 1}, file)
-    with pytest.raises(TrainingError, match="key 'config.lora_rank': expected a positive"):
+    with pytest.raises(TrainingError, match=r"key 'config\.lora_rank': expected a positive"):
         config_from_json({**values, "lora_rank": 0}, file)

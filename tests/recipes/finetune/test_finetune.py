@@ -50,7 +50,7 @@ def answer_ids(final, data, kind: str, end_of_turn: str) -> list[tuple[list[int]
             stop_tokens=[end], pad_id=PAD,
         )  # fmt: skip
         answer = conversation.messages[-1]["content"][0]["text"]
-        expected = tokenizer.encode(answer, add_special_tokens=False).ids + [end]
+        expected = [*tokenizer.encode(answer, add_special_tokens=False).ids, end]
         pairs.append((out[0, tokens.size(1) :].tolist()[: len(expected)], expected))
     return pairs
 
@@ -150,7 +150,7 @@ def model_dirs_of(run) -> str:
 
 
 def test_resume_is_bitwise(lora_run, tmp_path, ft):
-    _, out, argv = lora_run
+    _, out, _ = lora_run
     copy = tmp_path / "run"
     shutil.copytree(out, copy)
     shutil.rmtree(copy / "final")

@@ -1,0 +1,141 @@
+"""Bad input is found before training: one line naming the file, line and problem, exit 1,
+nothing in the output directory lost; --skip-bad-samples and --truncate count what they do."""
+
+import json
+import shutil
+
+import pytest
+
+from recipes.finetune import main
+
+LONG = "a" * 300  # longer than the tiny --max-seq-len of 128 tokens
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, ft):
+    directory = tmp_path_factory.mktemp("data")
+    ft.write_images(directory, 2)
+    (directory / "broken.png").write_bytes(b"not a png")
+    return directory
+
+
+def lines(ft) -> dict[str, tuple[str, str]]:
+    """Bad line -> (the line, what the message says)."""
+    markers = {
+        "image": "img0.png",
+        "conversations": [
+            {"from": "human", "value": "<image><image> hi"},
+            {"from": "gpt", "value": "x"},
+        ],
+    }
+    roleless = {"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}
+    return {
+        "missing image": (json.dumps(ft.hf_record("x", "nope.png")), "nope.png': no such file"),
+        "undecodable image": (json.dumps(ft.hf_record("x", "broken.png")), "not an image"),
+        "marker count": (json.dumps(markers), "2 image marker(s) '<image>'"),
+        "empty line": ("", "empty line"),
+        "malformed": ("{not json", "malformed JSON"),
+        "role-less": (json.dumps(roleless), "no 'role'"),
+        "too long": (json.dumps(ft.hf_record(LONG, "img0.png")), "longer than max_seq_len=128"),
+        "no assistant": (
+            json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+            "no assistant message",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing image",
+        "undecodable image",
+        "marker count",
+        "empty line",
+        "malformed",
+        "role-less",
+        "too long",
+        "no assistant",
+    ],
+)
+def test_bad_lines_are_one_line_naming_file_and_line(
+    case, model_dirs, data_dir, ft, tmp_path, capsys
+):
+    line, problem = lines(ft)[case]
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps(ft.hf_record("red fox", "img0.png")) + "\n" + line + "\n")
+    # Images are relative to the data file.
+    for image in data_dir.iterdir():
+        shutil.copy(image, tmp_path / image.name)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(ft.recipe_args(model_dirs["llava"], data, out, "--steps", "1")) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert f"error: --data: {data}:2: " in err and problem in err
+    assert not list((out / "checkpoints").iterdir())
+
+
+def test_skip_and_truncate_count_what_they_do(model_dirs, data_dir, ft, tmp_path, capsys):
+    good = json.dumps(ft.hf_record("red fox", str(data_dir / "img0.png")))
+    long = json.dumps(ft.hf_record(LONG, str(data_dir / "img1.png")))
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join([good, "{bad", long, good]) + "\n")
+    out = tmp_path / "run"
+    argv = ft.recipe_args(model_dirs["llava"], data, out, "--steps", "1", "--skip-bad-samples")
+    assert main([*argv, "--truncate"]) == 0
+    report = ft.metrics(out)
+    assert (report["conversations"], report["skipped"], report["truncated"]) == (3, 1, 1)
+    assert f"{data}:2: malformed JSON" in capsys.readouterr().out
+
+
+def test_a_template_with_no_assistant_turn(model_dirs, ft, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(model_dirs["llama"], model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    user_only = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    (model / "chat_template.jinja").write_text(user_only)
+    data = ft.write_data(tmp_path / "data", images=False)
+    capsys.readouterr()
+    assert main(ft.recipe_args(model, data, tmp_path / "run", "--steps", "1")) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"{data}:1: " in err
+    assert "renders no assistant turn" in err
+
+
+def test_a_new_run_never_writes_over_a_finished_one(model_dirs, ft, tmp_path, capsys):
+    data = ft.write_data(tmp_path / "data", images=False)
+    out = tmp_path / "run"
+    argv = ft.recipe_args(model_dirs["llama"], data, out, "--steps", "2", "--checkpoint-every", "1")
+    assert main(argv) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "already holds checkpoints (latest: step_00000002); pass --resume" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_an_interrupted_run_keeps_its_checkpoints_and_resumes(
+    model_dirs, ft, tmp_path, monkeypatch
+):
+    from recipes.finetune import trainer
+
+    data = ft.write_data(tmp_path / "data", images=False)
+    out = tmp_path / "run"
+    argv = ft.recipe_args(model_dirs["llama"], data, out, "--steps", "4", "--checkpoint-every", "2")
+    real_step = trainer.train_step
+
+    def interrupted(run, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_step(run, step)
+
+    monkeypatch.setattr(trainer, "train_step", interrupted)
+    assert main(argv) == 130
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+    assert not (out / "final").exists()
+    monkeypatch.setattr(trainer, "train_step", real_step)
+    assert main(["--resume", "--output-dir", str(out), "--threads", "1", "--no-progress"]) == 0
+    assert len(ft.metrics(out)["losses"]) == 4 and (out / "final" / "config.json").exists()
