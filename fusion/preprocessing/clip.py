@@ -2,7 +2,7 @@
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,6 +13,8 @@ from fusion.preprocessing.images import (
     CLIP_MEAN,
     CLIP_STD,
     as_uint8_image,
+    check_pixels,
+    default_max_pixels,
     normalize,
     rescale,
     to_rgb,
@@ -46,6 +48,7 @@ class ClipImageProcessor:
     do_normalize: bool = True
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
+    max_pixels: int | None = field(default=None, repr=False)  # None: default_max_pixels()
 
     @classmethod
     def for_image_size(cls, image_size: int) -> "ClipImageProcessor":
@@ -95,13 +98,20 @@ class ClipImageProcessor:
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """The (height, width) an image of this size comes out with."""
+        return self.steps(height, width)[-1]
+
+    def steps(self, height: int, width: int) -> list[tuple[int, int]]:
+        """The (height, width) of an image of this size as given, then after each step that
+        changes it (pad, resize, crop): arithmetic only."""
+        sizes = [(height, width)]
         if self.do_pad:
-            height = width = max(height, width)
+            side = max(height, width)
+            sizes.append((side, side))
         if self.do_resize:
-            height, width = self._resized(height, width)
+            sizes.append(self._resized(*sizes[-1]))
         if self.do_center_crop:
-            height, width = self.crop_height, self.crop_width
-        return height, width
+            sizes.append((self.crop_height, self.crop_width))
+        return sizes
 
     def _resized(self, height: int, width: int) -> tuple[int, int]:
         if self.shortest_edge is None:
@@ -119,9 +129,12 @@ class ClipImageProcessor:
 
         Raises:
             TypeError, ValueError: an image of a type, dtype, shape or mode that cannot be
-                taken (see :func:`fusion.preprocessing.as_uint8_image`).
+                taken (see :func:`fusion.preprocessing.as_uint8_image`); an image that is, or
+                would be padded or resized to, more than ``max_pixels`` pixels (checked first).
         """
-        image = to_rgb(as_uint8_image(image, name))
+        image = as_uint8_image(image, name)
+        check_pixels(self.steps(*image.shape[1:]), self.max_pixels or default_max_pixels(), name)
+        image = to_rgb(image)
         if self.do_pad:
             image = _pad_to_square(image, tuple(int(m * 255) for m in self.image_mean))
         if self.do_resize:

@@ -1,11 +1,16 @@
-"""Reading the values of an image processor config (``preprocessor_config.json``), each error
-naming the key."""
+"""Reading the values of an image processor config (``preprocessor_config.json``, or the
+``image_processor`` object of ``processor_config.json``), each error naming the key, every size
+bounded (:data:`MAX_SIDE`)."""
 
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from fusion.preprocessing.resize import FILTER_NAMES, FILTERS
+
+# The largest side a processor config may resize or crop to. Idefics3's processor caps images
+# at 4096 pixels a side itself; CLIP-style towers take a few hundred.
+MAX_SIDE = 4096
 
 
 class ConfigReader:
@@ -77,7 +82,9 @@ class ConfigReader:
         for name, v in value.items():
             if v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 1 << 16:
-                raise self.fail(f"{key}.{name}", f"expected a positive integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_SIDE:
+                raise self.fail(
+                    f"{key}.{name}", f"expected a positive integer <= {MAX_SIDE}, got {v!r}"
+                )
             out[name] = v
         return out

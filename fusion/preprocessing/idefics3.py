@@ -3,7 +3,7 @@ the prompt text each image expands to, in torch."""
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,6 +13,8 @@ from fusion.preprocessing.images import (
     STANDARD_MEAN,
     STANDARD_STD,
     as_uint8_image,
+    check_pixels,
+    default_max_pixels,
     normalize,
     rescale,
     to_rgb,
@@ -65,6 +67,7 @@ class Idefics3ImageProcessor:
     do_normalize: bool = True
     image_mean: tuple[float, ...] = STANDARD_MEAN
     image_std: tuple[float, ...] = STANDARD_STD
+    max_pixels: int | None = field(default=None, repr=False)  # None: default_max_pixels()
 
     @classmethod
     def for_image_size(cls, image_size: int) -> "Idefics3ImageProcessor":
@@ -138,14 +141,33 @@ class Idefics3ImageProcessor:
             width = math.ceil(int(height * ratio) / tile) * tile
         return height, width
 
+    def steps(self, height: int, width: int) -> tuple[list[tuple[int, int]], int, int]:
+        """For an image of this size, arithmetic only: its (height, width) as given and after
+        each resize, and the grid of crops (``rows``, ``cols``; both 0 when not split): it
+        gives ``rows * cols + 1`` tiles when split, else one."""
+        sizes = [(height, width)]
+        if self.do_resize:
+            sizes.append(self._first_size(height, width))
+        tile = self.max_image_size
+        if not self.do_image_splitting:
+            return [*sizes, (tile, tile)], 0, 0
+        sizes.append(self._tiled_size(*sizes[-1]))
+        height, width = sizes[-1]
+        if height > tile or width > tile:
+            return sizes, height // tile, width // tile
+        return sizes, 0, 0
+
     def process(self, image: object, name: str = "image") -> TiledImage:
         """One image (uint8 tensor [1, 3 or 4, h, w], or a Pillow image) -> its tiles.
 
         Raises:
             TypeError, ValueError: an image of a type, dtype, shape or mode that cannot be
-                taken (see :func:`fusion.preprocessing.as_uint8_image`).
+                taken (see :func:`fusion.preprocessing.as_uint8_image`); an image that is, or
+                would be resized to, more than ``max_pixels`` pixels (checked first).
         """
-        image = to_rgb(as_uint8_image(image, name))
+        image = as_uint8_image(image, name)
+        check_pixels(self.steps(*image.shape[1:])[0], self.max_pixels or default_max_pixels(), name)
+        image = to_rgb(image)
         if self.do_resize:
             image = resize(image, self._first_size(*image.shape[1:]), self.resample)
         tile = self.max_image_size

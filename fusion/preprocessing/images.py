@@ -7,9 +7,13 @@ Hugging Face's processors do before anything else. Images of more than 8 bits pe
 refused rather than clipped.
 """
 
+import contextlib
 import os
+import struct
 import sys
-from collections.abc import Sequence
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +24,7 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 STANDARD_MEAN = (0.5, 0.5, 0.5)
 STANDARD_STD = (0.5, 0.5, 0.5)
+PILLOW_MAX_PIXELS = 1024 * 1024 * 1024 // 4 // 3  # Pillow's default bomb limit: 89,478,485
 
 
 def _pil() -> Any:
@@ -65,24 +70,129 @@ def from_pil(image: Any, name: str = "image") -> torch.Tensor:
     return data.view(image.height, image.width, channels).permute(2, 0, 1).contiguous()
 
 
-def load_image(path: str | bytes | os.PathLike) -> torch.Tensor:
+def default_max_pixels() -> int:
+    """The pixel cap applied by default (:func:`load_image`, the image processors): Pillow's
+    own decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``, 89,478,485 unless changed),
+    or :data:`PILLOW_MAX_PIXELS` when Pillow is not loaded or its check is switched off."""
+    module = sys.modules.get("PIL.Image")
+    limit = getattr(module, "MAX_IMAGE_PIXELS", None)
+    return PILLOW_MAX_PIXELS if limit is None else int(limit)
+
+
+def check_max_pixels(max_pixels: int | None, name: str = "max_pixels") -> int:
+    """``max_pixels`` checked (a positive integer), or the default cap when None."""
+    if max_pixels is None:
+        return default_max_pixels()
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
+        raise ValueError(f"{name}: expected a positive integer or None, got {max_pixels!r}")
+    return max_pixels
+
+
+def load_image(path: str | bytes | os.PathLike, *, max_pixels: int | None = None) -> torch.Tensor:
     """Decode an image file (any format Pillow reads; the first frame of an animation) to a
     uint8 tensor as :func:`from_pil` describes, after applying its EXIF orientation.
 
+    The pixel count is checked from the file's header, before anything is decoded: a small
+    file can declare an image of gigabytes.
+
+    Args:
+        path: the file.
+        max_pixels: the largest width * height taken; None: :func:`default_max_pixels`
+            (Pillow's decompression-bomb limit). Raise it to take larger images (Pillow's own
+            check is then lifted to match, while the file is opened).
+
     Raises:
         ImportError: Pillow is not installed.
-        FileNotFoundError, OSError: the file cannot be read.
-        ValueError: not an image Pillow can decode, or of a mode the processors cannot take.
+        ValueError: naming the file: it cannot be read (missing, a directory, no permission),
+            it is not an image Pillow can decode, it is truncated or corrupt, it declares more
+            than ``max_pixels`` pixels, or its mode cannot be taken; ``max_pixels`` not a
+            positive integer.
     """
     Image, ImageOps = _pil()
+    limit = check_max_pixels(max_pixels)
     path = os.fsdecode(path)
+    where = f"image {path!r}"
     try:
-        with Image.open(path) as opened:
+        with _pillow_limit(Image, limit), Image.open(path) as opened:
+            width, height = opened.size  # from the header: nothing decoded yet
+            if width * height > limit:
+                raise _TooLarge(
+                    f"{where}: {width} x {height} = {width * height} pixels, more than "
+                    f"max_pixels={limit} (a decompression bomb, or pass a larger max_pixels)"
+                )
             opened.load()
             image = ImageOps.exif_transpose(opened)
+    except _TooLarge as error:
+        raise ValueError(str(error)) from None
+    except Image.DecompressionBombError as error:  # Pillow's check, before ours could run
+        raise ValueError(
+            f"{where}: more than max_pixels={limit} pixels (a decompression bomb, or pass a "
+            f"larger max_pixels): {error}"
+        ) from None
     except Image.UnidentifiedImageError as error:
-        raise ValueError(f"image {path!r}: not an image Pillow can decode: {error}") from None
-    return from_pil(image, f"image {path!r}")
+        raise ValueError(f"{where}: not an image Pillow can decode: {error}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{where}: is a directory, expected an image file") from None
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no such file") from None
+    except OSError as error:  # missing, unreadable, truncated or corrupt data
+        reason = error.strerror or str(error)
+        raise ValueError(f"{where}: cannot be read or decoded: {reason}") from None
+    except (SyntaxError, ValueError, EOFError, IndexError, struct.error) as error:
+        # Pillow's decoders report corrupt data with these too.
+        raise ValueError(f"{where}: corrupt image data: {type(error).__name__}: {error}") from None
+    return from_pil(image, where)
+
+
+class _TooLarge(Exception):
+    """Our own pixel cap, kept apart from the errors Pillow raises."""
+
+
+_PILLOW_LIMIT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _pillow_limit(Image: Any, limit: int) -> Iterator[None]:
+    """Pillow's bomb check (a module global it applies while opening) lifted to ``limit`` when
+    that is above it, and its ``DecompressionBombWarning`` silenced: our check from the header
+    replaces both."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        current = Image.MAX_IMAGE_PIXELS
+        if current is None or limit <= current:
+            yield
+            return
+        with _PILLOW_LIMIT_LOCK:
+            Image.MAX_IMAGE_PIXELS = limit
+            try:
+                yield
+            finally:
+                Image.MAX_IMAGE_PIXELS = current
+
+
+def image_size(image: object, name: str = "image") -> tuple[int, int]:
+    """(height, width) of a uint8 tensor [c, h, w] or a Pillow image, without converting it.
+
+    Raises:
+        TypeError, ValueError: as :func:`as_uint8_image`, for a tensor.
+    """
+    if is_pil_image(image):
+        return image.height, image.width  # type: ignore[attr-defined]
+    tensor = as_uint8_image(image, name)
+    return tensor.size(1), tensor.size(2)
+
+
+def check_pixels(sizes: Sequence[tuple[int, int]], max_pixels: int, name: str = "image") -> None:
+    """Raise ``ValueError`` (naming ``name``) if any of ``sizes`` (an image as given, then as
+    each processing step makes it) holds more than ``max_pixels`` pixels: checked before the
+    work, from arithmetic only."""
+    for step, (height, width) in enumerate(sizes):
+        if height * width > max_pixels:
+            what = "is" if step == 0 else "would be processed to"
+            raise ValueError(
+                f"{name}: {what} {height} x {width} = {height * width} pixels, more than "
+                f"max_pixels={max_pixels}"
+            )
 
 
 def as_uint8_image(image: object, name: str = "image") -> torch.Tensor:

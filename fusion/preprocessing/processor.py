@@ -1,6 +1,8 @@
 """Prompts and images -> token ids and pixels for a LLaVA or Idefics3 / SmolVLM model."""
 
+import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +18,17 @@ from fusion.models.idefics3 import Idefics3ImageEncoder
 from fusion.models.llava import LlavaImageEncoder
 from fusion.preprocessing.clip import ClipImageProcessor
 from fusion.preprocessing.idefics3 import IMAGE_TOKEN, Idefics3ImageProcessor, idefics3_image_text
+from fusion.preprocessing.images import check_max_pixels, check_pixels, image_size
 from fusion.preprocessing.prompts import check_marker_count, expand_markers
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 PROCESSOR_CONFIG = "processor_config.json"
 TOKENIZER_FILE = "tokenizer.json"
+# Caps on what the images of a prompt may cost, above any published model's needs
+# (SmolVLM and Idefics3 split an image into at most 4 x 4 tiles plus the whole, of 64 to 169
+# rows each; LLaVA-1.5 gives 576 rows per image).
+MAX_TILES_PER_IMAGE = 256
+MAX_IMAGE_ROWS = 1 << 16
 
 Encode = Callable[[str], list[int]]
 
@@ -78,11 +86,18 @@ class VisionLanguageProcessor:
         image_size: the side of the square images or tiles the vision tower takes.
         image_token_id: the placeholder id; the tokenizer must encode ``"<image>"`` as it.
         encode: text -> ids, special tokens (BOS) added as the model expects.
+        max_pixels: the most pixels an image may have, as given or at any step of its
+            processing (None: :func:`fusion.preprocessing.images.default_max_pixels`,
+            Pillow's decompression-bomb limit).
+        max_tiles_per_image: the most tiles one image may be split into (Idefics3).
+        max_image_rows: the most placeholder rows the images of one prompt may expand to.
+
+    The three caps are checked from the images' sizes, before any pixel is processed.
 
     Raises:
         TypeError: ``encode`` not callable.
-        ValueError: an unknown ``kind``, an image processor of the other kind, a size that is
-            not a positive integer or a negative ``image_token_id``.
+        ValueError: an unknown ``kind``, an image processor of the other kind, a size or cap
+            that is not a positive integer or a negative ``image_token_id``.
     """
 
     def __init__(
@@ -94,6 +109,9 @@ class VisionLanguageProcessor:
         image_size: int,
         image_token_id: int,
         encode: Encode,
+        max_pixels: int | None = None,
+        max_tiles_per_image: int = MAX_TILES_PER_IMAGE,
+        max_image_rows: int = MAX_IMAGE_ROWS,
     ) -> None:
         expected = {"llava": ClipImageProcessor, "idefics3": Idefics3ImageProcessor}
         if kind not in expected:
@@ -109,6 +127,8 @@ class VisionLanguageProcessor:
             ("tokens_per_image", tokens_per_image, 1),
             ("image_size", image_size, 1),
             ("image_token_id", image_token_id, 0),
+            ("max_tiles_per_image", max_tiles_per_image, 1),
+            ("max_image_rows", max_image_rows, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
@@ -118,6 +138,11 @@ class VisionLanguageProcessor:
         self.image_size = image_size
         self.image_token_id = image_token_id
         self.encode = encode
+        self.max_pixels = check_max_pixels(max_pixels)
+        self.max_tiles_per_image = max_tiles_per_image
+        self.max_image_rows = max_image_rows
+        # The image processor applies the same pixel cap.
+        self.image_processor = dataclasses.replace(image_processor, max_pixels=self.max_pixels)
 
     @classmethod
     def for_model(
@@ -157,41 +182,59 @@ class VisionLanguageProcessor:
 
     @classmethod
     def from_directory(
-        cls, directory: str | bytes | os.PathLike, *, encode: Encode | None = None
+        cls,
+        directory: str | bytes | os.PathLike,
+        *,
+        encode: Encode | None = None,
+        max_pixels: int | None = None,
+        max_tiles_per_image: int = MAX_TILES_PER_IMAGE,
+        max_image_rows: int = MAX_IMAGE_ROWS,
     ) -> "VisionLanguageProcessor":
-        """From a model directory: ``config.json`` (the model), ``preprocessor_config.json``
-        (the image processor; without it, the family's defaults for the tower's image size),
-        ``processor_config.json`` (checked against the model if present) and, unless
-        ``encode`` is given, ``tokenizer.json`` (read with the ``tokenizers`` package).
+        """From a model directory, read as ``transformers`` reads it:
+
+        - ``config.json``: the model (placeholder id, rows per image or tile, the tower's
+          image size);
+        - the image processor's settings from the first place that holds them, in
+          ``transformers``' order: the ``"image_processor"`` object of
+          ``processor_config.json`` (what transformers 5's ``save_pretrained`` writes), then
+          ``preprocessor_config.json``; with neither, the family's defaults for the tower's
+          image size, said once in a warning naming them;
+        - the top level of ``processor_config.json`` (``image_seq_len`` of Idefics3 /
+          SmolVLM; ``patch_size``, ``num_additional_image_tokens`` and
+          ``vision_feature_select_strategy`` of LLaVA), checked against the model;
+        - unless ``encode`` is given, ``tokenizer.json`` (read with ``tokenizers``).
+
+        Image sizes the settings lead to are checked against the tower (crops or tiles of
+        its image size) before any image is processed. ``max_pixels``,
+        ``max_tiles_per_image`` and ``max_image_rows`` are as for the constructor.
 
         Raises:
             CheckpointError: naming the file and key: a config that describes no LLaVA or
-                Idefics3 model, an unreadable file, a processor config that contradicts the
-                model (``image_seq_len``), no ``tokenizer.json`` and no ``encode``.
+                Idefics3 model, a processor file that exists but cannot be read, settings that
+                contradict the model (``image_seq_len``, ``patch_size``, a crop or tile size
+                other than the tower's), no ``tokenizer.json`` and no ``encode``.
             ImportError: ``tokenizer.json`` must be read and ``tokenizers`` is missing.
-            ValueError: a bad value in ``preprocessor_config.json`` (named).
+            ValueError: a bad value in the image processor's settings (named with file and
+                key, e.g. a size above 4096); a bad cap.
         """
         directory = Path(os.fsdecode(directory))
         layout: VlmImageLayout = read_hf_vlm_layout(directory)
-        file = directory / PREPROCESSOR_CONFIG
+        found = _image_processor_settings(directory)
         image_processor: ClipImageProcessor | Idefics3ImageProcessor
-        if file.exists() and layout.kind == "llava":
-            image_processor = ClipImageProcessor.from_config(read_hf_config(file), str(file))
-        elif file.exists():
-            image_processor = Idefics3ImageProcessor.from_config(read_hf_config(file), str(file))
-        elif layout.kind == "llava":
-            image_processor = ClipImageProcessor.for_image_size(layout.image_size)
+        family = ClipImageProcessor if layout.kind == "llava" else Idefics3ImageProcessor
+        if found is None:
+            image_processor = family.for_image_size(layout.image_size)
+            warnings.warn(
+                f"{directory}: no image processor settings (neither {PREPROCESSOR_CONFIG} nor "
+                f"an 'image_processor' in {PROCESSOR_CONFIG}); using the {layout.kind} "
+                f"defaults for the tower's {layout.image_size}-pixel images: {image_processor}",
+                stacklevel=2,
+            )
         else:
-            image_processor = Idefics3ImageProcessor.for_image_size(layout.image_size)
-        file = directory / PROCESSOR_CONFIG
-        if file.exists():
-            seq_len = read_hf_config(file).get("image_seq_len")
-            if layout.kind == "idefics3" and seq_len not in (None, layout.tokens_per_image):
-                raise CheckpointError(
-                    file,
-                    "image_seq_len",
-                    f"{seq_len!r}, but the model gives {layout.tokens_per_image} rows per tile",
-                )
+            settings, where = found
+            image_processor = family.from_config(settings, where)
+            _check_against_tower(image_processor, layout, where)
+        _check_processor_config(directory, layout)
         return cls(
             layout.kind,
             image_processor,
@@ -199,7 +242,47 @@ class VisionLanguageProcessor:
             image_size=layout.image_size,
             image_token_id=layout.image_token_id,
             encode=encode or _tokenizer_encode(directory),
+            max_pixels=max_pixels,
+            max_tiles_per_image=max_tiles_per_image,
+            max_image_rows=max_image_rows,
         )
+
+    def plan(self, prompts: Sequence[str], images: Sequence[object]) -> list[int]:
+        """The tiles each image gives (1 per LLaVA image), from the images' sizes alone,
+        every cap checked: the pixels of each image at every step, the tiles per image and
+        the placeholder rows per prompt.
+
+        Raises:
+            TypeError, ValueError: an image that cannot be taken, or a cap exceeded (named by
+                the image's index or the prompt's).
+        """
+        counts = [prompt.count(IMAGE_TOKEN) for prompt in prompts]
+        tiles = []
+        for i, image in enumerate(images):
+            name = f"images[{i}]"
+            height, width = image_size(image, name)
+            if isinstance(self.image_processor, ClipImageProcessor):
+                sizes, grid = self.image_processor.steps(height, width), 0
+            else:
+                sizes, rows, cols = self.image_processor.steps(height, width)
+                grid = rows * cols
+            check_pixels(sizes, self.max_pixels, name)
+            tiles.append(grid + 1)
+            if grid + 1 > self.max_tiles_per_image:
+                raise ValueError(
+                    f"{name}: {height} x {width} pixels would be split into {grid + 1} tiles, "
+                    f"more than max_tiles_per_image={self.max_tiles_per_image}"
+                )
+        first = 0
+        for i, count in enumerate(counts):
+            rows = sum(tiles[first : first + count]) * self.tokens_per_image
+            first += count
+            if rows > self.max_image_rows:
+                raise ValueError(
+                    f"prompts[{i}]: its {count} image(s) would expand to {rows} placeholder "
+                    f"rows, more than max_image_rows={self.max_image_rows}"
+                )
+        return tiles
 
     def __call__(self, prompts: str | Sequence[str], images: Sequence[object] = ()) -> VisionInputs:
         """Expand, tokenize and process.
@@ -213,8 +296,9 @@ class VisionLanguageProcessor:
             TypeError: ``prompts`` not strings; ``images`` not a sequence.
             ValueError: before any image is processed, a number of markers other than the
                 number of images; an image that cannot be taken (named by its index, e.g. a
-                16-bit or 2-channel one); images processed to a size the vision tower does not
-                take (an image processor config at odds with the model); an empty prompt;
+                16-bit or 2-channel one); a cap exceeded (see :meth:`plan`); images processed
+                to a size the vision tower does not take (an image processor at odds with the
+                model); an empty prompt;
                 placeholder ids in the tokenized prompts that do not match the images' rows
                 (the tokenizer does not encode ``"<image>"`` as the one token
                 ``image_token_id``, or a prompt holds that token itself).
@@ -223,6 +307,7 @@ class VisionLanguageProcessor:
         if not isinstance(images, Sequence) or isinstance(images, str | bytes):
             raise TypeError(f"images: expected a sequence of images, got {type(images).__name__}")
         check_marker_count(prompts, len(images), IMAGE_TOKEN)
+        self.plan(prompts, images)
         pixel_values: torch.Tensor
         if isinstance(self.image_processor, ClipImageProcessor):
             pixel_values = self.image_processor(images)
@@ -279,14 +364,107 @@ def _tokenizer_encode(directory: Path) -> Encode:
     return lambda text: tokenizer.encode(text).ids
 
 
+def _image_processor_settings(directory: Path) -> tuple[dict[str, Any], str] | None:
+    """The image processor's settings and where they were found, as transformers looks for
+    them: the ``"image_processor"`` object of ``processor_config.json`` first, then
+    ``preprocessor_config.json``; None when neither holds them. A file that exists is read
+    (and refused, named, when it cannot be)."""
+    file = directory / PROCESSOR_CONFIG
+    if file.exists():
+        nested = read_hf_config(file).get("image_processor")
+        if nested is not None:
+            if not isinstance(nested, dict):
+                raise CheckpointError(file, "image_processor", "expected an object")
+            return nested, f"{file}: image_processor"
+    file = directory / PREPROCESSOR_CONFIG
+    if file.exists():
+        return read_hf_config(file), str(file)
+    return None
+
+
+def _check_against_tower(
+    processor: ClipImageProcessor | Idefics3ImageProcessor, layout: VlmImageLayout, where: str
+) -> None:
+    """Settings that would give images of another size than the tower takes are refused
+    before any image is processed (naming the file and key)."""
+    side = layout.image_size
+    got: tuple[int | None, int | None]
+    if isinstance(processor, ClipImageProcessor):
+        if processor.do_center_crop:
+            key, got = "crop_size", (processor.crop_height, processor.crop_width)
+        elif processor.do_resize and processor.shortest_edge is None:
+            key, got = "size", (processor.height, processor.width)
+        else:
+            raise ValueError(
+                f"{where}: do_center_crop: false, with a size other than height and width, "
+                f"gives images of varying sizes; the vision tower takes {side} x {side}"
+            )
+    else:
+        key, got = "max_image_size.longest_edge", (processor.max_image_size,) * 2
+    if got != (side, side):
+        raise ValueError(
+            f"{where}: {key}: gives images of {got[0]} x {got[1]} pixels, but the vision tower "
+            f"(config.json, vision_config.image_size) takes {side} x {side}"
+        )
+
+
+def _check_processor_config(directory: Path, layout: VlmImageLayout) -> None:
+    """The top level of ``processor_config.json`` (the processor's own arguments) must agree
+    with the model on the rows per image or tile."""
+    file = directory / PROCESSOR_CONFIG
+    if not file.exists():
+        return
+    config = read_hf_config(file)
+    if layout.kind == "idefics3":
+        seq_len = config.get("image_seq_len")
+        if seq_len not in (None, layout.tokens_per_image):
+            raise CheckpointError(
+                file,
+                "image_seq_len",
+                f"{seq_len!r}, but the model gives {layout.tokens_per_image} rows per tile",
+            )
+        return
+    patch = config.get("patch_size")
+    if patch is None:
+        return
+    extra = config.get("num_additional_image_tokens", 0)
+    strategy = config.get("vision_feature_select_strategy", "default")
+    for key, value, low in (("patch_size", patch, 1), ("num_additional_image_tokens", extra, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 1 << 16:
+            raise CheckpointError(file, key, f"expected an integer >= {low}, got {value!r}")
+    if strategy not in ("default", "full"):
+        expected = f"expected 'default' or 'full', got {strategy!r}"
+        raise CheckpointError(file, "vision_feature_select_strategy", expected)
+    rows = (layout.image_size // patch) ** 2 + extra - (strategy == "default")
+    if rows != layout.tokens_per_image:
+        raise CheckpointError(
+            file,
+            "patch_size",
+            f"{patch} (with num_additional_image_tokens={extra}, "
+            f"vision_feature_select_strategy={strategy!r}) gives {rows} rows per image, but the "
+            f"model gives {layout.tokens_per_image}",
+        )
+
+
 def prepare_inputs(
     directory: str | bytes | os.PathLike,
     prompts: str | Sequence[str],
     images: Sequence[object] = (),
     *,
     encode: Encode | None = None,
+    max_pixels: int | None = None,
+    max_tiles_per_image: int = MAX_TILES_PER_IMAGE,
+    max_image_rows: int = MAX_IMAGE_ROWS,
 ) -> VisionInputs:
-    """``VisionLanguageProcessor.from_directory(directory, encode=encode)(prompts, images)``:
-    what a command line needs to run a LLaVA or Idefics3 directory on image files
-    (decode them with :func:`fusion.preprocessing.load_image`). Raises as those two do."""
-    return VisionLanguageProcessor.from_directory(directory, encode=encode)(prompts, images)
+    """``VisionLanguageProcessor.from_directory(directory, ...)(prompts, images)``: what a
+    command line needs to run a LLaVA or Idefics3 directory on image files (decode them with
+    :func:`fusion.preprocessing.load_image`, with the same ``max_pixels``). Raises as those
+    two do."""
+    processor = VisionLanguageProcessor.from_directory(
+        directory,
+        encode=encode,
+        max_pixels=max_pixels,
+        max_tiles_per_image=max_tiles_per_image,
+        max_image_rows=max_image_rows,
+    )
+    return processor(prompts, images)

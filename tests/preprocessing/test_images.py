@@ -76,7 +76,7 @@ def test_load_image_errors(tmp_path):
     (tmp_path / "text.png").write_text("not an image")
     with pytest.raises(ValueError, match="not an image Pillow can decode"):
         load_image(tmp_path / "text.png")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match=r"missing\.png': no such file"):
         load_image(tmp_path / "missing.png")
     Image.fromarray(np.zeros((4, 4), dtype=np.uint16)).save(tmp_path / "deep.png")
     with pytest.raises(ValueError, match="mode 'I;16' cannot be taken"):

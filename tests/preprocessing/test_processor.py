@@ -235,7 +235,9 @@ class TestBadInput:
             '{"max_image_size": {"longest_edge": 32}, "size": {"longest_edge": 64}}'
         )
         with pytest.raises(
-            ValueError, match=r"gives images of \[32, 32\] pixels, but the vision tower takes 16"
+            ValueError,
+            match=r"preprocessor_config\.json: max_image_size\.longest_edge: gives images of 32 x "
+            r"32 pixels, but the vision tower \(config\.json, vision_config\.image_size\) takes 16",
         ):
             prepare_inputs(tmp_path / "idefics3", "<image>", images()[:1])
 
