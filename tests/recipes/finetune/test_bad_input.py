@@ -94,7 +94,10 @@ def test_a_template_with_no_assistant_turn(model_dirs, ft, tmp_path, capsys):
     config = json.loads((model / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    user_only = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    user_only = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}"
+        "{% endfor %}"
+    )
     (model / "chat_template.jinja").write_text(user_only)
     data = ft.write_data(tmp_path / "data", images=False)
     capsys.readouterr()
