@@ -58,10 +58,12 @@ class KVCache(nn.Module):
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``, ``v`` [b, n_kv_heads, s, head_dim] at the next ``s`` slots; return the
-        whole caches. The caller (the decoder) has checked that they fit."""
+        whole caches, in ``k``'s dtype (the cache itself when it is the same, a converted copy
+        when the cache was set up in another dtype). The caller (the decoder) has checked
+        that they fit."""
         slots = self.fill + torch.arange(k.size(2), device=self.fill.device)
         # ``to``: under autocast the projections may come out in another dtype than the cache.
         self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
         self.fill.add_(k.size(2))
-        return self.k_cache, self.v_cache
+        return self.k_cache.to(k.dtype), self.v_cache.to(v.dtype)

@@ -60,13 +60,36 @@ class TransformerDecoder(nn.Module):
         # Plain ints: wrapping or sharding the embedding later must not change them.
         self.vocab_size: int = tok_embeddings.num_embeddings
         self.embed_dim: int = tok_embeddings.embedding_dim
-        self.output_hidden_states = list(output_hidden_states or [])
+        self.output_hidden_states = list(output_hidden_states or [])  # checked by the setter
         #: Return the final hidden states [b, s, d] (after ``norm``) instead of logits, e.g. for
         #: chunked or fused losses that apply the output projection themselves.
         self.skip_output_layer = False
         #: When positive, logits come back as a list of this many chunks along the sequence
         #: (torchtune's ``set_num_output_chunks``, for chunked cross-entropy).
         self.num_output_chunks = 0
+
+    @property
+    def output_hidden_states(self) -> list[int]:
+        """Layer indices whose input hidden states are returned before the logits: each in
+        ``[0, len(layers)]`` (``len(layers)``: the input of the final norm)."""
+        return self._output_hidden_states
+
+    @output_hidden_states.setter
+    def output_hidden_states(self, value: Sequence[int]) -> None:
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+            raise ValueError(
+                f"output_hidden_states: expected a list of layer indices, got {value!r:.100}"
+            )
+        last = len(self.layers)
+        bad = [
+            i for i in value if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= last
+        ]
+        if bad:
+            raise ValueError(
+                f"output_hidden_states: expected layer indices in [0, {last}] (the decoder has "
+                f"{last} layers; {last} is the final norm's input), got {bad[:5]}"
+            )
+        self._output_hidden_states = list(value)
 
     def set_num_output_chunks(self, num_output_chunks: int) -> None:
         """Return logits as ``num_output_chunks`` chunks along the sequence (0: one tensor)."""
@@ -105,6 +128,11 @@ class TransformerDecoder(nn.Module):
         """Allocate a KV cache in every layer, ``decoder_max_seq_len`` (default ``max_seq_len``)
         positions for each of ``batch_size`` sequences, and enable it.
 
+        ``dtype`` is the cache's. It may differ from the decoder's (e.g. a bfloat16 cache for
+        a float32 decoder, to halve its memory): keys and values are converted as they are
+        written and the cache as it is read (a copy per step; the decoder's own dtype, or
+        autocast to the cache's, costs none).
+
         ``encoder_max_seq_len`` exists for torchtune's callers; an early-fusion decoder has no
         cross-attention, so only None is accepted."""
         if encoder_max_seq_len is not None:
@@ -119,6 +147,8 @@ class TransformerDecoder(nn.Module):
             )
         if batch_size <= 0:
             raise ValueError(f"batch_size: expected a positive integer, got {batch_size}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
         for attn in self.attentions():
             attn.setup_cache(batch_size, max_len, dtype, self.device)
 
