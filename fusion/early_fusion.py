@@ -65,7 +65,8 @@ class EarlyFusion(nn.Module):
       taking ``inputs_embeds`` (causal LMs and base models): rows are merged into
       ``decoder.get_input_embeddings()(tokens)`` and passed as
       ``decoder(inputs_embeds=..., **kwargs)`` (``attention_mask``, ``position_ids``,
-      ``past_key_values``, ``labels``, ...); what it returns (its ``ModelOutput``) is returned.
+      ``cache`` or ``past_key_values``, ``labels``, ...); what it returns (its
+      ``ModelOutput``) is returned.
       Text only, the embeddings are those the model computes itself from ``input_ids`` (the
       same module called on the same ids), so the output is bitwise the decoder's own on
       ``input_ids=tokens`` (tested), and placeholder ids are still checked.
@@ -253,8 +254,8 @@ class EarlyFusion(nn.Module):
         return self.decoder(None, input_embeds=embeds, **kwargs)
 
     # ------------------------------------------------------------------ delegated to the decoder
-    # A Hugging Face decoder keeps its cache in ``past_key_values`` and has none of these; a
-    # torchtune-style one has those it defines.
+    # A Hugging Face decoder keeps its cache in its ``cache`` argument and has none of these;
+    # a torchtune-style one has those it defines.
 
     def setup_caches(
         self,

@@ -12,7 +12,9 @@ from torch import nn
 
 from fusion._validation import check_values, host_reads_are_free
 from fusion.decoder import TransformerDecoder
+from fusion.decoder_kinds import FUSION, HUGGING_FACE, embedding_module, vocab_size
 from fusion.early_fusion import EarlyFusion
+from fusion.generation import foreign
 from fusion.generation._checks import (
     INTEGER_DTYPES,
     as_id,
@@ -112,7 +114,16 @@ def generate_stream(
 
     Args:
         model: a decoder, or an ``EarlyFusion`` (whose decoding steps bypass the merge: a
-            generated id is always embedded as text).
+            generated id is always embedded as text) over any decoder it takes. Over a
+            Hugging Face causal LM, the model's own cache is used: a ``DynamicCache`` made for
+            the call, passed as ``cache`` (``past_key_values`` in older transformers) with a
+            2-D ``attention_mask`` and ``position_ids``, as ``transformers``' ``generate``
+            does (greedy tokens equal its
+            ``generate(inputs_embeds=..., attention_mask=...)`` on the same merged
+            embeddings). Over a torchtune-style decoder, its ``setup_caches`` /
+            ``reset_caches`` caches, with the masks and positions this library's decoder
+            takes; set up here, they are torn down after where it has ``teardown_caches``.
+            Both are eager only (``compile`` must be False).
         tokens: prompts [b, s], integer ids, on the model's device, left-padded with
             ``pad_id``: a sample's leading ``pad_id`` tokens are padding (see
             :func:`fusion.generation.left_pad`), so no prompt may begin with ``pad_id``.
@@ -166,6 +177,9 @@ def generate_stream(
 
     Raises:
         TypeError: ``model`` is neither a ``TransformerDecoder`` nor an ``EarlyFusion``.
+        ValueError (other decoders): a Hugging Face base model without an output layer; a
+            torchtune-style decoder without ``setup_caches``, ``caches_are_setup`` and
+            ``reset_caches``; ``compile`` set.
         RuntimeError: another stream on this model is in progress.
         ValueError: ``tokens`` not non-empty integer [b, s] on the model's device, or (on the
             CPU) holding ids outside the vocabulary that are not placeholders of encoders given
@@ -199,18 +213,20 @@ def generate_stream(
 
 
 class _Model(NamedTuple):
-    """What generation calls (``call``: a ``torch.compile`` wrapper stays one) and the module it
-    wraps (``inner``), whose attributes are read and set."""
+    """What generation calls (``call``: a ``torch.compile`` wrapper stays one), the module it
+    wraps (``inner``), whose attributes are read and set, and the kind of its decoder (see
+    :mod:`fusion.decoder_kinds`)."""
 
     call: nn.Module
     inner: TransformerDecoder | EarlyFusion
+    kind: str
 
 
 class _Plan(NamedTuple):
     """A generation's checked arguments."""
 
     model: _Model
-    decoder: TransformerDecoder
+    decoder: Any  # a TransformerDecoder, or another library's decoder (model.kind)
     tokens: torch.Tensor  # int64 [b, s]
     pad_counts: torch.Tensor  # [b]
     encoder_input: Mapping[str, Any] | None
@@ -240,11 +256,14 @@ def _prepare(
 ) -> _Plan:
     """Every argument checked, before anything is allocated or run."""
     model, decoder = _unwrap(model)
+    kind = model.kind
+    if kind != FUSION:
+        foreign.check_decoder(decoder, kind)
     _refuse_if_busy(decoder)
-    _check_model(decoder)
+    _check_model(decoder, kind)
     max_new_tokens = as_positive_int(max_new_tokens, "max_new_tokens")
     stop_check_interval = as_positive_int(stop_check_interval, "stop_check_interval")
-    vocab = decoder.vocab_size
+    vocab = _vocab_size(decoder, kind)
     pad_id = as_id(pad_id, "pad_id", vocab)
     stop_tokens = _checked_stop_tokens(stop_tokens, vocab)
     if isinstance(model.inner, EarlyFusion) and pad_id in model.inner.encoder_tokens.values():
@@ -252,10 +271,19 @@ def _prepare(
             f"pad_id: {pad_id} is a placeholder id of the encoders {model.inner.encoder_tokens}"
         )
     sampling = sampling_args(temperature, top_k, top_p, vocab)
-    tokens = _checked_tokens(model, decoder, tokens, encoder_input)
+    tokens = _checked_tokens(model, decoder, tokens, encoder_input, vocab)
     check_generator(generator, tokens.device)
     options = compile_options(compile, tokens.device)
-    _check_caches(decoder, tokens.size(0), tokens.size(1), max_new_tokens)
+    if kind == FUSION:
+        _check_caches(decoder, tokens.size(0), tokens.size(1), max_new_tokens)
+    else:
+        if options is not None:
+            raise ValueError(
+                f"compile: compiled generation needs this library's TransformerDecoder; this "
+                f"EarlyFusion holds a {kind} decoder ({type(decoder).__name__}): pass "
+                "compile=False"
+            )
+        foreign.check_capacity(decoder, kind, tokens.size(1), max_new_tokens)
     pad_counts = leading_pad_counts(tokens, pad_id)
     _check_not_all_padding(pad_counts, tokens.size(1), pad_id)
     steps = EAGER if options is None else compiled_steps(options)
@@ -276,9 +304,10 @@ def _prepare(
 
 
 # Decoders with a live stream: their KV caches are in use. One cache per decoder, so at most
-# one stream per decoder (an ``EarlyFusion`` counts as its decoder). Weak: a model that is
-# garbage-collected leaves the set by itself.
-_LIVE: "weakref.WeakSet[TransformerDecoder]" = weakref.WeakSet()
+# one stream per decoder (an ``EarlyFusion`` counts as its decoder; a Hugging Face decoder gets
+# a cache per call and is never held). Weak: a model that is garbage-collected leaves the set
+# by itself.
+_LIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
 
 
@@ -289,25 +318,75 @@ _BUSY = (
 )
 
 
-def _refuse_if_busy(decoder: TransformerDecoder) -> None:
+def _refuse_if_busy(decoder: nn.Module) -> None:
     with _LIVE_LOCK:
         if decoder in _LIVE:
             raise RuntimeError(_BUSY)
 
 
-def _claim(decoder: TransformerDecoder) -> None:
+def _claim(decoder: nn.Module) -> None:
     with _LIVE_LOCK:
         if decoder in _LIVE:
             raise RuntimeError(_BUSY)
         _LIVE.add(decoder)
 
 
-def _release(decoder: TransformerDecoder) -> None:
+def _release(decoder: nn.Module) -> None:
     with _LIVE_LOCK:
         _LIVE.discard(decoder)
 
 
 def _run(plan: _Plan) -> Generator[torch.Tensor, None, None]:
+    if plan.model.kind != FUSION:
+        return _run_foreign(plan)
+    return _run_fusion(plan)
+
+
+def _run_foreign(plan: _Plan) -> Generator[torch.Tensor, None, None]:
+    """Eager generation over a Hugging Face or torchtune-style decoder inside an
+    ``EarlyFusion`` (see :mod:`fusion.generation.foreign`)."""
+    decoder, kind = plan.decoder, plan.model.kind
+    held = kind != HUGGING_FACE  # a torchtune-style decoder has one cache
+    if held:
+        _claim(decoder)
+    extra = {} if plan.encoder_input is None else {"encoder_input": plan.encoder_input}
+    steps: foreign.HuggingFaceSteps | foreign.TorchtuneSteps | None = None
+    try:
+        if kind == HUGGING_FACE:
+            steps = foreign.HuggingFaceSteps(
+                plan.model.call, decoder, plan.tokens, plan.pad_counts, extra
+            )
+        else:
+            dtype = _weights(decoder, kind).dtype
+            steps = foreign.TorchtuneSteps(
+                plan.model.call, decoder, plan.tokens, plan.pad_counts, extra,
+                plan.max_new_tokens, dtype,
+            )  # fmt: skip
+        device = plan.tokens.device
+        stop = torch.tensor(plan.stop_tokens or [-1], dtype=torch.long, device=device)
+        done = torch.zeros(len(plan.tokens), dtype=torch.bool, device=device)
+        with torch.no_grad():
+            logits = steps.prefill()
+        token, done = settle(_choose(logits, plan), done, stop, plan.pad_id)
+        for step in range(plan.max_new_tokens):
+            yield token
+            if step == plan.max_new_tokens - 1:
+                return
+            if plan.stop_tokens and (step + 1) % plan.stop_check_interval == 0 and bool(done.all()):
+                return
+            with torch.no_grad():
+                logits = steps.step(token)
+            token, done = settle(_choose(logits, plan), done, stop, plan.pad_id)
+    finally:
+        try:
+            if steps is not None:
+                steps.close()
+        finally:
+            if held:
+                _release(decoder)
+
+
+def _run_fusion(plan: _Plan) -> Generator[torch.Tensor, None, None]:
     model, decoder, steps = plan.model, plan.decoder, plan.steps
     batch_size, seq_len = plan.tokens.shape
     max_new = plan.max_new_tokens
@@ -330,7 +409,9 @@ def _run(plan: _Plan) -> Generator[torch.Tensor, None, None]:
         else:
             created = True  # before setup: a setup that fails half-way is torn down too
             length = bucket(needed, capacity) if steps.compiled else needed
-            decoder.setup_caches(batch_size, _weights(decoder).dtype, decoder_max_seq_len=length)
+            decoder.setup_caches(
+                batch_size, _weights(decoder, FUSION).dtype, decoder_max_seq_len=length
+            )
         cache_len = first_cache(decoder).max_seq_len
         tokens, pad_counts = pad_left_to(plan.tokens, plan.pad_counts, prompt_len, plan.pad_id)
         graphs = steps.compiled and tokens.device.type == "cuda"
@@ -414,7 +495,7 @@ def _hidden_only(decoder: TransformerDecoder) -> Iterator[None]:
         decoder.skip_output_layer, decoder.output_hidden_states = saved
 
 
-def _unwrap(model: Any) -> tuple[_Model, TransformerDecoder]:
+def _unwrap(model: Any) -> tuple[_Model, Any]:
     """The model to call, the module it is, and its decoder; a ``torch.compile`` wrapper
     (``OptimizedModule``) is looked through but still called."""
     inner = model
@@ -424,24 +505,35 @@ def _unwrap(model: Any) -> tuple[_Model, TransformerDecoder]:
     if compiled is not None and isinstance(model, compiled):
         inner = model._orig_mod
     if isinstance(inner, EarlyFusion):
-        return _Model(model, inner), inner.decoder
+        return _Model(model, inner, inner.decoder_kind), inner.decoder
     if isinstance(inner, TransformerDecoder):
-        return _Model(model, inner), inner
+        return _Model(model, inner, FUSION), inner
     raise TypeError(
         f"model: expected a TransformerDecoder or an EarlyFusion (or one wrapped by "
-        f"torch.compile), got {type(model).__name__}"
+        f"torch.compile; a Hugging Face or torchtune-style decoder goes inside an EarlyFusion, "
+        f"with no encoders if need be), got {type(model).__name__}"
     )
 
 
-def _weights(decoder: TransformerDecoder) -> torch.Tensor:
+def _weights(decoder: Any, kind: str) -> torch.Tensor:
     """A tensor with the decoder's device and compute dtype: the embedding table (caches are
     set up in its dtype), or a wrapper's first parameter."""
-    weight = getattr(decoder.tok_embeddings, "weight", None)
+    weight = getattr(embedding_module(decoder, kind), "weight", None)
     return weight if isinstance(weight, torch.Tensor) else next(decoder.parameters())
 
 
-def _check_model(decoder: TransformerDecoder) -> None:
-    if _weights(decoder).device.type == "meta":
+def _vocab_size(decoder: Any, kind: str) -> int:
+    count = vocab_size(decoder, kind, embedding_module(decoder, kind))
+    if count is None:
+        raise ValueError(
+            f"model: the vocabulary size of its decoder {type(decoder).__name__} is unknown "
+            "(no num_embeddings on its embedding, no vocab_size): ids cannot be checked"
+        )
+    return count
+
+
+def _check_model(decoder: Any, kind: str) -> None:
+    if _weights(decoder, kind).device.type == "meta":
         raise ValueError(
             "model: its weights are on the meta device (no data); load or materialise them first"
         )
@@ -449,9 +541,10 @@ def _check_model(decoder: TransformerDecoder) -> None:
 
 def _checked_tokens(
     model: _Model,
-    decoder: TransformerDecoder,
+    decoder: Any,
     tokens: Any,
     encoder_input: Mapping[str, Any] | None,
+    vocab: int,
 ) -> torch.Tensor:
     """``tokens`` as int64 after the checks (any integer dtype is accepted: ids are widened,
     never narrowed); ``encoder_input`` is checked along, since it decides the valid ids."""
@@ -467,7 +560,7 @@ def _checked_tokens(
             else type(tokens).__name__
         )
         raise ValueError(f"tokens: expected non-empty integer ids [b, s], got {given}")
-    device = _weights(decoder).device
+    device = _weights(decoder, model.kind).device
     if not same_device(tokens.device, device):
         raise ValueError(
             f"tokens: expected them on the model's device {device}, got {tokens.device}"
@@ -495,7 +588,7 @@ def _checked_tokens(
         )
     tokens = tokens.long()
     if tokens.device.type == "cpu":  # on accelerators the model checks ids without a sync
-        _check_ids(tokens, decoder.vocab_size, placeholders, set(encoder_input or {}))
+        _check_ids(tokens, vocab, placeholders, set(encoder_input or {}))
     return tokens
 
 
@@ -548,7 +641,7 @@ def _check_caches(
                 f"tokens: the model's KV caches are set up for batch size {cache.batch_size}, "
                 f"got {batch_size} prompts; set them up again or remove them"
             )
-        dtype = _weights(decoder).dtype
+        dtype = _weights(decoder, FUSION).dtype
         if cache.k_cache.dtype != dtype:
             raise ValueError(
                 f"model: its KV caches are set up with dtype {cache.k_cache.dtype}, but the "

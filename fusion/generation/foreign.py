@@ -1,0 +1,208 @@
+"""Generation steps for the decoders of other libraries that an ``EarlyFusion`` holds (eager).
+
+- A Hugging Face causal LM runs through its own cache: a ``DynamicCache`` made for the call
+  and passed as ``cache`` (``past_key_values`` where the forward takes no ``cache``), with a
+  2-D ``attention_mask`` (1 on real slots) and ``position_ids`` for left-padded prompts, as
+  ``transformers``' own ``generate`` does.
+- A torchtune-style decoder runs through the caches its ``setup_caches`` makes, with the
+  boolean ``[b, s, cache_len]`` masks and ``[b, s]`` positions of this library's decoder
+  (torchtune's protocol).
+
+The prefill goes through the ``EarlyFusion`` (encoders, merge); each decoding step feeds the
+generated ids to the decoder itself (always text).
+"""
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion.decoder_kinds import HUGGING_FACE
+from fusion.generation.padding import prefill_mask, prompt_positions, step_mask
+
+# What a torchtune-style decoder needs to generate, as torchtune's own generation calls it.
+CACHE_METHODS = ("setup_caches", "caches_are_setup", "reset_caches")
+
+
+def check_decoder(decoder: nn.Module, kind: str) -> None:
+    """Whether generation can drive ``decoder``, before anything runs.
+
+    Raises:
+        ValueError: a Hugging Face model without an output layer (a base model returns hidden
+            states, not logits); a torchtune-style decoder without the cache methods
+            ``setup_caches``, ``caches_are_setup``, ``reset_caches``.
+    """
+    name = type(decoder).__name__
+    if kind == HUGGING_FACE:
+        output = getattr(decoder, "get_output_embeddings", None)
+        if not callable(output) or output() is None:
+            raise ValueError(
+                f"model: its decoder {name} has no output layer (get_output_embeddings() is "
+                "None): generation needs a causal LM that returns logits, e.g. "
+                "LlamaForCausalLM rather than LlamaModel"
+            )
+        return
+    missing = [m for m in CACHE_METHODS if not callable(getattr(decoder, m, None))]
+    if missing:
+        raise ValueError(
+            f"model: its torchtune-style decoder {name} has no {', '.join(missing)}: "
+            "generation needs a KV cache the decoder sets up itself (torchtune's "
+            f"{', '.join(CACHE_METHODS)})"
+        )
+
+
+def check_capacity(decoder: Any, kind: str, seq_len: int, max_new_tokens: int) -> None:
+    """The prompt plus the new tokens fit the torchtune-style decoder's cache (set up: its
+    ``decoder_max_cache_seq_len``) or its ``max_seq_len``, where it states them."""
+    if kind == HUGGING_FACE:
+        return  # a DynamicCache grows as needed
+    needed = seq_len + max_new_tokens - 1
+    capacity: int | None = _cache_len(decoder) if decoder.caches_are_setup() else None
+    what = "the KV cache's length"
+    if capacity is None:
+        capacity, what = getattr(decoder, "max_seq_len", None), "the decoder's max_seq_len"
+    if isinstance(capacity, int) and needed > capacity:
+        raise ValueError(
+            f"tokens: prompts of length {seq_len} plus max_new_tokens={max_new_tokens} need "
+            f"{needed} cache positions, more than {what} ({capacity})"
+        )
+
+
+def _cache_len(decoder: nn.Module) -> int:
+    length = getattr(decoder, "decoder_max_cache_seq_len", None)
+    if not isinstance(length, int):
+        raise ValueError(
+            f"model: its decoder {type(decoder).__name__} has caches set up but no integer "
+            "decoder_max_cache_seq_len to build the masks with; remove the caches and let "
+            "generate set them up"
+        )
+    return length
+
+
+def last_logits(output: Any, name: str) -> torch.Tensor:
+    """Float32 logits [b, vocab] of the last slot of a decoder's output [b, s, vocab] (or a
+    ``ModelOutput`` with ``logits``)."""
+    logits = getattr(output, "logits", output)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        got = f"shape {list(logits.shape)}" if isinstance(logits, torch.Tensor) else type(logits)
+        raise ValueError(
+            f"model: its decoder {name} returned {got}; generation needs logits [b, s, vocab]"
+        )
+    return logits[:, -1].float()
+
+
+class HuggingFaceSteps:
+    """Prefill and decoding steps through a Hugging Face model's own cache.
+
+    ``tokens`` [b, s] are left-padded, sample ``i`` with ``pad_counts[i]`` pads. The attention
+    mask is 1 on real slots and grows by one column per step; positions start at 0 at each
+    sample's first real token (pads get 0: they are never attended to).
+    """
+
+    def __init__(
+        self,
+        call: nn.Module,
+        decoder: Any,
+        tokens: torch.Tensor,
+        pad_counts: torch.Tensor,
+        extra: Mapping[str, Any],
+    ) -> None:
+        from transformers import DynamicCache  # the decoder is a transformers model
+
+        self.call, self.decoder, self.extra = call, decoder, extra
+        self.tokens, self.pad_counts = tokens, pad_counts
+        slots = torch.arange(tokens.size(1), device=tokens.device)
+        self.attention = (slots[None, :] >= pad_counts[:, None]).long()  # [b, s]
+        self.cache: Any = DynamicCache(config=decoder.config)
+        self.slot = tokens.size(1)  # where the next token goes
+        takes = inspect.signature(decoder.forward).parameters
+        # transformers 5.x names the cache ``cache`` (``past_key_values`` is deprecated there);
+        # earlier versions only ``past_key_values``.
+        self.cache_arg = "cache" if "cache" in takes else "past_key_values"
+        # Only the last slot's logits: the output projection of the others is never computed.
+        self.options: dict[str, Any] = {"use_cache": True}
+        if "logits_to_keep" in takes:
+            self.options["logits_to_keep"] = 1
+
+    def prefill(self) -> torch.Tensor:
+        out = self.call(
+            self.tokens,
+            attention_mask=self.attention,
+            position_ids=prompt_positions(self.pad_counts, self.tokens.size(1)),
+            **{self.cache_arg: self.cache},
+            **self.options,
+            **self.extra,
+        )
+        return last_logits(out, type(self.decoder).__name__)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        self.attention = torch.cat([self.attention, self.attention.new_ones(len(token), 1)], 1)
+        out = self.decoder(
+            input_ids=token[:, None],
+            attention_mask=self.attention,
+            position_ids=(self.slot - self.pad_counts)[:, None],
+            **{self.cache_arg: self.cache},
+            **self.options,
+        )
+        self.slot += 1
+        return last_logits(out, type(self.decoder).__name__)
+
+    def close(self) -> None:
+        self.cache = None
+
+
+class TorchtuneSteps:
+    """Prefill and decoding steps through a torchtune-style decoder's own caches: set up here
+    (and torn down in :meth:`close`, where the decoder has ``teardown_caches``) unless the
+    decoder has them, which are then reset and kept."""
+
+    def __init__(
+        self,
+        call: nn.Module,
+        decoder: Any,
+        tokens: torch.Tensor,
+        pad_counts: torch.Tensor,
+        extra: Mapping[str, Any],
+        max_new_tokens: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.call, self.decoder, self.extra = call, decoder, extra
+        self.tokens, self.pad_counts = tokens, pad_counts
+        self.needed = tokens.size(1) + max_new_tokens - 1  # the last token is never fed back
+        self.dtype = dtype
+        self.created = False
+        self.slot = tokens.size(1)
+        self.cache_len = 0
+
+    def prefill(self) -> torch.Tensor:
+        batch, seq_len = self.tokens.shape
+        if self.decoder.caches_are_setup():
+            self.cache_len = _cache_len(self.decoder)
+            self.decoder.reset_caches()
+        else:
+            self.created = True  # before setup: one that fails half-way is torn down too
+            self.decoder.setup_caches(batch, self.dtype, decoder_max_seq_len=self.needed)
+            self.cache_len = self.needed
+        out = self.call(
+            self.tokens,
+            mask=prefill_mask(self.pad_counts, seq_len, self.cache_len),
+            input_pos=prompt_positions(self.pad_counts, seq_len),
+            **self.extra,
+        )
+        return last_logits(out, type(self.decoder).__name__)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        out = self.decoder(
+            token[:, None],
+            mask=step_mask(self.pad_counts, self.slot, self.cache_len),
+            input_pos=(self.slot - self.pad_counts)[:, None],
+        )
+        self.slot += 1
+        return last_logits(out, type(self.decoder).__name__)
+
+    def close(self) -> None:
+        teardown = getattr(self.decoder, "teardown_caches", None)
+        if self.created and callable(teardown):
+            teardown()
