@@ -1,66 +1,29 @@
 """A training checkpoint directory is untrusted input: nothing in it runs, nothing malformed
 gets past a check before something is built or allocated, and every failure is one
-``TrainingError`` naming the file (and the key)."""
+``TrainingError`` naming the file (and the key). Malformed DCP files are
+``tests/training/test_safe_dcp.py``'s; here the captioner's loaders and ``--resume``."""
 
 import io
 import json
 import os
-import pathlib
 import pickle
 import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     MetadataIndex,
 )
 
 import recipes.captioner.model
+from dcp_helpers import DATA, Payload, append_entry, edit_metadata, torch_bytes
 from fusion.training import load_training_checkpoint
 from recipes.captioner import TrainingError, load_model, main, read_model_state_dict
 from recipes.captioner.train_checkpoint import inspect_checkpoint
 
-DATA = "__0_0.distcp"
 PLANTED = "model.decoder.norm.scale"  # a model tensor every loader reads
-
-
-class Payload:
-    """Unpickling it creates ``marker``: a harmless stand-in for arbitrary code."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (pathlib.Path.touch, (self.marker,))
-
-
-def torch_bytes(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def edit_metadata(path: Path, edit) -> None:
-    """Rewrite ``.metadata`` after ``edit(metadata)`` (plain pickle: the test's own file)."""
-    metadata = pickle.loads((path / ".metadata").read_bytes())
-    edit(metadata)
-    (path / ".metadata").write_bytes(pickle.dumps(metadata))
-
-
-def append_entry(path: Path, index: MetadataIndex, data: bytes) -> None:
-    """Point storage entry ``index`` at ``data``, appended to the data file."""
-    with open(path / DATA, "ab") as f:
-        offset = f.tell()
-        f.write(data)
-    edit_metadata(
-        path,
-        lambda md: md.storage_data.__setitem__(index, _StorageInfo(DATA, offset, len(data))),
-    )
 
 
 def resume_argv(output_dir: Path) -> list[str]:
@@ -265,104 +228,6 @@ def test_malformed_train_state_is_refused_before_anything_is_built(case, checkpo
         assert message in str(error.value) and str(checkpoint) in str(error.value)
         assert "\n" not in str(error.value)
     assert set(built_on) <= {"meta"}
-
-
-# ---------------------------------------------------------------------------------- bad files
-
-
-def _huge_tensor(md):
-    """Claim 2**40 elements for a tensor whose bytes on disk hold a few."""
-    meta = md.state_dict_metadata[PLANTED]
-    meta.size = torch.Size([2**40])
-    meta.chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([2**40]))]
-
-
-def _outside(md):
-    [index] = [i for i in md.storage_data if i.fqn == PLANTED]
-    md.storage_data[index] = _StorageInfo("../../../etc/passwd", 0, 10)
-
-
-def _uncovered(md):
-    md.state_dict_metadata[PLANTED].chunks[0].sizes = torch.Size([8])
-
-
-def _overlapping(md):
-    chunks = md.state_dict_metadata[PLANTED].chunks
-    chunks.append(ChunkStorageMetadata(torch.Size([8]), torch.Size([8])))
-
-
-def _shared_bytes(md):
-    """Two tensors read from the same bytes: a small file standing for more tensors."""
-    infos = {i.fqn: (i, v) for i, v in md.storage_data.items()}
-    md.storage_data[infos[PLANTED][0]] = infos["model.decoder.tok_embeddings.weight"][1]
-
-
-def _transform(md):
-    [index] = [i for i in md.storage_data if i.fqn == PLANTED]
-    md.storage_data[index].transform_descriptors = ["zstd"]
-
-
-def _compressed(path: Path) -> None:
-    metadata = pickle.loads((path / ".metadata").read_bytes())
-    [index] = [i for i in metadata.storage_data if i.fqn == PLANTED]
-    source = zipfile.ZipFile(io.BytesIO(torch_bytes(torch.ones(16))))
-    data = io.BytesIO()
-    with zipfile.ZipFile(data, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for info in source.infolist():
-            archive.writestr(info.filename, source.read(info))
-    append_entry(path, index, data.getvalue())
-
-
-def _wrong_dtype(path: Path) -> None:
-    metadata = pickle.loads((path / ".metadata").read_bytes())
-    [index] = [i for i in metadata.storage_data if i.fqn == PLANTED]
-    append_entry(path, index, torch_bytes(torch.ones(16, dtype=torch.float64)))
-
-
-def _flip_a_bit(path: Path) -> None:
-    """Flip one bit of the stored values of a tensor: a well-formed file, wrong data."""
-    metadata = pickle.loads((path / ".metadata").read_bytes())
-    [info] = [v for i, v in metadata.storage_data.items() if i.fqn == PLANTED]
-    data = bytearray((path / DATA).read_bytes())
-    entry = bytes(data[info.offset : info.offset + info.length])
-    values = torch.load(io.BytesIO(entry), weights_only=True).numpy().tobytes()
-    data[info.offset + entry.index(values)] ^= 1
-    (path / DATA).write_bytes(data)
-
-
-def _fifo(path: Path) -> None:
-    (path / ".metadata").unlink()
-    os.mkfifo(path / ".metadata")
-
-
-def _dev_zero(path: Path) -> None:
-    (path / ".metadata").unlink()
-    (path / ".metadata").symlink_to("/dev/zero")
-
-
-BAD_FILES = {
-    "size without bytes": (lambda p: edit_metadata(p, _huge_tensor), "bytes cannot hold its data"),
-    "path outside": (lambda p: edit_metadata(p, _outside), "is not __<r>_<n>.distcp"),
-    "chunks not covering": (lambda p: edit_metadata(p, _uncovered), "chunks do not cover"),
-    "overlapping chunks": (lambda p: edit_metadata(p, _overlapping), "chunks overlap"),
-    "shared bytes": (lambda p: edit_metadata(p, _shared_bytes), "share bytes of __0_0.distcp"),
-    "transforms": (lambda p: edit_metadata(p, _transform), "stream transforms are not supported"),
-    "compressed entry": (_compressed, f"{DATA}: entry {PLANTED}: compressed member"),
-    "wrong dtype": (_wrong_dtype, "expected a torch.float32 tensor of [16], got torch.float64"),
-    "flipped bit": (_flip_a_bit, "fails its CRC check"),
-    "fifo": (_fifo, ".metadata: is not a regular file"),
-    "/dev/zero": (_dev_zero, ".metadata: is not a regular file"),
-}
-
-
-@pytest.mark.parametrize("case", BAD_FILES)
-def test_bad_files_are_refused(case, checkpoint):
-    damage, message = BAD_FILES[case]
-    damage(checkpoint)
-    for load in (read_model_state_dict, load_model):
-        with pytest.raises(TrainingError, match=r"^checkpoint ") as error:
-            load(checkpoint)
-        assert message in str(error.value) and "\n" not in str(error.value)
 
 
 # ---------------------------------------------------------------------------------- arguments
