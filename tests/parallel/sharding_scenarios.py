@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from fusion import EarlyFusion, TransformerDecoder
+from fusion.lora import apply_lora, lora_linears
 from fusion.models import llama3_2
 from fusion.parallel import apply_fsdp, apply_tp
 from helpers import AUDIO_ID, FEATURES, IMAGE_ID, TinyEncoder, build_tiny_decoder, text_tokens
@@ -45,7 +46,8 @@ class Case:
     (decoder layers, then the decoder, then the root), ``embedding_alone`` (layers,
     ``tok_embeddings`` alone, root: refused when tied), ``tp`` (:func:`fusion.parallel.apply_tp`),
     ``fsdp_tp`` (``apply_tp`` then ``apply_fsdp`` on a 2-D mesh: 1 data-parallel rank, 2
-    tensor-parallel ranks).
+    tensor-parallel ranks), ``fsdp_lora`` (:func:`fusion.lora.apply_lora` on the decoder and
+    the image encoder's projection, adapters randomised, then ``apply_fsdp``).
     """
 
     plan: str
@@ -79,6 +81,7 @@ CASES = [
     Case("tp", "fusion", False, False),
     Case("tp", "fusion", False, True),
     Case("fsdp_tp", "fusion", False, True),
+    Case("fsdp_lora", "fusion", False, True),
 ]
 CHECKPOINT = "dcp-checkpoint"  # the folder; the jobs: saved under FSDP2, loaded under TP
 SAVE, LOAD = "dcp-save-fsdp", "dcp-load-tp"
@@ -105,6 +108,20 @@ def build(model: str, tied: bool, seed: int = 0) -> nn.Module:
         decoder_trainable=True,
         encoders_trainable=True,
     )
+
+
+def adapt(model: nn.Module, case: Case) -> nn.Module:
+    """LoRA for the ``fsdp_lora`` plan (the same random adapters on every rank): only the
+    adapters train."""
+    if case.plan == "fsdp_lora":
+        targets = ("q_proj", "v_proj", "w2", "output", "encoders.image.proj")
+        apply_lora(model, targets, rank=2, alpha=4.0)
+        generator = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for linear in lora_linears(model).values():
+                for child in (linear.lora_a, linear.lora_b):
+                    child.weight.copy_(torch.randn(child.weight.shape, generator=generator) * 0.3)
+    return model
 
 
 def batch(images: bool, rows: slice) -> tuple[torch.Tensor, dict | None, torch.Tensor]:
@@ -151,7 +168,7 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def reference(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits and gradients of the unsharded model on the whole batch, in this process."""
-    model = build(case.model, case.tied)
+    model = adapt(build(case.model, case.tied), case)
     return train_step(model, case.images, slice(None)), full_grads(model)
 
 
@@ -174,7 +191,7 @@ def assert_matches_one_process(runs, case: Case) -> None:
 
 def shard(model: nn.Module, plan: str, mesh: DeviceMesh) -> None:
     decoder = model if isinstance(model, TransformerDecoder) else model.decoder
-    if plan == "fsdp":
+    if plan in ("fsdp", "fsdp_lora"):
         apply_fsdp(model, mesh)
     elif plan == "tp":
         apply_tp(model, mesh)
@@ -193,7 +210,7 @@ def run_case(case: Case, mesh: DeviceMesh) -> dict:
     rank = dist.get_rank()
     per_rank = BATCH // WORLD_SIZE
     rows = slice(rank * per_rank, (rank + 1) * per_rank) if case.data_parallel else slice(None)
-    model = build(case.model, case.tied)
+    model = adapt(build(case.model, case.tied), case)
     shard(model, case.plan, mesh)
     logits = train_step(model, case.images, rows)
     return {

@@ -10,7 +10,7 @@ from helpers import build_tiny_decoder
 from parallel.sharding_scenarios import CASES, Case, assert_matches_one_process, build
 from recipes.captioner.vision import VisionEncoder
 
-FSDP_CASES = [c for c in CASES if c.plan in ("fsdp", "decoder_unit")]
+FSDP_CASES = [c for c in CASES if c.plan in ("fsdp", "decoder_unit", "fsdp_lora")]
 
 
 @pytest.mark.parametrize("case", FSDP_CASES, ids=lambda c: c.name)
