@@ -1,5 +1,11 @@
 """Small models and data shared by the tests."""
 
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -113,3 +119,27 @@ def tiny_hf_llama(
                 if "norm" in name:  # initialised to ones: make them matter
                     param.uniform_(0.5, 1.5)
     return model
+
+
+def run_bounded(
+    code: str, *args: str, memory_bytes: int = 2 << 30, timeout: float = 180.0
+) -> subprocess.CompletedProcess:
+    """Run ``python -c code args...`` from the repository root with its address space limited
+    to ``memory_bytes`` (so an input that makes the code allocate gigabytes fails there, not
+    on the machine) and a wall-clock ``timeout`` (so one that hangs fails the test). For
+    hostile-input tests; returns the finished process (text stdout and stderr)."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+
+    root = Path(__file__).resolve().parents[1]
+    environment = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=limit,
+        cwd=root,
+        env=environment,
+    )

@@ -45,6 +45,10 @@ from fusion.models.idefics3 import Idefics3ImageEncoder, idefics3
 from fusion.models.llava import FEATURE_STRATEGIES, LlavaImageEncoder, llava
 
 LLAVA_MODEL_TYPES = ("llava",)
+# Bounds on what a config.json may ask preprocessing for (published towers: 224 to 512 pixels,
+# at most a few thousand patches).
+MAX_VISION_IMAGE_SIZE = 4096
+MAX_VISION_PATCHES = 1 << 16
 IDEFICS3_MODEL_TYPES = ("idefics3", "smolvlm")
 
 # transformers' defaults for keys a sub-config leaves out (configs written by transformers 4.x
@@ -278,19 +282,36 @@ def read_hf_vlm_layout(path: str | bytes | os.PathLike) -> VlmImageLayout:
 
     Raises:
         TypeError, ValueError: ``path`` is not a path.
-        CheckpointError: as :func:`load_hf_vlm` for ``config.json``.
+        CheckpointError: as :func:`load_hf_vlm` for ``config.json``; and naming the key, a
+            ``vision_config.image_size`` above :data:`MAX_VISION_IMAGE_SIZE` or not a multiple
+            of ``patch_size``, more than :data:`MAX_VISION_PATCHES` patches, a
+            ``scale_factor`` that does not divide the patch grid.
     """
     config_file = as_path(path, "path") / CONFIG_NAME
     spec = _read_spec(config_file, tuple(_KINDS))
-    # Arithmetic only: nothing is built, so no config can make this slow.
+    # Arithmetic only: nothing is built, so no config can make this slow; every size bounded
+    # before preprocessing allocates images, tiles or rows from it.
     size, patch = spec.vision["image_size"], spec.vision["patch_size"]
-    if patch == 0 or size == 0 or size % patch:
+    if not 0 < size <= MAX_VISION_IMAGE_SIZE:
+        raise CheckpointError(
+            config_file,
+            "vision_config.image_size",
+            f"expected a positive integer <= {MAX_VISION_IMAGE_SIZE}, got {size}",
+        )
+    if patch == 0 or size % patch:
         raise CheckpointError(
             config_file,
             "vision_config.image_size",
             f"expected a positive multiple of patch_size={patch}, got {size}",
         )
     side = size // patch
+    if side * side > MAX_VISION_PATCHES:
+        raise CheckpointError(
+            config_file,
+            "vision_config.patch_size",
+            f"{patch} cuts {size} x {size} images into {side * side} patches, more than "
+            f"{MAX_VISION_PATCHES}",
+        )
     if spec.kind == "llava":
         full = spec.options["vision_feature_select_strategy"] == "full"
         return VlmImageLayout(spec.kind, spec.image_token_id, side * side + int(full), size)

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from fusion._io import NotRegularFile, open_regular
+
 # Pillow modes decoding takes: 8 bits per channel.
 DECODABLE_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr")
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -113,7 +115,15 @@ def load_image(path: str | bytes | os.PathLike, *, max_pixels: int | None = None
     path = os.fsdecode(path)
     where = f"image {path!r}"
     try:
-        with _pillow_limit(Image, limit), Image.open(path) as opened:
+        handle = open_regular(path)  # a FIFO or device would block or never end
+    except NotRegularFile:
+        raise ValueError(f"{where}: not a regular file (a directory, FIFO or device)") from None
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no such file") from None
+    except OSError as error:
+        raise ValueError(f"{where}: cannot be read: {error.strerror or error}") from None
+    try:
+        with handle, _pillow_limit(Image, limit), Image.open(handle) as opened:
             width, height = opened.size  # from the header: nothing decoded yet
             if width * height > limit:
                 raise _TooLarge(
@@ -131,13 +141,8 @@ def load_image(path: str | bytes | os.PathLike, *, max_pixels: int | None = None
         ) from None
     except Image.UnidentifiedImageError as error:
         raise ValueError(f"{where}: not an image Pillow can decode: {error}") from None
-    except IsADirectoryError:
-        raise ValueError(f"{where}: is a directory, expected an image file") from None
-    except FileNotFoundError:
-        raise ValueError(f"{where}: no such file") from None
-    except OSError as error:  # missing, unreadable, truncated or corrupt data
-        reason = error.strerror or str(error)
-        raise ValueError(f"{where}: cannot be read or decoded: {reason}") from None
+    except OSError as error:  # truncated or corrupt data, a failing disk
+        raise ValueError(f"{where}: cannot be decoded: {error.strerror or error}") from None
     except (SyntaxError, ValueError, EOFError, IndexError, struct.error) as error:
         # Pillow's decoders report corrupt data with these too.
         raise ValueError(f"{where}: corrupt image data: {type(error).__name__}: {error}") from None

@@ -315,3 +315,28 @@ class TestTensorsAModelCannotHold:
         torch.save({"w": torch.ones(2, 3)}, file, _use_new_zipfile_serialization=False)
         entry = CheckpointFiles(file).entries["w"]
         assert (entry.shape, entry.dtype) == ((2, 3), torch.float32)
+
+
+class TestVisionSizes:
+    """``read_hf_vlm_layout`` bounds what a config.json may ask preprocessing for, by
+    arithmetic (the bounded-memory cases run in tests/preprocessing/test_hostile_inputs.py)."""
+
+    @pytest.mark.parametrize(
+        ("vision", "key", "match"),
+        [
+            ({"image_size": 10**6}, "vision_config.image_size", "<= 4096, got 1000000"),
+            ({"image_size": 4096, "patch_size": 1}, "vision_config.patch_size", "16777216 patches"),
+            ({"image_size": 18, "patch_size": 4}, "vision_config.image_size", "multiple of patch"),
+        ],
+    )
+    def test_refused_naming_the_key(self, tmp_path, vision, key, match):
+        from fusion.checkpoint.hf_vlm import read_hf_vlm_layout
+
+        vision_config = {"model_type": "clip_vision_model", "image_size": 16, "patch_size": 4}
+        text_config = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
+        text_config |= {"num_hidden_layers": 1, "num_attention_heads": 4}
+        config = {"model_type": "llava", "vision_config": vision_config | vision}
+        (tmp_path / "config.json").write_text(json.dumps(config | {"text_config": text_config}))
+        with pytest.raises(CheckpointError, match=match) as info:
+            read_hf_vlm_layout(tmp_path)
+        assert info.value.key == key and info.value.file == tmp_path / "config.json"
