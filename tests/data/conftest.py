@@ -7,12 +7,14 @@ import pytest
 from PIL import Image
 
 from vlm_helpers import (
+    CLIP_CONFIG,
     IDEFICS3_TOKENS,
+    IDEFICS3_VISION_CONFIG,
+    IMAGE_ID,
+    TEXT_CONFIG,
     char_tokenizer,
     hf_tokenizer,
     make_image,
-    tiny_hf_idefics3,
-    tiny_hf_llava,
 )
 
 # llava-hf/llava-1.5's template, with the {% generation %} tags transformers' docs add.
@@ -64,15 +66,22 @@ def model_dirs(tmp_path_factory):
     ``idefics3``, ``smolvlm`` and ``llama`` (tokenizer only)."""
     from transformers import (
         CLIPImageProcessor,
+        Idefics3Config,
         Idefics3ImageProcessor,
         Idefics3Processor,
+        LlavaConfig,
         LlavaProcessor,
+        SmolVLMConfig,
         SmolVLMImageProcessor,
     )
 
     dirs = {}
     directory = tmp_path_factory.mktemp("llava")
-    tiny_hf_llava().save_pretrained(directory)
+    LlavaConfig(
+        vision_config={"model_type": "clip_vision_model", **CLIP_CONFIG},
+        text_config={"model_type": "llama", **TEXT_CONFIG},
+        image_token_index=IMAGE_ID,
+    ).save_pretrained(directory)  # encoding reads the config only: no weights
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16),
         tokenizer=hf_tokenizer(tokenizer()),
@@ -84,12 +93,17 @@ def model_dirs(tmp_path_factory):
     processor.save_pretrained(directory)
     dirs["llava"] = (directory, processor)
 
-    for family, model, template in (
-        ("idefics3", tiny_hf_idefics3(), IDEFICS3_TEMPLATE),
-        ("smolvlm", tiny_hf_idefics3(smolvlm=True), SMOLVLM_TEMPLATE),
+    for family, config_cls, template in (
+        ("idefics3", Idefics3Config, IDEFICS3_TEMPLATE),
+        ("smolvlm", SmolVLMConfig, SMOLVLM_TEMPLATE),
     ):
         directory = tmp_path_factory.mktemp(family)
-        model.save_pretrained(directory)
+        config_cls(
+            vision_config=IDEFICS3_VISION_CONFIG,
+            text_config={"model_type": "llama", **TEXT_CONFIG},
+            image_token_id=IMAGE_ID,
+            scale_factor=2,
+        ).save_pretrained(directory)
         # SmolVLMProcessor needs torchvision (its video processor) and num2words, which the
         # test environment lacks: SmolVLM's image processor goes into Idefics3's processor,
         # which expands images the same way.
@@ -116,21 +130,32 @@ def model_dirs(tmp_path_factory):
     return dirs
 
 
-def write_images(directory, sizes):
-    """PNG files ``img{i}.png`` of the given (height, width); their names."""
-    names = []
-    for i, (h, w) in enumerate(sizes):
-        name = f"img{i}.png"
-        Image.fromarray(make_image(h, w, i)).save(directory / name)
-        names.append(name)
-    return names
+@pytest.fixture
+def write_images():
+    """``write_images(directory, sizes)``: PNG files ``img{i}.png`` of the given (height,
+    width) in ``directory``; returns their names."""
+
+    def write(directory, sizes):
+        names = []
+        for i, (h, w) in enumerate(sizes):
+            name = f"img{i}.png"
+            Image.fromarray(make_image(h, w, i)).save(directory / name)
+            names.append(name)
+        return names
+
+    return write
 
 
-def write_jsonl(path, records):
-    """One JSON object (or raw string) per line."""
-    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+@pytest.fixture
+def write_jsonl():
+    """``write_jsonl(path, records)``: one JSON object (or raw string) per line."""
+
+    def write(path, records):
+        lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    return write
 
 
 @pytest.fixture

@@ -1,0 +1,261 @@
+"""Conversations -> samples: ids and pixels equal to transformers' ``apply_chat_template`` with
+the model's processor (LLaVA, Idefics3, SmolVLM) or tokenizer (Llama), labels on the
+assistant's tokens and end-of-turn token only."""
+
+import numpy as np
+import pytest
+import torch
+
+from fusion.data import (
+    IGNORE_INDEX,
+    ChatTemplate,
+    ChatTemplateError,
+    ConversationEncoder,
+    DataError,
+    Sample,
+    encode_conversations,
+    fit_sample,
+    read_conversations,
+)
+from vlm_helpers import IMAGE_ID
+
+VLMS = ("llava", "idefics3", "smolvlm")
+ANSWERS = ("A cat.", "A dog, twice!")
+
+
+def image_conversation(names):
+    return {
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+            {
+                "role": "user",
+                "content": [{"type": "image", "path": names[0]}, {"type": "text", "text": "What?"}],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[0]}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "And these"},
+                    {"type": "image", "path": names[1]},
+                    {"type": "image", "path": names[2]},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[1]}]},
+        ]
+    }
+
+
+def text_conversation():
+    return {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Say hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hi."}]},
+        ]
+    }
+
+
+def targets(sample: Sample) -> list[int]:
+    """The ids the labels ask for, in order."""
+    return sample.labels[sample.labels != IGNORE_INDEX].tolist()
+
+
+def target_positions(sample: Sample) -> list[int]:
+    """Positions of the tokens that are targets."""
+    return [t + 1 for t in range(len(sample)) if sample.labels[t] != IGNORE_INDEX]
+
+
+@pytest.fixture
+def data_file(tmp_path, write_images, write_jsonl):
+    names = write_images(tmp_path, [(20, 30), (45, 13), (16, 16)])
+    return write_jsonl(tmp_path / "train.jsonl", [image_conversation(names), text_conversation()])
+
+
+@pytest.mark.parametrize("family", VLMS)
+def test_vlm_ids_pixels_and_labels_equal_transformers(model_dirs, family, data_file):
+    directory, processor = model_dirs[family]
+    encoder = ConversationEncoder.from_directory(directory)
+    conversations = read_conversations(data_file).conversations
+    llava = family == "llava"  # its template marks the assistant with {% generation %}
+    for conversation in conversations:
+        sample = encoder.encode_conversation(conversation)
+        expected = processor.apply_chat_template(
+            conversation.messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=llava,
+        )
+        ids = np.asarray(expected["input_ids"]).reshape(-1).tolist()
+        assert sample.tokens.tolist() == ids
+        assert sample.source == conversation.source
+        images = len(conversation.images)
+        assert (sample.tokens == IMAGE_ID).sum() == (16 * len(sample.pixel_values))
+        if images:
+            pixels = torch.as_tensor(np.asarray(expected["pixel_values"]))
+            pixels = pixels.flatten(0, -4)
+            pixels = pixels[pixels.flatten(1).any(1)]  # Idefics3 pads tiles per image
+            assert sample.pixel_values.shape == pixels.shape
+            assert (sample.pixel_values - pixels).abs().max() <= 1e-5
+        else:
+            assert sample.pixel_values.shape[0] == 0
+        tokenizer = processor.tokenizer
+        if llava:  # transformers' own assistant mask
+            mask = np.asarray(expected["assistant_masks"]).reshape(-1)
+            assert target_positions(sample) == np.flatnonzero(mask).tolist()
+        else:  # the assistant's text after the header "Assistant:", and <end_of_utterance>
+            answers = [
+                m["content"][0]["text"] for m in conversation.messages if m["role"] == "assistant"
+            ]
+            expected_targets = [
+                i
+                for answer in answers
+                for i in tokenizer.encode(f" {answer}<end_of_utterance>", add_special_tokens=False)
+            ]
+            assert targets(sample) == expected_targets
+        assert IMAGE_ID not in targets(sample)
+        assert sample.labels[-1] == IGNORE_INDEX
+
+
+def test_llava_labels_are_answers_and_eos(model_dirs, data_file):
+    directory, processor = model_dirs["llava"]
+    encoder = ConversationEncoder.from_directory(directory)
+    sample = encoder.encode_conversation(read_conversations(data_file).conversations[0])
+    text = processor.tokenizer.decode(targets(sample)).replace(" ", "")
+    assert text == "".join(f"{a}</s>" for a in ANSWERS).replace(" ", "")
+
+
+def test_llama_tokenizer_only(model_dirs):
+    directory, tokenizer = model_dirs["llama"]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": " Bye! "},
+    ]
+    encoder = ConversationEncoder.from_directory(directory)
+    assert encoder.processor is None and encoder.placeholder_ids == ()
+    sample = encoder.encode(messages)
+    expected = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)
+    assert sample.tokens.tolist() == list(expected["input_ids"])
+    assert sample.tokens[0] == tokenizer.bos_token_id  # the template's, not added again
+    expected_targets = tokenizer.encode("Hello.<|eot_id|>Bye!<|eot_id|>", add_special_tokens=False)
+    assert targets(sample) == expected_targets
+    assert sample.pixel_values.numel() == 0
+    with pytest.raises(ValueError, match="1 given, but the model is text-only"):
+        encoder.encode(messages, [torch.zeros(3, 4, 4, dtype=torch.uint8)])
+
+
+def test_llava_format_file_equals_messages_format(model_dirs, tmp_path, write_images, write_jsonl):
+    directory, processor = model_dirs["idefics3"]
+    names = write_images(tmp_path, [(20, 30)])
+    llava = {
+        "image": names[0],
+        "conversations": [
+            {"from": "human", "value": "<image>\nWhat is it?"},
+            {"from": "gpt", "value": "A cat."},
+        ],
+    }
+    file = write_jsonl(tmp_path / "llava.jsonl", [llava])
+    (conversation,) = read_conversations(file).conversations
+    sample = ConversationEncoder.from_directory(directory).encode_conversation(conversation)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "path": str(tmp_path / names[0])},
+                {"type": "text", "text": "What is it?"},
+            ],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+    ]
+    expected = processor.apply_chat_template(messages, tokenize=True, return_dict=True)
+    assert sample.tokens.tolist() == np.asarray(expected["input_ids"]).reshape(-1).tolist()
+
+
+def test_encode_conversations_fits_truncates_and_skips(
+    model_dirs, tmp_path, write_images, write_jsonl
+):
+    directory, _ = model_dirs["llava"]
+    names = write_images(tmp_path, [(20, 30)])
+    long_answer = "word " * 40
+    records = [
+        text_conversation(),
+        {
+            "image": names[0],
+            "conversations": [
+                {"from": "human", "value": "<image>Describe."},
+                {"from": "gpt", "value": long_answer},
+            ],
+        },
+    ]
+    file = write_jsonl(tmp_path / "train.jsonl", records)
+    conversations = read_conversations(file).conversations
+    encoder = ConversationEncoder.from_directory(directory)
+    full = encoder.encode_conversation(conversations[1])
+    limit = len(full) - 20
+    with pytest.raises(
+        DataError, match=rf"train\.jsonl:2: {len(full)} tokens, longer than max_seq_len={limit}"
+    ):
+        encode_conversations(encoder, conversations, max_seq_len=limit)
+    data = encode_conversations(encoder, conversations, max_seq_len=limit, truncate=True)
+    assert data.truncated == 1 and not data.skipped
+    cut = data.samples[1]
+    assert cut.truncated and len(cut) == limit
+    assert torch.equal(cut.tokens, full.tokens[:limit])
+    assert torch.equal(cut.labels[:-1], full.labels[: limit - 1])
+    assert cut.labels[-1] == IGNORE_INDEX and torch.equal(cut.pixel_values, full.pixel_values)
+    data = encode_conversations(encoder, conversations, max_seq_len=limit, skip_bad=True)
+    assert len(data.samples) == 1 and len(data.skipped) == 1
+    assert data.skipped[0].line == 2
+    # A cut through the image placeholders, or leaving no answer token, is refused.
+    with pytest.raises(ValueError, match="would cut image placeholders"):
+        fit_sample(full, 10, truncate=True, placeholder_ids=[IMAGE_ID])
+    prompt_end = target_positions(full)[0]
+    with pytest.raises(ValueError, match="leaves no answer token"):
+        fit_sample(full, prompt_end, truncate=True, placeholder_ids=[IMAGE_ID])
+    with pytest.raises(ValueError, match="max_seq_len: expected an integer >= 2"):
+        fit_sample(full, 1)
+
+
+def test_conversation_problems_found_at_encoding(model_dirs, tmp_path, write_images, write_jsonl):
+    directory, _ = model_dirs["llava"]
+    names = write_images(tmp_path, [(20, 30)])
+    file = write_jsonl(tmp_path / "bad.jsonl", [text_conversation(), image_conversation(names * 3)])
+    conversations = read_conversations(file).conversations
+    encoder = ConversationEncoder.from_directory(directory)
+    special = encoder.template.special_tokens
+    # A template that drops the assistant's turns: nothing to train on.
+    encoder.template = ChatTemplate(
+        "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['role'] }}: "
+        "{{ m['content'][0]['text'] }}{% endif %}{% endfor %}",
+        special_tokens=special,
+    )
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: chat template: renders no assistant turn"):
+        encoder.encode_conversation(conversations[0])
+    # A template that shows no image: the markers do not match the images.
+    encoder.template = ChatTemplate(
+        "{% for m in messages %}{{ m['role'] }}{% for c in m['content'] %}"
+        "{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}",
+        special_tokens=special,
+    )
+    with pytest.raises(
+        DataError, match=r"bad\.jsonl:2: prompts: 0 image marker\(s\).*3 image\(s\)"
+    ):
+        encoder.encode_conversation(conversations[1])
+    data = encode_conversations(encoder, conversations, max_seq_len=512, skip_bad=True)
+    assert [e.line for e in data.skipped] == [2] and len(data.samples) == 1
+    with pytest.raises(DataError, match=r"bad\.jsonl: no usable conversation \(first: .*:2: "):
+        encode_conversations(encoder, conversations[1:], max_seq_len=512, skip_bad=True)
+
+
+def test_missing_tokenizer(tmp_path, model_dirs):
+    from fusion.checkpoint import CheckpointError
+
+    directory, _ = model_dirs["llama"]
+    for name in ("config.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / name).write_bytes((directory / name).read_bytes())
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: missing"):
+        ConversationEncoder.from_directory(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        ConversationEncoder.from_directory(tmp_path)
