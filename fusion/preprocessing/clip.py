@@ -59,7 +59,8 @@ class ClipImageProcessor:
     def from_config(
         cls, config: Mapping[str, Any], where: str = "preprocessor_config.json"
     ) -> "ClipImageProcessor":
-        """From a ``CLIPImageProcessor`` or ``LlavaImageProcessor`` config.
+        """From a ``CLIPImageProcessor`` or ``LlavaImageProcessor`` config (``do_pad`` is
+        LLaVA's: ignored for an ``image_processor_type`` of CLIP, as transformers does).
 
         Raises:
             TypeError: ``config`` not a mapping.
@@ -88,7 +89,8 @@ class ClipImageProcessor:
             resample=read.resample("resample", BICUBIC),
             do_resize=read.flag("do_resize", True),
             do_center_crop=read.flag("do_center_crop", True),
-            do_pad=read.flag("do_pad", False),
+            # CLIP's own processor saves do_pad but never pads; LLaVA's pads.
+            do_pad=read.flag("do_pad", False) and not _is_clip_type(config),
             do_rescale=read.flag("do_rescale", True),
             rescale_factor=read.number("rescale_factor", 1 / 255),
             do_normalize=read.flag("do_normalize", True),
@@ -164,6 +166,11 @@ class ClipImageProcessor:
         if not processed:
             return torch.empty(0, 3, *self.output_size(1, 1))
         return torch.stack(processed)
+
+
+def _is_clip_type(config: Mapping[str, Any]) -> bool:
+    kind = config.get("image_processor_type")
+    return isinstance(kind, str) and kind.startswith("CLIPImageProcessor")
 
 
 def _pad_to_square(image: torch.Tensor, color: tuple[int, ...]) -> torch.Tensor:

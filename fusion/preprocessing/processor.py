@@ -29,6 +29,7 @@ TOKENIZER_FILE = "tokenizer.json"
 # rows each; LLaVA-1.5 gives 576 rows per image).
 MAX_TILES_PER_IMAGE = 256
 MAX_IMAGE_ROWS = 1 << 16
+_WARNED_DEFAULTS: set[str] = set()  # directories whose defaults were announced
 
 Encode = Callable[[str], list[int]]
 
@@ -224,12 +225,15 @@ class VisionLanguageProcessor:
         family = ClipImageProcessor if layout.kind == "llava" else Idefics3ImageProcessor
         if found is None:
             image_processor = family.for_image_size(layout.image_size)
-            warnings.warn(
-                f"{directory}: no image processor settings (neither {PREPROCESSOR_CONFIG} nor "
-                f"an 'image_processor' in {PROCESSOR_CONFIG}); using the {layout.kind} "
-                f"defaults for the tower's {layout.image_size}-pixel images: {image_processor}",
-                stacklevel=2,
-            )
+            if str(directory.resolve()) not in _WARNED_DEFAULTS:  # once per directory
+                _WARNED_DEFAULTS.add(str(directory.resolve()))
+                warnings.warn(
+                    f"{directory}: no image processor settings (neither {PREPROCESSOR_CONFIG} "
+                    f"nor an 'image_processor' in {PROCESSOR_CONFIG}); using the {layout.kind} "
+                    f"defaults for the tower's {layout.image_size}-pixel images: "
+                    f"{image_processor}",
+                    stacklevel=2,
+                )
         else:
             settings, where = found
             image_processor = family.from_config(settings, where)
