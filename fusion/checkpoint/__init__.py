@@ -6,6 +6,9 @@ and torch files.
 - :func:`load_hf_llava`, :func:`load_hf_idefics3` (also SmolVLM), :func:`load_hf_vlm` (either)
   and :func:`save_hf_llava` / :func:`save_hf_idefics3`: vision-language directories <-> a ready
   ``EarlyFusion``.
+- :func:`export_hf`: a trained model (LoRA merged) as a Hugging Face directory with the
+  source directory's tokenizer, processor, chat-template and generation-config files, written
+  whole or not at all.
 - :func:`hf_to_fusion` / :func:`fusion_to_hf`, :func:`meta_to_fusion` / :func:`fusion_to_meta`:
   the same renaming on state dicts (Meta's original ``consolidated.*.pth``). torchtune's own
   checkpoints already use this library's keys: load them as they are.
@@ -20,6 +23,7 @@ conversion in :mod:`~fusion.checkpoint.hf_config`, single keys and the row permu
 """
 
 from fusion.checkpoint.errors import CheckpointError
+from fusion.checkpoint.export import export_hf
 from fusion.checkpoint.files import load_state_dict, save_state_dict
 from fusion.checkpoint.hf_config import read_hf_config
 from fusion.checkpoint.hf_llama import load_hf_llama, save_hf_llama
@@ -36,6 +40,7 @@ from fusion.checkpoint.prefix import decoder_state_dict, select_prefix
 __all__ = [
     "CheckpointError",
     "decoder_state_dict",
+    "export_hf",
     "fusion_to_hf",
     "fusion_to_meta",
     "hf_to_fusion",

@@ -1,0 +1,220 @@
+"""A trained model as a Hugging Face directory that ``transformers`` loads on its own: weights
+and ``config.json`` from this library's savers, plus the tokenizer, processor, chat-template
+and generation-config files of the directory the model came from."""
+
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from fusion.checkpoint.errors import CheckpointError, as_path, check_positive_int
+from fusion.checkpoint.files import fsync_path
+from fusion.checkpoint.hf_llama import save_hf_llama
+from fusion.checkpoint.hf_vlm import save_hf_idefics3, save_hf_llava
+from fusion.decoder import TransformerDecoder
+from fusion.early_fusion import EarlyFusion
+from fusion.models.idefics3 import Idefics3ImageEncoder
+from fusion.models.llava import LlavaImageEncoder
+
+# What a model directory holds besides weights and config.json, for tokenizers, processors and
+# generation (transformers' names); those present in the source are copied.
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+MAX_SIDE_FILE_BYTES = 128 * 2**20  # tokenizer.json of a large vocabulary is tens of MB
+
+
+def export_hf(
+    model: nn.Module,
+    source_dir: str | bytes | os.PathLike | None,
+    out_dir: str | bytes | os.PathLike,
+    *,
+    overwrite: bool = False,
+    max_shard_size: int | None = None,
+) -> list[Path]:
+    """Write ``model`` as a Hugging Face directory at ``out_dir``, with ``source_dir``'s
+    tokenizer, processor, chat-template and generation-config files (:data:`SIDE_FILES`).
+
+    The weights and ``config.json`` come from :func:`~fusion.checkpoint.save_hf_llava`,
+    :func:`~fusion.checkpoint.save_hf_idefics3` (also SmolVLM) or
+    :func:`~fusion.checkpoint.save_hf_llama`, whichever fits ``model``: the class
+    ``transformers`` loads is ``LlavaForConditionalGeneration``,
+    ``Idefics3ForConditionalGeneration`` or ``LlamaForCausalLM``. The directory is complete or
+    absent: everything is written and fsynced into a new sibling directory, then renamed to
+    ``out_dir``. With ``overwrite``, an existing ``out_dir`` is first renamed aside and removed
+    once the new one is in place (a crash between the two renames leaves both complete beside
+    ``out_dir``, never a partial ``out_dir``).
+
+    The source directory is untrusted: only the names in :data:`SIDE_FILES` are read, each a
+    regular file (a symbolic link is refused, not followed) of at most
+    :data:`MAX_SIDE_FILE_BYTES`; nothing in them is parsed or run.
+
+    Args:
+        model: a LLaVA or Idefics3 ``EarlyFusion`` as the loaders build them, or a ``llama3_2``
+            decoder (or an ``EarlyFusion`` without encoders over one); possibly wrapped by
+            ``torch.compile``, DDP or DataParallel; unsharded, LoRA merged
+            (:func:`fusion.lora.merge_lora`). Saved in its own dtype.
+        source_dir: the directory the model was loaded from, or None for weights only.
+        out_dir: the directory to create.
+        overwrite: replace an existing ``out_dir``.
+        max_shard_size: bytes per safetensors shard (then with an index); None: one file.
+
+    Returns:
+        the files in ``out_dir``, weights and config first.
+
+    Raises:
+        TypeError: arguments of the wrong type; a model none of the savers takes.
+        ValueError: ``model`` still carries LoRA adapters, or as the saver raises (a modified
+            architecture, sharded or meta tensors).
+        CheckpointError: ``out_dir`` exists (without ``overwrite``) or is a file;
+            ``source_dir`` not a directory; a side file there that is a link, not a regular
+            file, or too large. All before anything is written.
+        OSError: the file system failed (``out_dir`` is then as it was).
+    """
+    out = as_path(out_dir, "out_dir")
+    source = None if source_dir is None else as_path(source_dir, "source_dir")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite: expected a bool, got {type(overwrite).__name__}")
+    if max_shard_size is not None:
+        check_positive_int(max_shard_size, "max_shard_size")
+    save = _saver(model)
+    if os.path.lexists(out) and not (out.is_dir() and not out.is_symlink()):
+        raise CheckpointError(out, None, "exists and is not a directory")
+    if os.path.lexists(out) and not overwrite:
+        raise CheckpointError(out, None, "exists; pass overwrite=True to replace it")
+    side = _side_files(source) if source is not None else {}
+    parent = out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", suffix=".tmp", dir=parent))
+    old: Path | None = None
+    try:
+        os.chmod(staging, 0o755)  # mkdtemp's 0o700 would make the export private
+        written = save(staging, max_shard_size)
+        for name, content in side.items():
+            with open(staging / name, "xb") as f:  # exclusive: no planted link written through
+                f.write(content)
+                f.flush()
+                os.fsync(f.fileno())
+        fsync_path(staging)
+        if os.path.lexists(out):
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", suffix=".tmp", dir=parent))
+            os.replace(out, old)  # an empty directory: replaced atomically
+        os.rename(staging, out)
+        fsync_path(parent)
+    except BaseException:
+        if old is not None and not os.path.lexists(out):
+            os.replace(old, out)  # put the old directory back
+            old = None
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return [out / path.name for path in written] + [out / name for name in side]
+
+
+def _unwrap(model: object) -> object:
+    """``model`` inside ``torch.compile``, DDP and DataParallel wrappers."""
+    # No OptimizedModule can exist unless torch._dynamo was imported: do not import it here.
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    while True:
+        if compiled is not None and isinstance(model, compiled):
+            model = model._orig_mod
+        elif isinstance(model, DistributedDataParallel | DataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def _saver(model: object) -> Callable[[Path, int | None], list[Path]]:
+    """The saver for ``model``: ``save(directory, max_shard_size)``."""
+    inner = _unwrap(model)
+    if isinstance(inner, nn.Module):
+        from fusion.lora import lora_linears  # fusion.lora imports this package
+
+        adapted = lora_linears(inner)
+        if adapted:
+            raise ValueError(
+                f"model: carries LoRA adapters ({next(iter(adapted))!r}, ...); merge them first "
+                "with fusion.lora.merge_lora(model) (save them apart with save_adapter)"
+            )
+    if isinstance(inner, EarlyFusion) and inner.encoders:
+        encoders = list(inner.encoders.values())
+        if len(encoders) == 1 and isinstance(encoders[0], LlavaImageEncoder):
+            return partial(_save, save_hf_llava, inner)
+        if len(encoders) == 1 and isinstance(encoders[0], Idefics3ImageEncoder):
+            return partial(_save, save_hf_idefics3, inner)
+        got = {name: type(e).__name__ for name, e in inner.encoders.items()}
+        raise TypeError(
+            f"model: expected a LLaVA or Idefics3 EarlyFusion (one 'image' encoder, a "
+            f"LlavaImageEncoder or an Idefics3ImageEncoder), or a text decoder; got encoders {got}"
+        )
+    if isinstance(inner, EarlyFusion | TransformerDecoder):
+        return partial(_save, save_hf_llama, inner)
+    raise TypeError(
+        "model: expected an EarlyFusion (LLaVA, Idefics3) or a TransformerDecoder, possibly "
+        f"wrapped by torch.compile or DDP; got {type(model).__name__}"
+    )
+
+
+def _save(
+    saver: Callable[..., list[Path]], model: nn.Module, directory: Path, shard: int | None
+) -> list[Path]:
+    return saver(model, directory, max_shard_size=shard)
+
+
+def _side_files(source: Path) -> dict[str, bytes]:
+    """The :data:`SIDE_FILES` present in ``source``: name -> content, each checked."""
+    if not source.is_dir():
+        raise CheckpointError(source, None, "source_dir: not a directory")
+    files = {}
+    for name in SIDE_FILES:
+        path = source / name
+        if not os.path.lexists(path):
+            continue
+        if path.is_symlink():
+            raise CheckpointError(
+                path,
+                None,
+                "is a symbolic link: not followed (copy the directory with its links resolved, "
+                "e.g. cp -rL, and export from the copy)",
+            )
+        try:  # O_NOFOLLOW: a link planted since the check is refused too
+            flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+        except OSError as error:
+            raise CheckpointError(path, None, f"unreadable: {error.strerror}") from error
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointError(path, None, "not a regular file (a FIFO, device, ...)")
+            if info.st_size > MAX_SIDE_FILE_BYTES:
+                raise CheckpointError(
+                    path, None, f"{info.st_size} bytes, more than {MAX_SIDE_FILE_BYTES}: refused"
+                )
+            os.set_blocking(f.fileno(), True)
+            content = f.read(MAX_SIDE_FILE_BYTES + 1)
+        if len(content) > MAX_SIDE_FILE_BYTES:
+            raise CheckpointError(path, None, f"grew beyond {MAX_SIDE_FILE_BYTES} bytes: refused")
+        files[name] = content
+    return files
