@@ -86,9 +86,6 @@ def write_model(kind: str, directory: Path, seed: int = 0) -> Path:
         )
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
-    # transformers 5 keeps the image processor's settings inside processor_config.json; the
-    # separate file is what fusion.preprocessing reads.
-    processor.image_processor.save_pretrained(directory)
     return directory
 
 
