@@ -6,9 +6,12 @@ mutation of lists or dicts, ``range`` capped at 100,000 items, no loader: ``incl
 ``import`` and ``extends`` fail), with the names transformers gives templates
 (``raise_exception``, ``strftime_now``, the ``loopcontrols`` extension, a ``tojson`` that
 does not escape HTML, ``namespace`` without underscore attributes, the ``{% generation %}``
-tag) and nothing else. Rendering stops once the output passes ``max_chars``. A sandboxed
-template can still loop for a long time (two nested ``range(100000)`` loops) without output:
-a limit of Jinja's sandbox as of transformers'.
+tag) and nothing else. Rendering stops once the output passes ``max_chars``, and single
+steps that would build a huge value are refused before they allocate it (``'x' * 10**10``,
+``center(10**10)``, ``'%0999999999d'``, ``10 ** 10**9``). What a sandbox cannot bound:
+a template that loops long without output (two nested ``range(100000)`` loops) or doubles a
+string with ``~`` many times over, as with transformers'; render untrusted templates under
+an OS memory and time limit if that matters.
 
 Which file holds the template follows transformers: the processor's
 (``processor_config.json``'s ``chat_template``, else ``chat_template.json``, else
@@ -315,7 +318,14 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template: refused by the sandbox: {error}") from None
         except jinja2.TemplateError as error:  # raise_exception, undefined names, includes
             raise ChatTemplateError(f"chat template: {type(error).__name__}: {error}") from None
-        except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as error:
+        except TypeError as error:
+            if "no loader" in str(error):  # include, import, extends, from
+                raise ChatTemplateError(
+                    "chat template: include, import and extends are refused (a template cannot "
+                    "read files)"
+                ) from None
+            raise ChatTemplateError(f"chat template: TypeError: {error}") from None
+        except (ValueError, ArithmeticError, LookupError, AttributeError) as error:
             raise ChatTemplateError(f"chat template: {type(error).__name__}: {error}") from None
         except RecursionError:
             raise ChatTemplateError("chat template: recursion too deep") from None
@@ -438,6 +448,8 @@ def _build_environment() -> Any:
 
         def __setitem__(self, name: str, value: Any) -> None:
             _check_name(name)
+            if isinstance(value, str | list | tuple) and len(value) > MAX_OUTPUT_CHARS:
+                _refuse(f"a value of {len(value)} items is too large to keep")
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
     def _check_name(name: object) -> None:
@@ -455,12 +467,39 @@ def _build_environment() -> Any:
         def fromkeys(self, *args: Any) -> dict[Any, Any]:
             return dict.fromkeys(*args)
 
-    environment = ImmutableSandboxedEnvironment(
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """The immutable sandbox, also refusing single steps that would build a huge value
+        (a repeated string, a wide format, a huge power, a huge count passed to a call or a
+        filter) before they allocate it, and unsafe attributes at the first access."""
+
+        intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            _check_arguments(args, kwargs)
+            target = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+            if getattr(target, "__name__", "") in ("format", "format_map"):
+                if isinstance(getattr(target, "__self__", None), str):
+                    _check_format(target.__self__)
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+            raise jinja2.exceptions.SecurityError(
+                f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe"
+            )
+
+    environment = Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[Generation, jinja2.ext.loopcontrols],
         autoescape=False,
         loader=None,
+    )
+    environment.filters.update(
+        {name: _bounded(function) for name, function in environment.filters.items()}
     )
     environment.filters["tojson"] = tojson
     environment.globals.update(
@@ -470,3 +509,61 @@ def _build_environment() -> Any:
         dict=Dict(),
     )
     return environment
+
+
+def _refuse(message: str) -> None:
+    import jinja2
+
+    raise jinja2.exceptions.SecurityError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """No call or filter gets a count above :data:`MAX_OUTPUT_CHARS` (``center(10**10)``,
+    ``lipsum(10**9)``): no template needs one, and it could allocate that much."""
+    for value in (*args, *kwargs.values()):
+        if _is_int(value) and abs(value) > MAX_OUTPUT_CHARS:
+            _refuse(f"the number {value} is too large (at most {MAX_OUTPUT_CHARS})")
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    sized = (str, list, tuple)
+    if operator == "**" and _is_int(left) and _is_int(right) and abs(left) > 1 and right > 256:
+        _refuse(f"{left} ** {right} is too large")
+    if operator == "*":
+        for items, count in ((left, right), (right, left)):
+            if (
+                isinstance(items, sized)
+                and _is_int(count)
+                and len(items) * count > MAX_OUTPUT_CHARS
+            ):
+                _refuse(f"repeating {len(items)} items {count} times is too large")
+    if operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+        if len(left) + len(right) > MAX_OUTPUT_CHARS:
+            _refuse(f"a concatenation of {len(left) + len(right)} items is too large")
+    if operator == "%" and isinstance(left, str):
+        _check_format(left)
+
+
+def _check_format(text: str) -> None:
+    """Widths and precisions of ``%`` and ``str.format`` fields stay below 7 digits."""
+    import re
+
+    if re.search(r"%[-+ #0*]*\d{7,}|%[^a-zA-Z%]*\.\d{7,}|\{[^{}]*:[^{}]*\d{7,}[^{}]*\}", text):
+        _refuse("a format field wider than 999,999 characters")
+
+
+def _bounded(function: Any) -> Any:
+    """A Jinja filter that refuses huge counts (:func:`_check_arguments`); Jinja's
+    ``pass_context`` / ``pass_environment`` marks are kept (``functools.wraps`` copies them)."""
+    import functools
+
+    @functools.wraps(function)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _check_arguments(args, kwargs)
+        return function(*args, **kwargs)
+
+    return bounded
