@@ -5,9 +5,11 @@ import os
 import shutil
 from pathlib import Path
 
+from fusion.checkpoint import CheckpointError
+from fusion.checkpoint.export import export_hf
 from fusion.checkpoint.files import fsync_path
 from fusion.lora import merge_lora, save_adapter
-from fusion.training import read_model_state_dict
+from fusion.training import TrainingError, one_line, read_model_state_dict
 from recipes.finetune.config import FinetuneConfig
 from recipes.finetune.trainer import build_model
 
@@ -22,7 +24,8 @@ def export_final(config: FinetuneConfig, checkpoint: Path, output_dir: Path) -> 
     none, never a partial one. Returns the directory.
 
     Raises:
-        TrainingError: the checkpoint does not fit the model.
+        TrainingError: the checkpoint does not fit the model, or no Hugging Face directory can
+            be written for it.
         OSError: the file system failed.
     """
     assert config.model is not None
@@ -31,38 +34,25 @@ def export_final(config: FinetuneConfig, checkpoint: Path, output_dir: Path) -> 
     model.eval()
     final = output_dir / FINAL
     staging = output_dir / f".tmp-{FINAL}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
+    adapter = output_dir / f".tmp-{ADAPTER}"
+    for stale in (staging, output_dir / f".old-{FINAL}"):  # left by a crash
+        if stale.exists():
+            shutil.rmtree(stale)
     if config.train == "lora":
-        save_adapter(model, staging / ADAPTER)
+        save_adapter(model, adapter, overwrite=True)
         merge_lora(model)
-    _export_hf(model, staging, Path(config.model))
-    fsync_path(staging)
+    try:
+        export_hf(model, config.model, staging)
+    except (CheckpointError, ValueError, TypeError) as error:
+        raise TrainingError(f"cannot export {final}: {one_line(error)}") from None
+    if config.train == "lora":
+        os.replace(adapter, staging / ADAPTER)
+        fsync_path(staging)
     old = output_dir / f".old-{FINAL}"
     if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
         os.replace(final, old)
     os.replace(staging, final)
     fsync_path(output_dir)
     if old.exists():
         shutil.rmtree(old)
     return final
-
-
-def _export_hf(model, directory: Path, source: Path) -> None:  # interim, until fusion's lands
-    from fusion import EarlyFusion
-    from fusion.checkpoint import save_hf_idefics3, save_hf_llama, save_hf_llava
-    from fusion.checkpoint.hf_vlm import hf_model_kind
-
-    kind = hf_model_kind(source)
-    if not isinstance(model, EarlyFusion):
-        save_hf_llama(model, directory, overwrite=True)
-    elif kind == "llava":
-        save_hf_llava(model, directory, overwrite=True)
-    else:
-        save_hf_idefics3(model, directory, overwrite=True)
-    for file in source.iterdir():
-        if file.is_file() and not file.name.startswith(("model", "config.json", "pytorch_model")):
-            shutil.copyfile(file, directory / file.name)
