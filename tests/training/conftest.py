@@ -56,3 +56,13 @@ class Trained:
 @pytest.fixture(scope="session")
 def trained() -> Trained:
     return Trained()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread (several spin against each other on a busy
+    machine); the thread count is given back to the other tests."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
