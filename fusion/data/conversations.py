@@ -134,7 +134,7 @@ def read_conversations(
     for number, raw in _lines(file):
         count += 1
         try:
-            messages, images = parse_conversation(_parse_line(raw), base)
+            messages, images = parse_conversation(_parse_line(raw, first=number == 1), base)
             if check_images:
                 for image in images:
                     if image not in checked:
@@ -177,9 +177,9 @@ def _lines(file: Path) -> Iterator[tuple[int, bytes]]:
             yield number, raw
 
 
-def _parse_line(raw: bytes) -> object:
+def _parse_line(raw: bytes, *, first: bool = False) -> object:
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig" if first else "utf-8")  # a BOM may start the file
     except UnicodeDecodeError as error:
         raise ValueError(f"not UTF-8 text: {error}") from None
     if not text.strip():

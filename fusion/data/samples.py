@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fusion._io import NotRegularFile, open_regular
 from fusion.checkpoint.errors import CheckpointError, as_path
 from fusion.data.chat_template import (
     GENERATION_END,
@@ -32,6 +33,7 @@ from fusion.data.conversations import Conversation, DataError
 
 IGNORE_INDEX = -100
 TOKENIZER_FILE = "tokenizer.json"
+MAX_TOKENIZER_BYTES = 256 * 2**20  # the largest real ones are tens of megabytes
 
 
 @dataclass(frozen=True)
@@ -215,16 +217,27 @@ def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
 
 
 def _load_tokenizer(file: Path) -> Any:
-    if not file.is_file():
-        raise CheckpointError(file, None, "missing: encoding conversations needs the tokenizer")
+    """``tokenizer.json`` (a regular file of at most :data:`MAX_TOKENIZER_BYTES`) as a
+    ``tokenizers.Tokenizer``: JSON data, nothing executed."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise ImportError("reading tokenizer.json needs the tokenizers package") from None
+    if not file.exists():
+        raise CheckpointError(file, None, "missing: encoding conversations needs the tokenizer")
     try:
-        return Tokenizer.from_file(str(file))
+        with open_regular(file) as handle:
+            raw = handle.read(MAX_TOKENIZER_BYTES + 1)
+    except NotRegularFile:
+        raise CheckpointError(file, None, "not a regular file (a FIFO, device, ...)") from None
+    except OSError as error:
+        raise CheckpointError(file, None, f"unreadable: {error.strerror}") from None
+    if len(raw) > MAX_TOKENIZER_BYTES:
+        raise CheckpointError(file, None, f"larger than {MAX_TOKENIZER_BYTES} bytes: refused")
+    try:
+        return Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as error:  # tokenizers raises plain Exception
-        raise CheckpointError(file, None, f"unreadable tokenizer: {error}") from error
+        raise CheckpointError(file, None, f"unreadable tokenizer: {error}") from None
 
 
 def fit_sample(

@@ -154,6 +154,9 @@ def test_undecodable_images_and_bytes(tmp_path, write_images, write_jsonl):
     assert [c.line for c in read.conversations] == [1]
     assert [e.line for e in read.skipped] == [2, 3]
     assert read_conversations(file, check_images=False).skipped == []
+    bom = b"\xef\xbb\xbf" + json.dumps(hf(names[0])).encode()
+    (tmp_path / "bom.jsonl").write_bytes(bom)  # no final newline either
+    assert len(read_conversations(tmp_path / "bom.jsonl").conversations) == 1
     (tmp_path / "latin.jsonl").write_bytes(json.dumps(hf(names[0])).encode() + b"\n\xff\n")
     with pytest.raises(DataError, match=r"latin\.jsonl:2: not UTF-8 text"):
         read_conversations(tmp_path / "latin.jsonl")

@@ -2,6 +2,8 @@
 the model's processor (LLaVA, Idefics3, SmolVLM) or tokenizer (Llama), labels on the
 assistant's tokens and end-of-turn token only."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -255,6 +257,13 @@ def test_missing_tokenizer(tmp_path, model_dirs):
     for name in ("config.json", "tokenizer_config.json", "chat_template.jinja"):
         (tmp_path / name).write_bytes((directory / name).read_bytes())
     with pytest.raises(CheckpointError, match=r"tokenizer\.json: missing"):
+        ConversationEncoder.from_directory(tmp_path)
+    os.mkfifo(tmp_path / "tokenizer.json")  # would block a plain open
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: not a regular file"):
+        ConversationEncoder.from_directory(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: unreadable tokenizer"):
         ConversationEncoder.from_directory(tmp_path)
     (tmp_path / "chat_template.jinja").unlink()
     with pytest.raises(ChatTemplateError, match="no chat template"):
