@@ -4,9 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from fusion.training import (
     TrainingError,
+    TrainState,
     check_model_tensors,
     checkpoint_dir,
     checkpoint_root,
@@ -17,6 +19,7 @@ from fusion.training import (
     newest_intact_checkpoint,
     read_model_state_dict,
     restore_checkpoint,
+    save_checkpoint,
     set_aside_damaged,
     verify_checkpoint,
 )
@@ -243,3 +246,44 @@ def test_train_state_json_is_strict_json(trained, tmp_path):
         "config", "scheduler", "optimizer", "rng",
     ]  # fmt: skip
     assert stored["format"] == 2 and len(stored["rng"]) == 1
+
+
+class Odd(nn.Module):
+    """Not a decoder at all: bf16 and fp16 parameters, a 0-d, an empty and a bool buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4, dtype=torch.bfloat16))
+        self.h = nn.Parameter(torch.randn(2, dtype=torch.float16))
+        self.register_buffer("count", torch.tensor(7))
+        self.register_buffer("empty", torch.empty(0, 5))
+        self.register_buffer("mask", torch.tensor([True, False]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w.float().T).sum() + self.h.float().sum()
+
+
+def test_any_model_with_odd_dtypes_and_empty_tensors_round_trips(tmp_path):
+    def build():
+        model = Odd()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    torch.manual_seed(0)
+    model, optimizer = build()
+    model(torch.randn(2, 4)).backward()
+    optimizer.step()
+    state = TrainState(
+        step=0, samples_seen=0, epoch=0, losses=[], config={}, world_size=1, parallel="none",
+        scheduler={},
+    )  # fmt: skip
+    path = save_checkpoint(tmp_path, model, optimizer, state, device=torch.device("cpu"), keep=1)
+    stored = read_model_state_dict(path)
+    for key, value in model.state_dict().items():
+        assert stored[key].dtype == value.dtype and torch.equal(stored[key], value), key
+    verify_checkpoint(path, model)
+    fresh, fresh_optimizer = build()
+    load_training_checkpoint(path, fresh, fresh_optimizer)
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    momentum = fresh_optimizer.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(momentum, optimizer.state_dict()["state"][0]["momentum_buffer"])
