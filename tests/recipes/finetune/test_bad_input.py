@@ -107,21 +107,8 @@ def test_a_template_with_no_assistant_turn(model_dirs, ft, tmp_path, capsys):
     assert "renders no assistant turn" in err
 
 
-def test_a_new_run_never_writes_over_a_finished_one(model_dirs, ft, tmp_path, capsys):
-    data = ft.write_data(tmp_path / "data", images=False)
-    out = tmp_path / "run"
-    argv = ft.recipe_args(model_dirs["llama"], data, out, "--steps", "2", "--checkpoint-every", "1")
-    assert main(argv) == 0
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    capsys.readouterr()
-    assert main(argv) == 1
-    err = capsys.readouterr().err
-    assert "already holds checkpoints (latest: step_00000002); pass --resume" in err
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-
-
-def test_an_interrupted_run_keeps_its_checkpoints_and_resumes(
-    model_dirs, ft, tmp_path, monkeypatch
+def test_an_interrupted_run_resumes_and_a_new_run_never_writes_over_it(
+    model_dirs, ft, tmp_path, monkeypatch, capsys
 ):
     from recipes.finetune import trainer
 
@@ -142,3 +129,34 @@ def test_an_interrupted_run_keeps_its_checkpoints_and_resumes(
     monkeypatch.setattr(trainer, "train_step", real_step)
     assert main(["--resume", "--output-dir", str(out), "--threads", "1", "--no-progress"]) == 0
     assert len(ft.metrics(out)["losses"]) == 4 and (out / "final" / "config.json").exists()
+
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "already holds checkpoints (latest: step_00000004); pass --resume" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--train", "projector"], "--train: 'projector' needs a vision-language --model"),
+        (["--max-seq-len", "1024", "--batch-tokens", "1024"], "--max-seq-len: expected at most"),
+    ],
+)
+def test_model_problems_are_one_line(extra, message, model_dirs, ft, tmp_path, capsys):
+    data = ft.write_data(tmp_path / "data", images=False, count=2)
+    argv = ft.recipe_args(model_dirs["llama"], data, tmp_path / "run", "--steps", "1", *extra)
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_a_missing_model_directory(ft, tmp_path, capsys):
+    data = ft.write_data(tmp_path / "data", images=False, count=2)
+    capsys.readouterr()
+    assert main(ft.recipe_args(tmp_path / "nowhere", data, tmp_path / "run")) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--model: " in err and "nowhere" in err
