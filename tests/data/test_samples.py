@@ -7,6 +7,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fusion.data import (
     IGNORE_INDEX,
@@ -19,7 +21,7 @@ from fusion.data import (
     fit_sample,
     read_conversations,
 )
-from vlm_helpers import IMAGE_ID
+from vlm_helpers import CHARS, IMAGE_ID
 
 VLMS = ("llava", "idefics3", "smolvlm")
 ANSWERS = ("A cat.", "A dog, twice!")
@@ -268,3 +270,54 @@ def test_missing_tokenizer(tmp_path, model_dirs):
     (tmp_path / "chat_template.jinja").unlink()
     with pytest.raises(ChatTemplateError, match="no chat template"):
         ConversationEncoder.from_directory(tmp_path)
+
+
+TEXT = st.text(alphabet=CHARS, max_size=12)
+
+
+@st.composite
+def chats(draw, list_content: bool):
+    """Alternating user / assistant turns of random text (spaces and newlines included)."""
+    messages = []
+    if draw(st.booleans()):
+        messages.append({"role": "system", "content": draw(TEXT)})
+    for _ in range(draw(st.integers(1, 3))):
+        for role in ("user", "assistant"):
+            text = draw(TEXT)
+            content = [{"type": "text", "text": text}] if list_content else text
+            messages.append({"role": role, "content": content})
+    return messages
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(messages=chats(list_content=True))
+def test_random_llava_chats_equal_transformers(model_dirs, messages):
+    directory, processor = model_dirs["llava"]
+    sample = ConversationEncoder.from_directory(directory).encode(messages)
+    expected = processor.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert sample.tokens.tolist() == np.asarray(expected["input_ids"]).reshape(-1).tolist()
+    mask = np.asarray(expected["assistant_masks"]).reshape(-1)
+    assert target_positions(sample) == np.flatnonzero(mask).tolist()
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(messages=chats(list_content=False))
+def test_random_llama_chats_equal_transformers(model_dirs, messages):
+    directory, tokenizer = model_dirs["llama"]
+    sample = ConversationEncoder.from_directory(directory).encode(messages)
+    expected = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)
+    assert sample.tokens.tolist() == list(expected["input_ids"])
+    # The template trims each message: the targets are each trimmed answer and <|eot_id|>.
+    answers = [m["content"].strip() for m in messages if m["role"] == "assistant"]
+    expected_targets = [
+        i
+        for answer in answers
+        for i in tokenizer.encode(answer + "<|eot_id|>", add_special_tokens=False)
+    ]
+    assert targets(sample) == expected_targets
