@@ -16,6 +16,7 @@ import math
 import os
 import stat
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO, cast
@@ -96,6 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
         "Idefics3 / SmolVLM directories; decoding needs Pillow: the vision extra)",
     )
     parser.add_argument(
+        "--max-pixels",
+        type=_int_type(1),
+        default=None,
+        help="the most pixels an --image may have, checked from its header before decoding, and "
+        "at every step of its preprocessing (default: Pillow's decompression-bomb limit, "
+        "89478485 pixels)",
+    )
+    parser.add_argument(
+        "--print-ids",
+        action="store_true",
+        help="print token ids instead of text: one JSON line per prompt, "
+        '{"prompt_ids": [...], "new_ids": [...]} (image markers expanded)',
+    )
+    parser.add_argument(
         "--max-new-tokens", type=_int_type(1), default=32, help="default: %(default)s"
     )
     parser.add_argument(
@@ -122,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--pad-id",
         type=_int_type(0),
         default=None,
-        help="left-padding id (default: pad_token_id, else 0)",
+        help="left-padding id (default: pad_token_id of generation_config.json, else of "
+        "config.json, else of its text config, as transformers reads them; one outside the "
+        "vocabulary, such as SmolVLM's 128002, is passed over as transformers passes it over, "
+        "for the first EOS id, as transformers falls back; 0 when none is named)",
     )
     parser.add_argument(
         "--dtype", choices=["auto", *_DTYPES], default="auto", help="auto: as stored"
@@ -184,8 +202,14 @@ def _run(
         tokenizer, reason = _load_tokenizer(directory)
         if tokenizer is None:
             parser.error(f"--prompt: no tokenizer could be loaded from {directory} ({reason})")
-        images = [load_image(path) for path in args.image or []]
-        inputs = prepare_inputs(directory, args.prompt, images, encode=tokenizer.encode)
+        images = [_load_image(path, args.max_pixels) for path in args.image or []]
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            inputs = prepare_inputs(
+                directory, args.prompt, images, encode=tokenizer.encode, max_pixels=args.max_pixels
+            )
+        for warning in said:  # e.g. the image processor defaults: one line each
+            print(f"warning: {_one_line(str(warning.message))}", file=sys.stderr)
         prompts = inputs.ids
         if images:
             encoder_input = inputs.encoder_input(device=device)
@@ -218,8 +242,7 @@ def _run(
         pad_id = args.pad_id
         _check_ids_in_vocab("--pad-id", [pad_id], vocab)
     else:
-        pad_id = _first(config.get("pad_token_id"), 0)
-        _check_ids_in_vocab("pad_token_id of the config", [pad_id], vocab)
+        pad_id = default_pad_id(config, vocab)
     check_sampling_args(args.temperature, args.top_k, args.top_p, vocab or sys.maxsize)
     tokens = left_pad(prompts, pad_id)
     max_len = args.max_seq_len or _positive_int_or_none(config.get("max_position_embeddings"))
@@ -251,7 +274,10 @@ def _run(
         stop_check_interval=1,
     )
     try:
-        _print(steps, len(prompts), stop_tokens, tokenizer, out)
+        if args.print_ids:
+            _print_ids(steps, prompts, stop_tokens, out)
+        else:
+            _print(steps, len(prompts), stop_tokens, tokenizer, out)
     finally:
         steps.close()  # an error while printing still frees the KV cache
 
@@ -360,6 +386,55 @@ def _print(
         out.write((",".join(map(str, ids)) if tokenizer is None else tokenizer.decode(ids)) + "\n")
 
 
+def _print_ids(
+    steps: Iterator[torch.Tensor], prompts: list[list[int]], stop_tokens: Sequence[int], out: TextIO
+) -> None:
+    """One JSON line per prompt: its ids (as fed, unpadded) and the new ids (through the stop
+    token, if one came)."""
+    generated: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)
+    for step in steps:
+        for i, token in enumerate(step.tolist()):
+            if not finished[i]:
+                generated[i].append(token)
+                finished[i] = token in stop_tokens
+    for prompt, new in zip(prompts, generated, strict=True):
+        out.write(json.dumps({"prompt_ids": list(prompt), "new_ids": new}) + "\n")
+    out.flush()
+
+
+def _load_image(path: Path, max_pixels: int | None) -> torch.Tensor:
+    """``load_image``, its errors naming ``--image``; Pillow's DecompressionBombWarning is
+    never printed (the pixel cap is checked from the header instead)."""
+    with warnings.catch_warnings():
+        with contextlib.suppress(ImportError):
+            from PIL import Image
+
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            return load_image(path, max_pixels=max_pixels)
+        except ValueError as error:
+            raise ValueError(f"--image: {error}") from None
+
+
+def default_pad_id(config: dict[str, Any], vocab: int | None) -> int:
+    """The left-padding id when ``--pad-id`` is not given, in transformers' order:
+    ``pad_token_id`` of ``generation_config.json``, else of ``config.json``'s top level, else
+    of its text config. An id outside the vocabulary (SmolVLM's published 128002 with 49280
+    tokens: no model can embed it, and generation feeds pad ids back once a sequence ends) is
+    treated as unset, and an unset pad id falls back to the first EOS id, as transformers'
+    ``generate`` falls back. A directory that names no pad id at all pads with 0 (any id would
+    do: padding is masked)."""
+    found = False
+    for key in ("generation_pad_token_id", "pad_token_id", "text_pad_token_id"):
+        ids = _as_ids(config.get(key))
+        found |= bool(ids)
+        if ids and (vocab is None or 0 <= ids[0] < vocab):
+            return ids[0]
+    eos = _as_ids(config.get("eos_token_id"))
+    return eos[0] if found and eos and (vocab is None or eos[0] < vocab) else 0
+
+
 def _parse_ids(parser: argparse.ArgumentParser, text: str) -> list[int]:
     try:
         ids = [int(part) for part in text.split(",")]
@@ -438,13 +513,23 @@ def _generation_config(directory: Path) -> dict[str, Any]:
             raise CheckpointError(file, None, "expected a JSON object")
         text = content.get("text_config")  # vision-language configs keep these there
         if name == "config.json" and isinstance(text, dict):
-            content = {**{k: text.get(k) for k in _TEXT_KEYS}, **content}
+            value = text.get("pad_token_id")
+            if value is not None and not _is_ids(value):
+                raise CheckpointError(
+                    file,
+                    "text_config.pad_token_id",
+                    f"expected an id >= 0 or a list of them, got {_short(value)}",
+                )
+            content = {**{k: text.get(k) for k in _TEXT_KEYS if k != "pad_token_id"}, **content}
+            content["text_pad_token_id"] = value
         for key in ("eos_token_id", "pad_token_id"):
             value = content.get(key)
             if value is not None and not _is_ids(value):
                 raise CheckpointError(
                     file, key, f"expected an id >= 0 or a list of them, got {_short(value)}"
                 )
+        if name == "generation_config.json":
+            content["generation_pad_token_id"] = content.get("pad_token_id")
         config |= {k: v for k, v in content.items() if v is not None}
     return config
 
@@ -469,11 +554,6 @@ def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (value,)
-
-
-def _first(value: int | list[int] | None, default: int) -> int:
-    ids = _as_ids(value)
-    return ids[0] if ids else default
 
 
 def _short(value: Any) -> str:
