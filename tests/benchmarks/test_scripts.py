@@ -107,3 +107,21 @@ def test_vlm_generation_quick(tmp_path):
     for side in ("fusion", "transformers"):
         assert report["results"][side]["new_tokens"] == 4
         assert report["results"][side]["tokens_per_s"] > 0
+
+
+def test_finetune_quick(tmp_path):
+    stdout = run_script("finetune.py", "--quick", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "finetune.json").read_text())
+    results = report["results"]
+    assert set(results) == {"transformers_padded", "fusion_padded", "fusion_packed"}
+    assert report["first_step_losses_agree"]  # same weights, samples and loss on every side
+    tokens = {name: r["tokens"] for name, r in results.items()}
+    assert len({tuple(t) for t in tokens.values()}) == 1  # the same samples for everyone
+    assert results["fusion_packed"]["padding_fraction"] == 0.0
+    assert results["fusion_padded"]["positions"] == results["transformers_padded"]["positions"]
+    assert results["fusion_padded"]["padding_fraction"] > 0
+    for name, r in results.items():
+        assert r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert r["x_transformers_tokens_per_s"] > 0
+        assert name in stdout
+    assert (tmp_path / "finetune_cpu.txt").read_text() in stdout
