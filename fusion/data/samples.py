@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fusion._io import NotRegularFile, open_regular
+from fusion._validation import describe
 from fusion.checkpoint.errors import CheckpointError, as_path
 from fusion.data.chat_template import (
     GENERATION_END,
@@ -56,6 +57,35 @@ class Sample:
     pixel_values: torch.Tensor
     source: str = ""
     truncated: bool = False
+
+    def __post_init__(self) -> None:
+        """Raises ValueError: ``tokens`` not integer ids [n] with n >= 1, ``labels`` not
+        integers of the same shape, ``pixel_values`` not a floating tensor (or empty)."""
+        tokens, labels, pixels = self.tokens, self.labels, self.pixel_values
+        if (
+            not isinstance(tokens, torch.Tensor)
+            or tokens.dim() != 1
+            or tokens.numel() == 0
+            or tokens.dtype.is_floating_point
+            or tokens.dtype.is_complex
+            or tokens.dtype == torch.bool
+        ):
+            raise ValueError(f"tokens: expected integer ids [n], n >= 1, got {_describe(tokens)}")
+        if (
+            not isinstance(labels, torch.Tensor)
+            or labels.shape != tokens.shape
+            or labels.dtype.is_floating_point
+            or labels.dtype.is_complex
+            or labels.dtype == torch.bool
+        ):
+            raise ValueError(
+                f"labels: expected integers of the tokens' shape {list(tokens.shape)}, got "
+                f"{_describe(labels)}"
+            )
+        if not isinstance(pixels, torch.Tensor) or (
+            pixels.numel() and not pixels.dtype.is_floating_point
+        ):
+            raise ValueError(f"pixel_values: expected a floating tensor, got {_describe(pixels)}")
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -331,3 +361,7 @@ def encode_conversations(
             conversations[0].file, None, f"no usable conversation (first: {skipped[0]})"
         )
     return EncodedData(samples, skipped, truncated)
+
+
+def _describe(value: object) -> str:
+    return describe(value) if isinstance(value, torch.Tensor) else type(value).__name__

@@ -146,6 +146,22 @@ def test_collate_errors():
         collate_padded([b, c], pad_id=PAD)
 
 
+def test_sample_checks():
+    ids = torch.tensor([5, 6])
+    with pytest.raises(
+        ValueError, match=r"tokens: expected integer ids \[n\], n >= 1, got shape \[0\]"
+    ):
+        Sample(ids[:0], ids[:0], torch.empty(0))
+    with pytest.raises(ValueError, match=r"tokens: expected integer ids.*dtype torch.float32"):
+        Sample(ids.float(), ids, torch.empty(0))
+    with pytest.raises(ValueError, match=r"labels: expected integers of the tokens' shape \[2\]"):
+        Sample(ids, ids[:1], torch.empty(0))
+    with pytest.raises(ValueError, match="pixel_values: expected a floating tensor, got shape"):
+        Sample(ids, ids, torch.zeros(1, 3, 2, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="pixel_values: expected a floating tensor, got list"):
+        Sample(ids, ids, [])
+
+
 def test_batch_to():
     a = Sample(torch.tensor([5, 6]), torch.tensor([6, -100]), torch.zeros(1, 3, 2, 2))
     batch = collate_packed([[a]], pad_id=PAD).to("meta", pixel_dtype=torch.bfloat16)
