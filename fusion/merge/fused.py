@@ -11,7 +11,8 @@ The kernel moves raw bits (floats viewed as same-width integers), so it is bitwi
 every dtype. It runs compiled on CUDA and, for tests, on CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``, read when the kernel is first used in that mode). Triton is an
 optional extra (``triton``: ``pip install 'triton>=3.3'``). The backward pass uses the same ATen ops
-as the reference, so gradients are bitwise equal to it.
+as the reference (:func:`fusion.merge.sources.merge_backward`), so gradients are bitwise equal
+to it.
 """
 
 import os
@@ -19,6 +20,7 @@ import os
 import torch
 
 from fusion.merge.placement import Placement, match_text
+from fusion.merge.sources import merge_backward, row_sources
 
 try:
     import triton
@@ -221,23 +223,15 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad: torch.Tensor):
     text_ids, source, *destinations = ctx.saved_tensors
-    n = text_ids.numel()
-    grad_weight = None
-    if ctx.needs_input_grad[1]:
-        # What the reference's masked_scatter passes to its embedding: placeholders zeroed.
-        text_grad = grad.masked_fill((source >= 0)[:, None], 0)
-        grad_weight = torch.ops.aten.embedding_dense_backward(
-            text_grad, text_ids, ctx.vocab, -1, False
-        )
-    grad_rows = None
-    if ctx.needs_input_grad[3]:
-        grad_rows = []
-        for dest in destinations:
-            if n == 0:
-                grad_rows.append(grad.new_zeros(dest.numel(), grad.size(1)))
-                continue
-            dropped = (dest == n)[:, None]  # padding rows: not in the output, zero gradient
-            grad_rows.append(grad.index_select(0, dest.clamp(max=n - 1)).masked_fill_(dropped, 0))
+    grad_weight, grad_rows = merge_backward(
+        grad,
+        text_ids,
+        source,
+        destinations,
+        ctx.vocab,
+        table_grad=ctx.needs_input_grad[1],
+        rows_grad=ctx.needs_input_grad[3],
+    )
     return None, grad_weight, None, grad_rows, [None] * len(destinations)
 
 
@@ -250,17 +244,8 @@ def merge_fused(
     """Merge by one Triton kernel; ``text_ids`` [b, s] -> embeddings [b, s, d]."""
     placements = match_text(placements, weight)
     batch, seq_len = text_ids.shape
-    n = batch * seq_len
-    # Slot n is the spill row of Placement.destinations: padding rows land there, unread.
-    source = torch.full((n + 1,), -1, dtype=torch.int64, device=text_ids.device)
-    destinations, start = [], 0
-    for p in placements:
-        dest = p.destinations()
-        count = p.rows.size(0)
-        source.index_copy_(0, dest, torch.arange(start, start + count, device=dest.device))
-        destinations.append(dest)
-        start += count
+    source, destinations = row_sources(text_ids, placements)
     out = merge_rows(
-        text_ids.reshape(-1), weight, source[:n], [p.rows for p in placements], destinations
+        text_ids.reshape(-1), weight, source, [p.rows for p in placements], destinations
     )
     return out.view(batch, seq_len, weight.size(1))

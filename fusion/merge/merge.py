@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion._validation import check_token_ids, describe, is_dtensor
+from fusion.merge.compiled import merge_compiled
 from fusion.merge.fused import check_fused, fused_supported, merge_fused
 from fusion.merge.index import merge_index
 from fusion.merge.layouts import EncoderRows
@@ -15,7 +16,10 @@ from fusion.merge.reference import merge_reference
 
 Embedding = nn.Module | Callable[[torch.Tensor], torch.Tensor] | torch.Tensor
 
-IMPLEMENTATIONS = ("reference", "index", "fused")
+IMPLEMENTATIONS = ("reference", "index", "fused", "compiled")
+# ``auto`` merges with ``compiled`` on CPU from this many output bytes (tokens x d x element
+# size); below, ``index``'s lower fixed cost per call wins (benchmarks/README.md).
+COMPILED_MIN_BYTES = 4 * 2**20
 
 
 def embedding_table(embedding: Embedding) -> torch.Tensor | None:
@@ -44,22 +48,36 @@ def embedding_table(embedding: Embedding) -> torch.Tensor | None:
     return weight if type(weight) in (torch.Tensor, nn.Parameter) else None
 
 
-def default_impl(device: torch.device, embedding: Embedding) -> str:
+def default_impl(device: torch.device, embedding: Embedding, tokens: int | None = None) -> str:
     """The implementation ``impl="auto"`` picks for ``embedding`` on ``device``.
 
-    ``"fused"`` (one Triton kernel that writes each output row once: the fewest bytes moved)
-    on CUDA with Triton installed, when :func:`embedding_table` finds a plain table with 1, 2,
-    4 or 8-byte elements. ``"index"`` everywhere else: the embedding is called as a module (so
-    FSDP, tensor parallel, LoRA or quantized embeddings behave as in the decoder) and encoder
-    rows are written into its output. On CPU ``index`` measured 1.1x to 1.3x the time of
-    copying the output once (``benchmarks/README.md``). Neither synchronises with the host.
+    Only for a plain table that :func:`embedding_table` finds (reading it is provably what
+    calling the embedding does), a single-pass merge that writes each output row once:
+    ``"fused"`` (one Triton kernel) on CUDA with Triton installed and 1, 2, 4 or 8-byte
+    elements; ``"compiled"`` (the merge compiled by inductor, compiled once per bucket on
+    first use) on CPU when the output, ``tokens`` x d x element size, holds at least
+    ``COMPILED_MIN_BYTES``. ``"index"`` everywhere else: the embedding is called as a module
+    (so FSDP, tensor parallel, LoRA or quantized embeddings behave as in the decoder) and
+    encoder rows are written into its output. Measurements in ``benchmarks/README.md``.
+    None of them synchronises with the host.
+
+    Args:
+        device: where the tokens are.
+        embedding: as :func:`merge_embeddings` takes it.
+        tokens: the number of tokens merged (b x s); None: as many as ``compiled`` needs.
     """
-    return _auto_impl(device, embedding_table(embedding))
+    return _auto_impl(device, embedding_table(embedding), tokens)
 
 
-def _auto_impl(device: torch.device, table: torch.Tensor | None) -> str:
-    if device.type == "cuda" and table is not None and fused_supported(device, table.dtype):
+def _auto_impl(device: torch.device, table: torch.Tensor | None, tokens: int | None) -> str:
+    if table is None:
+        return "index"
+    if device.type == "cuda" and fused_supported(device, table.dtype):
         return "fused"
+    if device.type == "cpu" and table.device.type == "cpu" and table.dim() == 2:
+        size = table.size(1) * table.element_size()
+        if tokens is None or tokens * size >= COMPILED_MIN_BYTES:
+            return "compiled"
     return "index"
 
 
@@ -85,9 +103,11 @@ def merge_embeddings(
             bare tensor is packed). An encoder in ``encoder_tokens`` without rows has none.
         encoder_tokens: encoder name -> placeholder id (a Python int).
         impl: ``"auto"`` (see :func:`default_impl`), ``"reference"`` (embed, then
-            ``masked_scatter``), ``"index"`` (embed, then ``index_copy_``) or ``"fused"`` (one
+            ``masked_scatter``), ``"index"`` (embed, then ``index_copy_``), ``"fused"`` (one
             Triton kernel reading the table itself; CUDA, needs Triton and a plain table, see
-            :func:`embedding_table`).
+            :func:`embedding_table`) or ``"compiled"`` (one pass compiled by inductor; CPU,
+            needs a plain table; the first call of a bucket compiles, see
+            :mod:`fusion.merge.compiled`).
         vocab_size: text ids must lie in ``[0, vocab_size)``. Default: the table's rows, or
             the module's ``num_embeddings``; unchecked if neither exists.
         eager_checks: check placeholder counts on the host and raise ``ValueError`` (a host
@@ -111,7 +131,7 @@ def merge_embeddings(
     check_token_ids(tokens)
     table = embedding_table(embedding)
     if impl == "auto":
-        impl = _auto_impl(tokens.device, table)
+        impl = _auto_impl(tokens.device, table, tokens.numel())
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl: expected 'auto' or one of {list(IMPLEMENTATIONS)}, got {impl!r}")
     if isinstance(embedding, torch.Tensor):
@@ -128,15 +148,22 @@ def merge_embeddings(
             "embedding: expected a module mapping ids to rows, or a table tensor, got "
             f"{type(embedding).__name__}"
         )
-    if impl == "fused":
-        if table is None:
-            raise ValueError(
-                "impl: 'fused' reads the embedding table directly, which is the same as calling "
-                "the embedding only for a plain table or nn.Embedding (no hooks, no subclass, no "
-                f"DTensor weight); got {type(embedding).__name__}: use impl='auto' or 'index'"
-            )
+    if impl in ("fused", "compiled") and table is None:
+        raise ValueError(
+            f"impl: {impl!r} reads the embedding table directly, which is the same as calling "
+            "the embedding only for a plain table or nn.Embedding (no hooks, no subclass, no "
+            f"DTensor weight); got {type(embedding).__name__}: use impl='auto' or 'index'"
+        )
+    if impl == "fused" and table is not None:
         for device in (tokens.device, table.device):
             check_fused(device, table.dtype)
+    if impl == "compiled" and table is not None:
+        for device in (tokens.device, table.device):
+            if device.type != "cpu":
+                raise ValueError(
+                    f"impl: 'compiled' expected CPU tensors (on CUDA 'fused' is the single "
+                    f"pass), got device {device}"
+                )
     if vocab_size is None:
         vocab_size = (
             table.size(0) if table is not None else getattr(embedding, "num_embeddings", None)
@@ -146,6 +173,8 @@ def merge_embeddings(
     )
     if impl == "fused" and table is not None:  # a fused call without a table was refused above
         return merge_fused(text_ids, table, placements)
+    if impl == "compiled" and table is not None:  # likewise
+        return merge_compiled(text_ids, table, placements)
     embed = _checked(_lookup(embedding) if isinstance(embedding, torch.Tensor) else embedding)
     merge = merge_index if impl == "index" else merge_reference
     return merge(text_ids, embed, placements)
