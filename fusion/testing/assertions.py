@@ -6,7 +6,7 @@ import io
 import torch
 from torch import nn
 
-from fusion.decoder import TransformerDecoder
+from fusion._validation import is_dtensor
 from fusion.early_fusion import EarlyFusion
 
 
@@ -25,9 +25,14 @@ def find_prefix(root: nn.Module, module: nn.Module) -> str:
 
 
 def assert_checkpoint_compatible(
-    root: nn.Module, fusion_model: EarlyFusion, plain_decoder: TransformerDecoder
+    root: nn.Module, fusion_model: EarlyFusion, plain_decoder: nn.Module
 ) -> None:
     """Assert that ``fusion_model``'s decoder checkpoints exactly like ``plain_decoder``.
+
+    ``plain_decoder`` is a decoder of the same kind as ``fusion_model.decoder`` (this
+    library's, a torchtune-style one or a Hugging Face model). Sharded tensors (FSDP2's
+    DTensors) are compared whole, and the plain state is sharded like the decoder's for the
+    strict load (a collective: call it on every rank).
 
     ``fusion_model`` (an :class:`fusion.EarlyFusion`, somewhere inside ``root``, at any
     wrapping prefix) must hold, for every key ``k`` of ``plain_decoder.state_dict()``, the key
@@ -48,10 +53,26 @@ def assert_checkpoint_compatible(
         f"missing {sorted(expected - actual)[:5]}, unexpected {sorted(actual - expected)[:5]}"
     )
     for key, tensor in plain_state.items():
-        assert torch.equal(root_state[decoder_prefix + key], tensor), (
+        assert torch.equal(_whole(root_state[decoder_prefix + key]), tensor), (
             f"{decoder_prefix + key} differs from the plain decoder's {key}"
         )
-    copy.deepcopy(fusion_model.decoder).load_state_dict(plain_state, strict=True)
+    decoder = copy.deepcopy(fusion_model.decoder)
+    own = decoder.state_dict()
+    placed = {key: _placed_like(tensor, own.get(key)) for key, tensor in plain_state.items()}
+    decoder.load_state_dict(placed, strict=True)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def _placed_like(tensor: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    """``tensor`` sharded as ``target`` is, when that is a DTensor."""
+    if target is None or not is_dtensor(target):
+        return tensor
+    from torch.distributed.tensor import distribute_tensor  # only once something is sharded
+
+    return distribute_tensor(tensor, target.device_mesh, target.placements)  # type: ignore[attr-defined]
 
 
 def assert_state_dict_round_trip(source: nn.Module, fresh: nn.Module) -> None:
