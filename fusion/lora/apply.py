@@ -194,7 +194,7 @@ def apply_lora(
         dropout: dropout probability on the adapter's input, in training mode only.
         freeze_base: set ``requires_grad=False`` on every parameter of ``model`` that is not an
             adapter's (encoders included; unfreeze what else should train afterwards).
-            Adapters always train.
+            New adapters always train; those of earlier calls keep their setting.
 
     Returns:
         the layers given adapters now: qualified name -> module (each once).
@@ -245,9 +245,16 @@ def apply_lora(
             f"matches layer names inside the decoder, e.g. 'q_proj'; one with a dot the whole "
             f"name). Linear layers: {available[:8]}{' ...' if len(available) > 8 else ''}"
         )
-    if freeze_base:
+    if freeze_base:  # everything but adapters, those of earlier calls included
+        adapters = {
+            id(param)
+            for linear in lora_linears(model).values()
+            for child in ("lora_a", "lora_b")
+            for param in linear.get_submodule(child).parameters()
+        }
         for param in model.parameters():
-            param.requires_grad_(False)
+            if id(param) not in adapters:
+                param.requires_grad_(False)
     for module in chosen.values():
         _add_adapter(module, rank, float(alpha), float(dropout))
     return chosen

@@ -109,6 +109,8 @@ def test_untied_output_and_whole_layers_by_pattern():
     )
     # A second call may adapt other layers, never an adapter's own linear layers.
     assert list(apply_lora(decoder, "layers.0.mlp.*")) == [f"layers.0.mlp.w{i}" for i in (1, 2, 3)]
+    assert decoder.output.lora_a.weight.requires_grad  # the first call's adapters still train
+    assert not decoder.output.weight.requires_grad
 
 
 def test_shared_layer_is_adapted_once():
