@@ -2,7 +2,9 @@
 the model's processor (LLaVA, Idefics3, SmolVLM) or tokenizer (Llama), labels on the
 assistant's tokens and end-of-turn token only."""
 
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -321,3 +323,52 @@ def test_random_llama_chats_equal_transformers(model_dirs, messages):
         for i in tokenizer.encode(answer + "<|eot_id|>", add_special_tokens=False)
     ]
     assert targets(sample) == expected_targets
+
+
+def test_packed_idefics3_samples_equal_alone(
+    model_dirs, tmp_path, write_images, write_jsonl, one_thread
+):
+    """Samples encoded from a real directory (tiles of several sizes) and packed: each one's
+    logits are those it gets alone, so its images' rows landed at its own placeholders."""
+    from fusion.checkpoint import load_hf_vlm
+    from fusion.data import collate_packed, pack_samples
+    from vlm_helpers import tiny_hf_idefics3
+
+    directory, _ = model_dirs["idefics3"]
+    model_dir = tmp_path / "model"
+    shutil.copytree(directory, model_dir)
+    tiny_hf_idefics3().save_pretrained(model_dir)
+    names = write_images(tmp_path, [(20, 30), (45, 13), (16, 16)])
+    file = write_jsonl(tmp_path / "train.jsonl", [image_conversation(names), text_conversation()])
+    file.write_text(file.read_text() + json.dumps(hf_one_image(names[1])) + "\n")
+    encoder = ConversationEncoder.from_directory(model_dir)
+    samples = [encoder.encode_conversation(c) for c in read_conversations(file).conversations]
+    model = load_hf_vlm(model_dir).eval()
+    rows = pack_samples(samples, max_seq_len=512)
+    # [486, 31, 103] tokens: the text-only sample, then the one-image one, share row 1.
+    assert [[len(s) for s in row] for row in rows] == [[486], [31, 103]]
+    batch = collate_packed(rows, pad_id=0)
+    pixels = torch.cat([s.pixel_values for s in samples if len(s.pixel_values)])
+    assert torch.equal(batch.encoder_input["image"]["pixel_values"], pixels)
+    with torch.no_grad():
+        packed = model(**batch.model_inputs())
+        for r, row in enumerate(rows):
+            start = 0
+            for sample in row:
+                images = {"image": {"pixel_values": sample.pixel_values}}
+                alone = model(
+                    sample.tokens[None], encoder_input=images if len(sample.pixel_values) else None
+                )[0]
+                torch.testing.assert_close(
+                    packed[r, start : start + len(sample)], alone, atol=1e-5, rtol=0
+                )
+                start += len(sample)
+
+
+def hf_one_image(name):
+    return {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "path": name}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Tall."}]},
+        ]
+    }
