@@ -2,14 +2,12 @@
 with, :func:`train_step` is one optimizer step over its micro-batches, :func:`evaluate` the
 eval loss, :func:`train` the loop with its checkpoints."""
 
-import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -351,14 +349,6 @@ def _position(run: Setup, step: int) -> tuple[int, int]:
     return seen, epoch
 
 
-@contextlib.contextmanager
-def _quiet_bar(bar: Any) -> Iterator[Any]:
-    try:
-        yield bar
-    finally:
-        bar.close()
-
-
 def train(
     config: FinetuneConfig,
     runtime: Runtime,
@@ -413,7 +403,7 @@ def train(
     run.model.train()
     started = time.perf_counter()
     bar = progress_bar(runtime, total=total, initial=start_step, enabled=config.progress)
-    with _quiet_bar(bar):
+    try:
         for step in range(start_step, total):
             loss, stats = train_step(run, step)
             pending.append(loss)
@@ -454,6 +444,8 @@ def train(
                     keep=config.keep_checkpoints,
                 )
                 log(runtime, f"saved checkpoint {checkpoint} (step {done}, loss {losses[-1]:.4f})")
+    finally:
+        bar.close()
     seconds = time.perf_counter() - started
     if runtime.distributed:  # every process's real tokens and slots
         counts = torch.tensor([tokens, slots], device=runtime.device, dtype=torch.float64)
