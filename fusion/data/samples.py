@@ -166,6 +166,7 @@ class ConversationEncoder:
             ValueError: images that do not match the image markers of the rendered text,
                 images for a text-only model, an image the processor cannot take, no target
                 token left (e.g. an empty answer).
+            RuntimeError: a ``processor`` whose ``encode`` is not this encoder's.
         """
         rendered = self.template.render_with_spans(messages)
         text = _mark(rendered.text, rendered.spans)
@@ -185,7 +186,11 @@ class ConversationEncoder:
             inputs = self.processor([text], list(images))
             ids = inputs.ids[0]
             pixel_values = inputs.pixel_values
-        assert self._last is not None
+        if self._last is None:
+            raise RuntimeError(
+                "processor: its encode is not this encoder's, so the loss spans are unknown; "
+                "build the encoder with ConversationEncoder.from_directory"
+            )
         _, spans, encoding = self._last
         self._last = None
         tokens = torch.tensor(ids, dtype=torch.int64)

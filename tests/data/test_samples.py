@@ -372,3 +372,14 @@ def hf_one_image(name):
             {"role": "assistant", "content": [{"type": "text", "text": "Tall."}]},
         ]
     }
+
+
+def test_processor_must_use_the_encoders_encode(model_dirs):
+    from fusion.preprocessing import VisionLanguageProcessor
+
+    directory, _ = model_dirs["llava"]
+    built = ConversationEncoder.from_directory(directory)
+    foreign = VisionLanguageProcessor.from_directory(directory)  # tokenizes on its own
+    encoder = ConversationEncoder(built.template, built.tokenizer, processor=foreign)
+    with pytest.raises(RuntimeError, match="its encode is not this encoder's"):
+        encoder.encode(text_conversation()["messages"])
