@@ -343,9 +343,12 @@ def encode_conversations(
     problem, or with ``skip_bad`` the conversation is skipped and its error kept.
 
     Raises:
+        ValueError: ``max_seq_len`` not an integer >= 2 (before any conversation).
         DataError: a conversation that cannot be encoded or fitted (unless ``skip_bad``), or
             no sample left.
     """
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise ValueError(f"max_seq_len: expected an integer >= 2, got {max_seq_len!r}")
     samples, skipped, truncated = [], [], 0
     for conversation in conversations:
         try:

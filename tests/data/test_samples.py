@@ -221,6 +221,8 @@ def test_encode_conversations_fits_truncates_and_skips(
         fit_sample(full, prompt_end, truncate=True, placeholder_ids=[IMAGE_ID])
     with pytest.raises(ValueError, match="max_seq_len: expected an integer >= 2"):
         fit_sample(full, 1)
+    with pytest.raises(ValueError, match="max_seq_len: expected an integer >= 2, got '8'"):
+        encode_conversations(encoder, [], max_seq_len="8")
 
 
 def test_conversation_problems_found_at_encoding(model_dirs, tmp_path, write_images, write_jsonl):
