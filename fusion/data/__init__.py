@@ -1,19 +1,18 @@
 """Fine-tuning data: conversations from JSON Lines, the model's chat template rendered in a
 sandbox, samples with assistant-only labels, and packed or padded batches.
 
+    from fusion import masked_token_loss
     from fusion.data import (
         ConversationEncoder, collate_packed, encode_conversations, pack_samples,
         read_conversations,
     )
-    from fusion import masked_token_loss
 
-    conversations = read_conversations("train.jsonl").conversations   # whole file checked
-    encoder = ConversationEncoder.from_directory(model_dir)
-    data = encode_conversations(encoder, conversations, max_seq_len=2048)
-    for row_group in ...:                                            # rows of pack_samples
-        batch = collate_packed(row_group, pad_id=pad_id)
-        logits = model(**batch.model_inputs())
-        loss_sum, count = masked_token_loss(logits, batch.labels)
+    read = read_conversations("train.jsonl")                 # the whole file checked
+    encoder = ConversationEncoder.from_directory(model_dir)  # template, tokenizer, processor
+    data = encode_conversations(encoder, read.conversations, max_seq_len=2048)
+    rows = pack_samples(data.samples, max_seq_len=2048)      # greedy first fit
+    batch = collate_packed(rows[:8], pad_id=pad_id)          # e.g. 8 rows a micro-batch
+    loss_sum, count = masked_token_loss(model(**batch.model_inputs()), batch.labels)
 """
 
 from fusion.data.chat_template import (
