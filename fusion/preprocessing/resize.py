@@ -128,9 +128,10 @@ def _resample_first(image: torch.Tensor, out_size: int, resample: int) -> torch.
     for start in range(0, rows.size(1), step):  # blocks of columns, not taps or rows
         table = rows[:, start : start + step].to(torch.float64)
         acc = F.embedding_bag(indices, table, per_sample_weights=weights, mode="sum")
-        acc = acc.to(torch.int64) + (1 << (_PRECISION_BITS - 1))
-        # Floor division by 2**22, then clip: what Pillow's lookup table does.
-        out[:, start : start + step] = (acc >> _PRECISION_BITS).clamp_(0, 255)
+        # Rounded (Pillow's half), floor-divided by 2**22 and clipped, as Pillow's lookup
+        # table does: exact in float64, as every value is an integer below 2**53.
+        acc.add_(1 << (_PRECISION_BITS - 1)).mul_(2.0**-_PRECISION_BITS).floor_().clamp_(0, 255)
+        out[:, start : start + step] = acc
     return out.view(out_size, *image.shape[1:])
 
 
