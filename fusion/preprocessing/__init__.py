@@ -16,6 +16,7 @@ from fusion.preprocessing.clip import ClipImageProcessor
 from fusion.preprocessing.idefics3 import Idefics3ImageProcessor, TiledImage, idefics3_image_text
 from fusion.preprocessing.images import (
     as_uint8_image,
+    default_max_pixels,
     from_pil,
     load_image,
     normalize,
@@ -38,6 +39,7 @@ __all__ = [
     "VisionInputs",
     "VisionLanguageProcessor",
     "as_uint8_image",
+    "default_max_pixels",
     "detect_model_kind",
     "expand_markers",
     "from_pil",
