@@ -268,7 +268,9 @@ class ChatTemplate:
             for k, message in enumerate(messages):
                 if message.get("role") != "assistant":
                     continue
-                before = self._render(messages[:k], True, variables)[0] if k else ""
+                # Rendered even for k = 0: what a template writes before any message (BOS, a
+                # default system prompt) is prompt too.
+                before = self._render(messages[:k], True, variables)[0]
                 through = self._render(messages[: k + 1], False, variables)[0]
                 if not (text.startswith(before) and text.startswith(through)):
                     raise ChatTemplateError(

@@ -164,6 +164,10 @@ def test_spans_by_prefix_renders():
     rendered = ChatTemplate(SPAN_TEMPLATE).render_with_spans(messages)
     pieces = [rendered.text[a:b] for a, b in rendered.spans]
     assert pieces == ["A1</assistant>", "A2</assistant>"]  # trailing newline left out
+    # An assistant first: what the template writes before any message is not a target.
+    template = ChatTemplate("<s>[system]\n" + SPAN_TEMPLATE)
+    rendered = template.render_with_spans(messages[1:])
+    assert [rendered.text[a:b] for a, b in rendered.spans] == ["A1</assistant>", "A2</assistant>"]
 
 
 def test_spans_by_generation_tags():
