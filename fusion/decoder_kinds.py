@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from fusion._validation import is_dtensor
 from fusion.decoder import TransformerDecoder
 
 FUSION, TORCHTUNE, HUGGING_FACE = "fusion", "torchtune", "huggingface"
@@ -94,8 +95,34 @@ def embedding_module(decoder: Any, kind: str) -> nn.Module:
                 "decoder: get_input_embeddings() returned "
                 f"{type(embedding).__name__}, expected a module"
             )
-        return embedding
-    return decoder.tok_embeddings
+    else:
+        embedding = decoder.tok_embeddings
+    return embedding
+
+
+def check_gathered(embedding: nn.Module) -> None:
+    """Refuse an embedding whose weight is still sharded and that nothing will gather: with a
+    decoder of another library the merge calls the embedding before the decoder's forward, so
+    an FSDP2 unit holding the whole decoder has not been gathered yet. (A unit of its own, or
+    a tensor-parallel plan, gathers or redistributes in the embedding's own hooks.)
+
+    Raises:
+        RuntimeError: naming the plans that work.
+    """
+    weight = getattr(embedding, "weight", None)
+    hooks = (
+        embedding._forward_pre_hooks
+        or embedding._forward_hooks
+        or nn.modules.module._global_forward_pre_hooks
+    )
+    if weight is not None and not hooks and is_dtensor(weight):
+        raise RuntimeError(
+            "decoder: its input embedding's weight is sharded (a DTensor) when EarlyFusion "
+            "calls the embedding, before the decoder's own forward: an FSDP2 unit around the "
+            "whole decoder is gathered only then. Shard the embedding as a unit of its own "
+            "(fully_shard(embedding) before the decoder's unit) or leave it in the "
+            "EarlyFusion's root unit (do not fully_shard the decoder as one unit)"
+        )
 
 
 def vocab_size(decoder: Any, kind: str, embedding: nn.Module) -> int | None:

@@ -10,6 +10,7 @@ from torch import nn
 from fusion.decoder_kinds import (
     FUSION,
     HUGGING_FACE,
+    check_gathered,
     decoder_kind,
     embedding_module,
     vocab_size,
@@ -215,6 +216,8 @@ class EarlyFusion(nn.Module):
                 text embeddings; ``mask`` or ``input_pos`` given to a Hugging Face decoder, or
                 ``kwargs`` holding the embeddings or ids this model computes. All before any
                 decoder layer runs.
+            RuntimeError: (other libraries' decoders) the embedding's weight is still sharded
+                by FSDP2 when the merge calls it (the decoder sharded as one unit around it).
         """
         kind = self.decoder_kind
         if kind != FUSION:
@@ -238,6 +241,7 @@ class EarlyFusion(nn.Module):
 
             return self.decoder(tokens, mask=mask, input_pos=input_pos, embed=embed, **kwargs)
         embedding = embedding_module(self.decoder, kind)
+        check_gathered(embedding)
         embeds = merge_embeddings(
             tokens,
             embedding,

@@ -29,16 +29,16 @@ class ShardedRuns:
         return result
 
 
-@pytest.fixture(scope="session")
-def sharded_runs(tmp_path_factory) -> ShardedRuns:
-    out_dir = tmp_path_factory.mktemp("sharding")
+def run_scenarios(module: str, out_dir: Path) -> ShardedRuns:
+    """Run ``python -m module RANK WORLD_SIZE INIT_FILE OUT_DIR`` on ``WORLD_SIZE`` processes
+    (``tests`` on the path) and load each rank's ``rank{RANK}.pt``."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
     }
     init_file = out_dir / "store"
-    command = [sys.executable, "-m", "parallel.sharding_scenarios"]
+    command = [sys.executable, "-m", module]
     processes = [
         subprocess.Popen(
             [*command, str(rank), str(WORLD_SIZE), str(init_file), str(out_dir)],
@@ -65,3 +65,8 @@ def sharded_runs(tmp_path_factory) -> ShardedRuns:
         torch.load(out_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)
     ]
     return ShardedRuns(out_dir, ranks)
+
+
+@pytest.fixture(scope="session")
+def sharded_runs(tmp_path_factory) -> ShardedRuns:
+    return run_scenarios("parallel.sharding_scenarios", tmp_path_factory.mktemp("sharding"))
