@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from fusion.lora import DEFAULT_TARGETS
 from fusion.training import TrainingError
 
 PROG = "python -m recipes.finetune"
@@ -29,7 +30,6 @@ GROUP_TITLES = {
 FIXED_GROUPS = ("data", "model", "optim")
 TRAIN_MODES = ("lora", "full", "projector")
 DTYPES = ("float32", "bfloat16")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
 
 
 @dataclass
@@ -82,8 +82,10 @@ class FinetuneConfig:
     lora_alpha: float = _opt(16.0, "LoRA alpha (the update is scaled by alpha / rank)", "model")
     lora_dropout: float = _opt(0.0, "dropout on LoRA's input", "model")
     lora_targets: str = _opt(
-        "q_proj,v_proj",
-        f"comma-separated decoder linear layers that get adapters, of {', '.join(LORA_TARGETS)}",
+        ",".join(DEFAULT_TARGETS),
+        "comma-separated layers that get adapters: decoder layer names (q_proj, k_proj, v_proj, "
+        "output_proj, w1, w2, w3, output; wildcards allowed) or dotted names anywhere "
+        "(encoders.image.connector.*)",
         "model",
     )
     # optimisation
@@ -210,9 +212,8 @@ def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name)
     if config.steps == 0 and config.epochs == 0:
         fail("epochs", f"a positive number of epochs when {name('steps')} is 0")
     targets = config.lora_target_list
-    unknown = [t for t in targets if t not in LORA_TARGETS]
-    if not targets or unknown or len(set(targets)) != len(targets):
-        fail("lora_targets", f"distinct names of {', '.join(LORA_TARGETS)}")
+    if not targets or len(set(targets)) != len(targets):
+        fail("lora_targets", "distinct comma-separated layer names")
     if config.train_vision and config.train != "full":
         fail("train_vision", f"{name('train')} full")
     if config.batch_tokens < config.max_seq_len:

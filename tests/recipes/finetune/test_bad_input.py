@@ -143,6 +143,7 @@ def test_an_interrupted_run_resumes_and_a_new_run_never_writes_over_it(
     [
         (["--train", "projector"], "--train: 'projector' needs a vision-language --model"),
         (["--max-seq-len", "1024", "--batch-tokens", "1024"], "--max-seq-len: expected at most"),
+        (["--lora-targets", "q_proj,qkv"], "--lora-targets: targets: 'qkv' matches no nn.Linear"),
     ],
 )
 def test_model_problems_are_one_line(extra, message, model_dirs, ft, tmp_path, capsys):
