@@ -40,8 +40,13 @@ from fusion.checkpoint.errors import as_path, short_repr
 
 IMAGE_MARKER = "<image>"
 MAX_LINE_BYTES = 64 * 2**20  # a conversation line; real ones are kilobytes
-_LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-_LLAVA_ROLES["system"] = "system"
+_LLAVA_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 _PATH_KEYS = ("path", "image", "url")
 
 
