@@ -19,7 +19,8 @@ One conversation per line, image paths relative to the file:
   ``image`` is one path or a list; each ``"<image>"`` in a value is where the next image goes.
   Turns become messages of list content (``human`` -> ``user``, ``gpt`` -> ``assistant``,
   ``system``), each marker an image item; newlines next to a marker are dropped with it
-  (``"<image>\\nWhat"`` -> an image, then ``"What"``), as LLaVA's own conversion does.
+  (``"<image>\\nWhat"`` -> an image, then ``"What"``); the template decides what goes between
+  an image and its text.
 
 The whole file is read and checked before anything is returned: a line that is empty, not
 JSON, of neither format, a message without a role, no assistant message, an image that is
