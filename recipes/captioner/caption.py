@@ -2,12 +2,16 @@
 
     python -m recipes.captioner.caption --checkpoint runs/x/checkpoints/step_00001000 a.png b.png
 
-prints ``<file>: <caption>`` per image, in order. From Python, :func:`caption` takes files,
-Pillow images or uint8 tensors. Decoding files needs Pillow (``pip install -e '.[vision]'``).
+prints ``<file>: <caption>`` per image, in order, and one line on stderr per file it cannot
+read (the others are still captioned; the exit status is then 1). From Python,
+:func:`caption` takes files, Pillow images or uint8 tensors. Decoding files needs Pillow
+(``pip install -e '.[vision]'``).
 
 An image is taken as the training images are: 8-bit RGB (grayscale repeated, transparency
 over white), square; one of another side is resized to the model's ``image_size`` (bicubic,
-as Pillow resizes), so a shape drawn at any scale is read at the scale the model learned.
+as Pillow resizes), so a shape drawn at any resolution is read at the one the model learned.
+The model knows only what it was trained on (:mod:`recipes.captioner.shapes` gives the
+ranges): one filled shape of its four, six colours, two sizes and nine places.
 """
 
 import argparse
@@ -138,19 +142,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Caption the images of the command line; returns the exit status: 0, or 1 with one line
-    on stderr (2 on a bad command line, argparse's ``SystemExit``)."""
+    """Caption the images of the command line; returns the exit status.
+
+    Every image that can be read is captioned (``<file>: <caption>`` on stdout, in order);
+    each one that cannot is reported on its own line on stderr, and the status is then 1.
+    A bad checkpoint, or no Pillow to decode files with, is one line on stderr and status 1
+    with nothing captioned; a bad command line is argparse's status 2.
+    """
     args = build_parser().parse_args(argv)
+
+    def report(error: BaseException) -> None:
+        print(f"{PROG}: error: {' '.join(one_line(error).splitlines())}", file=sys.stderr)
+
     try:
         path = checkpoint_dir(args.checkpoint, "--checkpoint")
         device = resolve_device(args.device, 0)
-        captions = caption(path, args.images, batch_size=args.batch_size, device=device)
+        image_size = load_train_state(path).config.image_size
+        readable, pixels = [], []
+        for file in args.images:
+            try:
+                pixels.append(_pixels(file, file, image_size))
+            except (ValueError, TypeError, OSError) as error:
+                report(error)
+            else:
+                readable.append(file)
+        captions = (
+            caption(path, pixels, batch_size=args.batch_size, device=device) if pixels else []
+        )
     except (TrainingError, ValueError, TypeError, ImportError, OSError) as error:
-        print(f"{PROG}: error: {' '.join(one_line(error).splitlines())}", file=sys.stderr)
+        report(error)
         return 1
-    for file, text in zip(args.images, captions, strict=True):
+    for file, text in zip(readable, captions, strict=True):
         print(f"{file}: {text}")
-    return 0
+    return 0 if len(readable) == len(args.images) else 1
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def test_bad_input_is_refused_before_the_model_is_loaded(trained, tmp_path, monk
     cases = [
         ([wide], ValueError, f"image '{wide}': expected a square image"),
         ([text], ValueError, f"image '{text}': not an image Pillow can decode"),
-        ([tmp_path / "missing.png"], FileNotFoundError, "missing.png"),
+        ([tmp_path / "missing.png"], (OSError, ValueError), "missing.png"),
         ([images[0].float()], ValueError, "images[0]: expected 8-bit pixels"),
         ([images[0], 7], TypeError, "images[1]: expected a uint8 tensor"),
         (images[0], TypeError, "images: expected a list of image files"),
@@ -118,7 +118,7 @@ def test_the_command_line(trained, job, tmp_path, capsys):
     ]
 
     for argv, message in (
-        ([str(checkpoint), str(tmp_path / "missing.png")], "No such file or directory"),
+        ([str(checkpoint), str(tmp_path / "missing.png")], "missing.png"),
         ([str(tmp_path), str(files[0])], f"--checkpoint: {tmp_path} is not a checkpoint dir"),
     ):
         assert main(["--checkpoint", *argv]) == 1
@@ -134,3 +134,27 @@ def test_the_command_line(trained, job, tmp_path, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err
+
+
+def test_the_command_line_captions_every_file_it_can(trained, tmp_path, capsys):
+    """Bad files are reported one per line; every other file is still captioned, in order;
+    the status is 1."""
+    checkpoint, images, reported = trained
+    good = [save_png(image, tmp_path / f"good-{i}.png") for i, image in enumerate(images)]
+    wide = save_png(torch.zeros(3, 16, 24, dtype=torch.uint8), tmp_path / "wide.png")
+    text = tmp_path / "notes.png"
+    text.write_text("not an image")
+    missing = tmp_path / "missing.png"
+    files = [wide, good[0], text, missing, good[1]]
+    assert main(["--checkpoint", str(checkpoint), *map(str, files)]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"{f}: {c}" for f, c in zip(good, reported, strict=True)]
+    errors = err.splitlines()
+    assert len(errors) == 3 and all(line.startswith(PROG + "error: ") for line in errors)
+    assert f"image '{wide}': expected a square image" in errors[0]
+    assert f"image '{text}': not an image Pillow can decode" in errors[1]
+    assert str(missing) in errors[2]
+    # Nothing readable: every file reported, nothing captioned, the model never loaded.
+    assert main(["--checkpoint", str(checkpoint), str(wide), str(text)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 2
