@@ -157,8 +157,10 @@ class TestEveryKind:
         audio = torch.randn(1, EMBED_DIM)
         with pytest.raises(ValueError, match=r"encoder 'image' rows: expected width 32"):
             model(tokens, encoder_input={"image": torch.randn(5, 48), "audio": audio})
+        model.encoders["audio"].double()  # an encoder returning float64 rows
+        wide = {"features": torch.randn(1, FEATURES, dtype=torch.float64)}
         with pytest.raises(ValueError, match=r"encoder 'audio' rows: expected dtype torch.float"):
-            model(tokens, encoder_input={"image": image, "audio": audio.double()})
+            model(tokens, encoder_input={"image": image, "audio": wide})
         with pytest.raises(ValueError, match=r"encoder 'image': the tokens' placeholder count"):
             model(tokens, encoder_input={"image": image[:4], "audio": audio})
         assert ran == []
