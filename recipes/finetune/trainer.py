@@ -99,6 +99,7 @@ class Setup:
     num_params: int
     num_trainable: int
     lengths: list[int] = field(default_factory=list)
+    image_filler: Sample | None = None
 
 
 def _pad_id(encoder: ConversationEncoder) -> int:
@@ -164,6 +165,20 @@ def setup(config: FinetuneConfig, runtime: Runtime) -> Setup:
         raise TrainingError("--train: 'projector' trains on images, but --data holds none")
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in trainable_parameters(model))
+    # DDP wants a gradient for every trained parameter at every step: with trained encoder
+    # parameters, every micro-batch shows an image (a filler with no target if need be).
+    image_filler = None
+    encoders_train = any(
+        p.requires_grad for n, p in model.named_parameters() if n.startswith("encoders.")
+    )
+    if runtime.distributed and config.parallel == "ddp" and encoders_train:
+        with_images = [s for s in train_data.samples if s.pixel_values.numel()]
+        if not with_images:
+            raise TrainingError(
+                f"--parallel: 'ddp' with --train {config.train} trains the connector, which "
+                "needs images in --data; use --parallel fsdp, or --train lora"
+            )
+        image_filler = _ignored(min(with_images, key=len))
     if config.activation_checkpointing:
         checkpoint_activations(model)
     wrapped = wrap_model(model, runtime, config.parallel)
@@ -190,6 +205,7 @@ def setup(config: FinetuneConfig, runtime: Runtime) -> Setup:
         num_params,
         num_trainable,
         lengths,
+        image_filler,
     )
 
 
@@ -211,9 +227,9 @@ def micro_batch(
     process), and how many of its tokens are real samples' (not fillers).
 
     Every process must run the same modules (FSDP2 gathers each block's weights
-    collectively), so a process whose group is empty, or has no images when another's has,
-    adds a filler: another process's sample with no target (its loss and gradients are
-    zero). One process skips an empty group (None).
+    collectively), so a process whose group is empty, or has no images when another's has
+    (or when DDP needs them, ``run.image_filler``), adds a filler: a sample with no target
+    (its loss and gradients are zero). One process skips an empty group (None).
     """
     mine = list(groups[rank])
     real = sum(len(s) for s in mine)
@@ -222,8 +238,11 @@ def micro_batch(
         return None, 0
     if not mine:
         mine.append(_ignored(min(everyone, key=len)))
-    if _has_images(everyone) and not _has_images(mine):
-        mine.append(_ignored(min((s for s in everyone if s.pixel_values.numel()), key=len)))
+    if not _has_images(mine):
+        if _has_images(everyone):
+            mine.append(_ignored(min((s for s in everyone if s.pixel_values.numel()), key=len)))
+        elif run.image_filler is not None:
+            mine.append(run.image_filler)
     config = run.config
     if config.packing:
         batch = collate_packed(pack_samples(mine, config.max_seq_len), pad_id=run.pad_id)
