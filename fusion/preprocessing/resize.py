@@ -111,23 +111,47 @@ def _coefficients(in_size: int, out_size: int, resample: int) -> tuple[torch.Ten
     return indices, weights
 
 
+def _weight_parts(weights: torch.Tensor) -> list[tuple[torch.Tensor, int]] | None:
+    """The fixed-point weights [out, k] as float32 parts ``(part, shift)`` with ``weights ==
+    sum(part << shift)``, each narrow enough that a sum of ``k`` products with 8-bit pixels
+    stays below 2**24, where float32 holds every integer exactly (then any order of summation
+    gives the exact sum). None when that takes more than 4 parts (filters of thousands of taps):
+    float64 then."""
+    taps = max(int((weights != 0).sum(1).max()), 1)
+    bits = math.floor(math.log2((1 << 24) / (255 * taps)))
+    if bits < 6:
+        return None
+    parts, rest, shift = [], weights.to(torch.int64), 0
+    while not bool((rest.abs() < (1 << bits)).all()):
+        parts.append(((rest & ((1 << bits) - 1)).to(torch.float32), shift))  # low bits, >= 0
+        rest, shift = rest >> bits, shift + bits  # floor: the rest keeps the sign
+    return [*parts, (rest.to(torch.float32), shift)]
+
+
 def _resample_first(image: torch.Tensor, out_size: int, resample: int) -> torch.Tensor:
     """Resample the first dimension of a uint8 tensor [n, ...] to ``out_size``: [out_size, ...].
 
     Each output row is the weighted sum of its input rows, computed for all filter taps at
-    once by ``embedding_bag`` (a gather, multiply and sum in one kernel) in float64: every
-    product is an integer below 2**30 and every sum below 2**53, so the result is Pillow's
-    exact integer sum whatever the order of summation. Columns go through in blocks of about
-    2**21 input values, which bounds the float64 copy (16 MiB) whatever the image.
+    once by ``embedding_bag`` (a gather, multiply and sum in one kernel), exactly: in float32
+    with the weights split into parts whose sums stay below 2**24 (see :func:`_weight_parts`),
+    or in float64 for very wide filters (every product below 2**30, every sum below 2**53). So
+    the result is Pillow's integer sum whatever the order of summation. Columns go through in
+    blocks of about 2**21 input values, which bounds the copies whatever the image.
     """
     indices, weights = _coefficients(image.size(0), out_size, resample)
+    parts = _weight_parts(weights)
+    dtype = torch.float64 if parts is None else torch.float32
+    if parts is None:
+        parts = [(weights.to(torch.float64), 0)]
     rows = image.reshape(image.size(0), -1)
     out = torch.empty(out_size, rows.size(1), dtype=torch.uint8)
-    weights = weights.to(torch.float64)
     step = max(16, (1 << 21) // rows.size(0))
     for start in range(0, rows.size(1), step):  # blocks of columns, not taps or rows
-        table = rows[:, start : start + step].to(torch.float64)
-        acc = F.embedding_bag(indices, table, per_sample_weights=weights, mode="sum")
+        table = rows[:, start : start + step].to(dtype)
+        acc = torch.zeros(out_size, table.size(1), dtype=torch.float64)
+        for part, shift in parts:  # at most 4
+            summed = F.embedding_bag(indices, table, per_sample_weights=part, mode="sum")
+            acc.add_(summed, alpha=float(1 << shift))
         # Rounded (Pillow's half), floor-divided by 2**22 and clipped, as Pillow's lookup
         # table does: exact in float64, as every value is an integer below 2**53.
         acc.add_(1 << (_PRECISION_BITS - 1)).mul_(2.0**-_PRECISION_BITS).floor_().clamp_(0, 255)

@@ -47,6 +47,15 @@ def test_equals_pillow(resample):
         assert torch.equal(ours, expected), (h, w, oh, ow)
 
 
+@pytest.mark.parametrize("resample", [LANCZOS, BICUBIC])
+def test_wide_filters_equal_pillow(resample):
+    # Large downscales: hundreds of taps (float32 weight parts) and thousands (float64).
+    for seed, (h, w, oh, ow) in enumerate([(3, 1500, 3, 20), (2, 3000, 2, 7), (700, 5, 9, 5)]):
+        array = make_image(h, w, seed)
+        expected = as_tensor(pil_resize(array, (oh, ow), resample))
+        assert torch.equal(resize(as_tensor(array), (oh, ow), resample), expected), (h, w)
+
+
 def test_pass_order_matters_where_pillow_runs_vertically_first():
     # Doing the passes in the other order gives different pixels there: the test above checks
     # the order, not only the filters.
