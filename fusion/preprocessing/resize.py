@@ -115,14 +115,14 @@ def _weight_parts(weights: torch.Tensor) -> list[tuple[torch.Tensor, int]] | Non
     """The fixed-point weights [out, k] as float32 parts ``(part, shift)`` with ``weights ==
     sum(part << shift)``, each narrow enough that a sum of ``k`` products with 8-bit pixels
     stays below 2**24, where float32 holds every integer exactly (then any order of summation
-    gives the exact sum). None when that takes more than 4 parts (filters of thousands of taps):
-    float64 then."""
+    gives the exact sum). None when that takes more than 2 parts (filters of more than about 16
+    taps, i.e. downscales by more than about 4): one float64 sum is then faster."""
     taps = max(int((weights != 0).sum(1).max()), 1)
     bits = math.floor(math.log2((1 << 24) / (255 * taps)))
-    if bits < 6:
-        return None
     parts, rest, shift = [], weights.to(torch.int64), 0
     while not bool((rest.abs() < (1 << bits)).all()):
+        if len(parts) == 1 or bits < 1:
+            return None
         parts.append(((rest & ((1 << bits) - 1)).to(torch.float32), shift))  # low bits, >= 0
         rest, shift = rest >> bits, shift + bits  # floor: the rest keeps the sign
     return [*parts, (rest.to(torch.float32), shift)]
@@ -133,8 +133,9 @@ def _resample_first(image: torch.Tensor, out_size: int, resample: int) -> torch.
 
     Each output row is the weighted sum of its input rows, computed for all filter taps at
     once by ``embedding_bag`` (a gather, multiply and sum in one kernel), exactly: in float32
-    with the weights split into parts whose sums stay below 2**24 (see :func:`_weight_parts`),
-    or in float64 for very wide filters (every product below 2**30, every sum below 2**53). So
+    with the weights split into two parts whose sums stay below 2**24 (see
+    :func:`_weight_parts`), or in float64 for wider filters (every product below 2**30, every
+    sum below 2**53). So
     the result is Pillow's integer sum whatever the order of summation. Columns go through in
     blocks of about 2**21 input values, which bounds the copies whatever the image.
     """
@@ -149,7 +150,7 @@ def _resample_first(image: torch.Tensor, out_size: int, resample: int) -> torch.
     for start in range(0, rows.size(1), step):  # blocks of columns, not taps or rows
         table = rows[:, start : start + step].to(dtype)
         acc = torch.zeros(out_size, table.size(1), dtype=torch.float64)
-        for part, shift in parts:  # at most 4
+        for part, shift in parts:  # at most 2
             summed = F.embedding_bag(indices, table, per_sample_weights=part, mode="sum")
             acc.add_(summed, alpha=float(1 << shift))
         # Rounded (Pillow's half), floor-divided by 2**22 and clipped, as Pillow's lookup

@@ -49,7 +49,7 @@ def test_equals_pillow(resample):
 
 @pytest.mark.parametrize("resample", [LANCZOS, BICUBIC])
 def test_wide_filters_equal_pillow(resample):
-    # Large downscales: hundreds of taps (float32 weight parts) and thousands (float64).
+    # Large downscales: hundreds and thousands of taps (float64; small filters: float32).
     for seed, (h, w, oh, ow) in enumerate([(3, 1500, 3, 20), (2, 3000, 2, 7), (700, 5, 9, 5)]):
         array = make_image(h, w, seed)
         expected = as_tensor(pil_resize(array, (oh, ow), resample))
