@@ -91,10 +91,9 @@ def _coefficients(in_size: int, out_size: int, resample: int) -> tuple[torch.Ten
     support *= filter_scale
     width = math.ceil(support) * 2 + 1
     inverse = 1.0 / filter_scale
-    indices = torch.zeros(out_size, width, dtype=torch.long)
-    weights = torch.zeros(out_size, width, dtype=torch.int32)
+    firsts, rows = [], []
     one = 1 << _PRECISION_BITS
-    for out in range(out_size):
+    for out in range(out_size):  # Python floats: Pillow's doubles, in Pillow's order
         center = (out + 0.5) * scale
         first = max(int(center - support + 0.5), 0)
         count = min(int(center + support + 0.5), in_size) - first
@@ -106,8 +105,12 @@ def _coefficients(in_size: int, out_size: int, resample: int) -> tuple[torch.Ten
             taps = [tap / total for tap in taps]
         # Rounded half away from zero, as Pillow converts them.
         fixed = [int(tap * one - 0.5) if tap < 0 else int(tap * one + 0.5) for tap in taps]
-        indices[out, :count] = torch.arange(first, first + count)
-        weights[out, :count] = torch.tensor(fixed, dtype=torch.int32)
+        firsts.append(first)
+        rows.append(fixed + [0] * (width - count))
+    offsets = torch.arange(width)
+    weights = torch.tensor(rows, dtype=torch.int32).view(out_size, width)
+    # Positions beyond a row's count carry weight 0; their index is kept in range.
+    indices = (torch.tensor(firsts)[:, None] + offsets).clamp_(max=in_size - 1)
     return indices, weights
 
 
