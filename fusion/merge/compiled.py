@@ -82,9 +82,7 @@ def _compiled(bucket: tuple) -> Callable[..., None]:
     if fn is None:
         code = _fill.__code__.replace()
         fill = types.FunctionType(code, _fill.__globals__, _fill.__name__)
-        # Not fullgraph: where dynamo does not compile at all (under a TorchDispatchMode such
-        # as FlopCounterMode) it then runs the same ops eagerly instead of raising.
-        fn = _COMPILED[bucket] = torch.compile(fill, dynamic=True)
+        fn = _COMPILED[bucket] = torch.compile(fill, dynamic=True, fullgraph=True)
     return fn
 
 
@@ -162,7 +160,9 @@ def _symbolic_sizes() -> Iterator[None]:
 def _run(bucket: tuple, out: torch.Tensor, *args: torch.Tensor) -> None:
     """Fill ``out`` with the bucket's compiled graph; if inductor cannot compile (e.g. no C++
     compiler), warn once and run the same ops eagerly (same bits, slower)."""
-    if bucket not in _FAILED:
+    # Dynamo does not compile under a TorchDispatchMode (FlopCounterMode, debug modes), and
+    # a frame it skipped once it skips for good: such calls run the same ops uncompiled.
+    if bucket not in _FAILED and not torch._C._len_torch_dispatch_stack():
         try:
             with _symbolic_sizes():
                 _compiled(bucket)(out, *args)

@@ -134,13 +134,19 @@ def test_inside_a_compiled_model_no_nested_compile_no_graph_break():
 # ---------------------------------------------------------------- where dynamo cannot compile
 
 
-def test_under_a_dispatch_mode_the_same_ops_run_eagerly():
+def test_under_a_dispatch_mode_the_same_ops_run_eagerly_and_only_there():
     """Dynamo does not compile under a TorchDispatchMode (FlopCounterMode is one): the merge
-    then runs the same ops uncompiled, with the same bits."""
+    then runs the same ops uncompiled, with the same bits, and compiled again after it (a
+    frame dynamo skipped once it would skip for good)."""
     args = _inputs(2, 6, 8, [0, 3])
-    with FlopCounterMode(display=False):
-        merged = merge_embeddings(*args, impl="compiled")
-    assert torch.equal(merged, merge_embeddings(*args, impl="reference"))
+    expected = merge_embeddings(*args, impl="reference")
+    merge_embeddings(*args, impl="compiled")  # the bucket compiled before _fill is watched
+    with mock.patch.object(compiled_module, "_fill", wraps=compiled_module._fill) as eager:
+        with FlopCounterMode(display=False):
+            assert torch.equal(merge_embeddings(*args, impl="compiled"), expected)
+        assert eager.call_count == 1
+        assert torch.equal(merge_embeddings(*args, impl="compiled"), expected)
+        assert eager.call_count == 1
 
 
 def test_without_a_working_compiler_it_warns_once_and_merges_uncompiled():

@@ -224,11 +224,13 @@ def test_same_errors_as_reference_on_count_mismatch(impl, case, data, eager_chec
 
 
 def test_default_rule():
+    """On CPU: ``compiled`` for a table from a size (tests/merge/test_compiled.py), ``index``
+    below it; on CUDA ``fused`` where Triton is."""
     table = torch.zeros(4, 2)
-    assert default_impl(torch.device("cpu"), table) == "index"
-    assert default_impl(torch.device("cpu"), table.bfloat16()) == "index"
+    assert default_impl(torch.device("cpu"), table, 1) == "index"
+    assert default_impl(torch.device("cpu"), table.bfloat16(), 1) == "index"
     with implementation("fused"):  # the interpreter is for tests; auto never picks it
-        assert default_impl(torch.device("cpu"), table) == "index"
+        assert default_impl(torch.device("cpu"), table) == "compiled"
     expected = "index" if triton is None else "fused"
     cuda = torch.device("cuda")
     assert default_impl(cuda, table.bfloat16()) == expected
@@ -262,13 +264,16 @@ def _with_hook() -> torch.nn.Embedding:
     ],
 )
 def test_anything_but_a_plain_table_is_called_not_read(embedding):
-    """The fused kernel reads the table itself: ``auto`` never picks it, and asking for it
-    fails, unless reading the table is provably what calling the embedding does."""
+    """The fused kernel and the compiled merge read the table itself: ``auto`` never picks
+    them, and asking for them fails, unless reading the table is provably what calling the
+    embedding does."""
     assert embedding_table(embedding) is None
     assert default_impl(torch.device("cuda"), embedding) == "index"
+    assert default_impl(torch.device("cpu"), embedding) == "index"
     tokens = torch.tensor([[1, 2]])
-    with pytest.raises(ValueError, match="impl: 'fused' reads the embedding table directly"):
-        merge_embeddings(tokens, embedding, {}, {"image": 5}, impl="fused")
+    for impl in ("fused", "compiled"):
+        with pytest.raises(ValueError, match=f"impl: '{impl}' reads the embedding table directly"):
+            merge_embeddings(tokens, embedding, {}, {"image": 5}, impl=impl)
 
 
 def test_plain_tables_may_be_read():
