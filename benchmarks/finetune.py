@@ -340,6 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
 
     config = hf_config(args.quick)
+    info = machine(torch.device(args.device))  # the load average at the start
     workdir = Path(tempfile.mkdtemp(prefix="finetune_bench_"))
     try:
         torch.manual_seed(args.seed)
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name}: done in {results[name]['process_s']:.0f} s", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    report = summarise(args, config, results)
+    report = summarise(args, config, results, info)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "finetune.json").write_text(json.dumps(report, indent=1))
     table = format_table(report)
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def summarise(args: argparse.Namespace, config: dict, results: dict) -> dict:
+def summarise(args: argparse.Namespace, config: dict, results: dict, info: dict) -> dict:
     import transformers
 
     baseline = results.get("transformers_padded")
@@ -373,7 +374,6 @@ def summarise(args: argparse.Namespace, config: dict, results: dict) -> dict:
             r["x_transformers_tokens_per_s"] = r["tokens_per_s"] / baseline["tokens_per_s"]
             r["x_transformers_peak_memory"] = r["peak_memory_bytes"] / baseline["peak_memory_bytes"]
     first_losses = [r["losses"][0] for r in results.values()]
-    info = machine(torch.device(args.device))
     info["transformers"] = transformers.__version__
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     for key in ("worker", "model_dir", "result"):
