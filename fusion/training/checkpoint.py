@@ -43,7 +43,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from fusion.checkpoint.files import fsync_path, write_files
 from fusion.training import safe_dcp
@@ -149,6 +153,12 @@ def _hyper_parameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]
     return [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
 
 
+def _options(trainable_only: bool) -> StateDictOptions:
+    """Frozen parameters left out of the model's state dict (and not required when
+    loading) with ``trainable_only``."""
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
 def _tensor_state(model_state: dict[str, Any], optim_state: dict[str, Any]) -> dict[str, Any]:
     """What goes into the DCP files: tensors only. The optimizer's ``param_groups`` (plain
     hyper-parameters, which DCP would pickle) go into ``train_state.json``."""
@@ -163,9 +173,16 @@ def save_checkpoint(
     *,
     device: torch.device,
     keep: int,
+    trainable_only: bool = False,
 ) -> Path:
     """Save a checkpoint of ``state.step`` collectively (every process calls this) and commit
     it: ``root/step_XXXXXXXX``, replacing one of the same step whole.
+
+    With ``trainable_only`` the model's frozen parameters (``requires_grad=False``: the base
+    under LoRA adapters, say) are not saved, only what trains, the buffers and the optimizer
+    state: megabytes instead of the whole model. Resuming then needs the same frozen base
+    loaded into the model first (the recipe's to check, e.g. with ``state.base_model``);
+    :func:`read_model_state_dict` gives only the saved tensors.
 
     Args:
         root: the checkpoints directory (:func:`checkpoint_root`); created if missing.
@@ -176,6 +193,8 @@ def save_checkpoint(
         device: this process's device (whose RNG state is saved besides the CPU's).
         keep: how many committed checkpoints to keep (>= 1); older ones are removed after
             the commit.
+        trainable_only: save only the parameters that train (recorded in the train state,
+            which :func:`load_training_checkpoint` follows).
 
     Returns:
         the committed checkpoint directory.
@@ -204,14 +223,16 @@ def save_checkpoint(
         dist.all_gather_object(gathered, rng[0])
         rng = gathered
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(trainable_only))
     param_groups = _hyper_parameters(_param_groups(optim_state))
     with _quiet_single_process():  # every file is fsynced before .metadata is renamed in
         dcp.save(
             _tensor_state(model_state, optim_state), checkpoint_id=tmp, no_dist=not distributed
         )
     if rank == 0:
-        state = dataclasses.replace(state, param_groups=param_groups, rng=rng)
+        state = dataclasses.replace(
+            state, param_groups=param_groups, rng=rng, trainable_only=trainable_only
+        )
         atomic_write_bytes(tmp / TRAIN_STATE, state.encode())
         fsync_path(tmp)
         _commit(tmp, final)
@@ -396,7 +417,9 @@ def load_training_checkpoint(
 ) -> None:
     """Load model and optimizer state from ``path`` in place, collectively; any number of
     processes, DDP or FSDP2, whatever the checkpoint was saved with. ``state`` is the
-    checkpoint's train state if already loaded.
+    checkpoint's train state if already loaded. A ``trainable_only`` checkpoint loads the
+    parameters that train (they must be exactly the saved ones); the frozen ones are left as
+    they are, so the model must hold its base already.
 
     Raises:
         TrainingError: a file is damaged or unsafe, or the stored tensors or optimizer
@@ -406,7 +429,8 @@ def load_training_checkpoint(
     if state is None:
         state = load_train_state(path)
     checked = safe_dcp.read_metadata(path)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    options = _options(state.trainable_only)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     tensors = _tensor_state(model_state, optim_state)
     expected = {
         f"model.{key}": (tuple(value.shape), value.dtype) for key, value in tensors["model"].items()
@@ -429,7 +453,13 @@ def load_training_checkpoint(
             for group, template in zip(groups, live, strict=True)
         ],
     }
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=tensors["model"],
+        optim_state_dict=optim,
+        options=options,
+    )
 
 
 def restore_checkpoint(

@@ -197,6 +197,12 @@ class TrainState:
             :func:`~fusion.training.checkpoint.save_checkpoint`.
         rng: the random number generators of every process, by rank. Filled in by
             :func:`~fusion.training.checkpoint.save_checkpoint`.
+        trainable_only: the checkpoint holds only the parameters that train (and buffers,
+            and the optimizer state): the frozen base is the recipe's to load again
+            (``save_checkpoint(trainable_only=True)``).
+        base_model: what the frozen base was, for the recipe to check on resume (e.g.
+            :func:`~fusion.training.fingerprint.model_fingerprint` of its directory: file
+            name -> ``{"size", "sha256"}``); stored only when given.
 
     Raises:
         ValueError: ``step``, ``samples_seen`` or ``epoch`` is negative, ``losses`` does not
@@ -215,6 +221,8 @@ class TrainState:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     param_groups: list[dict[str, Any]] = field(default_factory=list)
     rng: list[RngState] = field(default_factory=list)
+    trainable_only: bool = False
+    base_model: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("step", "samples_seen", "epoch"):
@@ -272,6 +280,10 @@ class TrainState:
         }
         if self.eval_losses:
             state["eval_losses"] = [[step, loss] for step, loss in self.eval_losses]
+        if self.trainable_only:
+            state["trainable_only"] = True
+        if self.base_model is not None:
+            state["base_model"] = self.base_model
         return (json.dumps(state, allow_nan=True) + "\n").encode()
 
 
@@ -288,7 +300,7 @@ _KEYS = {
     "optimizer",
     "rng",
 }
-_OPTIONAL_KEYS = {"eval_losses"}
+_OPTIONAL_KEYS = {"eval_losses", "trainable_only", "base_model"}
 
 
 def _parse(file: Path, data: bytes) -> Any:
@@ -344,6 +356,16 @@ def _check_integers(schema: _Schema, key: str, value: Any) -> None:
     elif isinstance(value, list):
         for i, item in enumerate(value):
             _check_integers(schema, f"{key}[{i}]", item)
+
+
+def _base_model(schema: _Schema, value: Any) -> dict[str, Any]:
+    for name, entry in schema.object("base_model", value).items():
+        entry = schema.object(f"base_model.{name}", entry, {"size", "sha256"})
+        schema.integer(f"base_model.{name}.size", entry["size"])
+        digest = entry["sha256"]
+        if type(digest) is not str or len(digest) != 64:
+            raise schema.fail(f"base_model.{name}.sha256", "64 hex digits", digest)
+    return dict(value)
 
 
 def _eval_losses(schema: _Schema, value: Any, step: int) -> list[tuple[int, float]]:
@@ -412,7 +434,15 @@ def load_train_state(
         samples_seen=schema.integer("samples_seen", stored["samples_seen"]),
         epoch=schema.integer("epoch", stored["epoch"]),
         eval_losses=_eval_losses(schema, stored.get("eval_losses", []), step),
+        trainable_only=_flag(schema, "trainable_only", stored.get("trainable_only", False)),
+        base_model=_base_model(schema, stored["base_model"]) if "base_model" in stored else None,
     )
+
+
+def _flag(schema: _Schema, key: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise schema.fail(key, "true or false", value)
+    return value
 
 
 def key_error(path: Path, key: str, expected: str, value: Any) -> TrainingError:
