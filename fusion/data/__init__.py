@@ -9,8 +9,9 @@ sandbox, samples with assistant-only labels, and packed or padded batches.
 
     read = read_conversations("train.jsonl")                 # the whole file checked
     encoder = ConversationEncoder.from_directory(model_dir)  # template, tokenizer, processor
-    data = encode_conversations(encoder, read.conversations, max_seq_len=2048)
-    rows = pack_samples(data.samples, max_seq_len=2048)      # greedy first fit
+    data = encode_conversations(encoder, read.conversations, max_seq_len=2048)  # no pixels kept
+    samples = encoder.load_pixels(data.samples[:32])         # one batch's pixels, made now
+    rows = pack_samples(samples, max_seq_len=2048)           # greedy first fit
     batch = collate_packed(rows[:8], pad_id=pad_id)          # e.g. 8 rows a micro-batch
     loss_sum, count = masked_token_loss(model(**batch.model_inputs()), batch.labels)
 """
@@ -35,6 +36,7 @@ from fusion.data.samples import (
     IGNORE_INDEX,
     ConversationEncoder,
     EncodedData,
+    ImageRef,
     Sample,
     encode_conversations,
     fit_sample,
@@ -51,6 +53,7 @@ __all__ = [
     "ConversationFile",
     "DataError",
     "EncodedData",
+    "ImageRef",
     "RenderedChat",
     "Sample",
     "collate_packed",

@@ -172,7 +172,8 @@ def collate_packed(
 
     Raises:
         ValueError: no row, an empty row, a row longer than ``seq_len``, samples whose pixels
-            differ in shape or dtype.
+            differ in shape or dtype, a sample whose images are not loaded
+            (:meth:`ConversationEncoder.load_pixels`).
     """
     return _collate(rows, pad_id, seq_len, encoder, packed=True)
 
@@ -222,6 +223,11 @@ def _collate(
     for r, row in enumerate(rows):
         start = 0
         for s, sample in enumerate(row):
+            if not sample.pixels_loaded:
+                raise ValueError(
+                    f"rows[{r}][{s}]: {sample.source or 'a sample'} has images whose pixels are "
+                    "not loaded; pass the batch's samples through ConversationEncoder.load_pixels"
+                )
             end = start + len(sample)
             tokens[r, start:end] = sample.tokens
             labels[r, start:end] = sample.labels

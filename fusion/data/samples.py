@@ -12,6 +12,16 @@ the text starts with the BOS token, as there) or, for a text-only directory,
 Labels cover the assistant: a token is a target when its characters overlap a span of
 :meth:`ChatTemplate.render_with_spans` (the ``{% generation %}`` blocks, or each assistant
 message with the end-of-turn token, never the header before it) and it is not a placeholder.
+
+Memory: pixels are made per batch, never per data set. :func:`encode_conversations` checks
+every image of the file first (decoded one at a time, so a missing, truncated or corrupt
+file is refused before training, then dropped) but keeps only its path and size
+(:class:`ImageRef`): the placeholders an image expands to depend on its size alone, so the
+ids, labels and lengths the packing plan needs are computed from sizes (the processor's own
+caps applied, :meth:`VisionLanguageProcessor.plan`). A batch's pixels are decoded and
+processed when it is collated (:meth:`ConversationEncoder.load_pixels`), exactly as the
+processor makes them, and freed with the batch: memory holds the token ids of the data set
+plus one batch's pixels, whatever the number of images.
 """
 
 import os
@@ -33,8 +43,25 @@ from fusion.data.chat_template import (
 from fusion.data.conversations import Conversation, DataError
 
 IGNORE_INDEX = -100
+IMAGE_MARKER = "<image>"  # what the processor expands (fusion.preprocessing's IMAGE_TOKEN)
 TOKENIZER_FILE = "tokenizer.json"
 MAX_TOKENIZER_BYTES = 256 * 2**20  # the largest real ones are tens of megabytes
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image of a sample, by file: checked and measured, its pixels not kept.
+
+    Attributes:
+        path: the image file.
+        height, width: its size once decoded (EXIF orientation applied).
+        tiles: how many images or tiles the processor makes of it (1 for LLaVA).
+    """
+
+    path: str
+    height: int
+    width: int
+    tiles: int
 
 
 @dataclass(frozen=True)
@@ -47,9 +74,13 @@ class Sample:
             else :data:`IGNORE_INDEX` (always at ``t = n - 1``: a sample never predicts what
             follows it, so packed samples stay apart).
         pixel_values: float32 [tiles, 3, s, s], the images (LLaVA) or tiles (Idefics3) in order
-            of their placeholders; ``tiles`` is 0 without images (and for text-only models).
+            of their placeholders; ``tiles`` is 0 without images (and for text-only models),
+            and for a sample whose ``images`` are not loaded yet.
         source: where it comes from (``"file:line"``), for messages.
         truncated: whether :func:`fit_sample` cut its end.
+        images: the image files whose pixels :meth:`ConversationEncoder.load_pixels` makes
+            (what :func:`encode_conversations` gives); empty when ``pixel_values`` came
+            with the sample.
     """
 
     tokens: torch.Tensor
@@ -57,6 +88,7 @@ class Sample:
     pixel_values: torch.Tensor
     source: str = ""
     truncated: bool = False
+    images: tuple[ImageRef, ...] = ()
 
     def __post_init__(self) -> None:
         """Raises ValueError: ``tokens`` not integer ids [n] with n >= 1, ``labels`` not
@@ -89,6 +121,16 @@ class Sample:
 
     def __len__(self) -> int:
         return self.tokens.numel()
+
+    @property
+    def has_images(self) -> bool:
+        """Whether the sample shows images (loaded or not)."""
+        return bool(self.images) or self.pixel_values.numel() > 0
+
+    @property
+    def pixels_loaded(self) -> bool:
+        """False for a sample with images whose pixels are still to be made."""
+        return not self.images or self.pixel_values.numel() > 0
 
     @property
     def num_targets(self) -> int:
@@ -153,7 +195,7 @@ class ConversationEncoder:
     def encode(
         self, messages: Sequence[dict[str, Any]], images: Sequence[object] = (), source: str = ""
     ) -> Sample:
-        """One conversation -> a :class:`Sample`.
+        """One conversation -> a :class:`Sample` with its pixels.
 
         Args:
             messages: Hugging Face messages (a :class:`Conversation`'s).
@@ -168,24 +210,60 @@ class ConversationEncoder:
                 token left (e.g. an empty answer).
             RuntimeError: a ``processor`` whose ``encode`` is not this encoder's.
         """
+        from fusion.preprocessing.images import image_size
+
+        if self.processor is None and images:
+            raise ValueError(
+                f"images: {len(images)} given, but the model is text-only (no processor)"
+            )
+        sizes = [image_size(image, f"images[{i}]") for i, image in enumerate(images)]
+        tokens, labels, _ = self._tokens_and_labels(messages, sizes)
+        pixel_values = torch.empty(0) if self.processor is None else self._pixels(images)
+        return Sample(tokens, labels, pixel_values, source)
+
+    def _tokens_and_labels(
+        self, messages: Sequence[dict[str, Any]], sizes: Sequence[tuple[int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Ids, labels and each image's tiles, from the images' (height, width) alone: each
+        image marker expands to the placeholder text the processor writes for that size
+        (LLaVA: ``tokens_per_image`` image tokens; Idefics3: its grid of tiles,
+        :func:`fusion.preprocessing.idefics3_image_text`), every cap of
+        :meth:`VisionLanguageProcessor.plan` checked, then the text is tokenized whole."""
         rendered = self.template.render_with_spans(messages)
         text = _mark(rendered.text, rendered.spans)
         bos = self.template.special_tokens.get("bos_token")
+        self._last = None
+        tiles: list[int] = []
         if self.processor is None:
-            if images:
-                raise ValueError(
-                    f"images: {len(images)} given, but the model is text-only (no processor)"
-                )
             self._add_special_tokens = False  # as the tokenizer's apply_chat_template
             ids = self._encode(text)
-            pixel_values = torch.empty(0)
         else:
+            from fusion.preprocessing import idefics3_image_text
+            from fusion.preprocessing.prompts import check_marker_count, expand_markers
+
+            processor = self.processor
             # As the processor's apply_chat_template: special tokens unless the text has BOS.
             self._add_special_tokens = not (bos and rendered.text.startswith(bos))
-            self._last = None
-            inputs = self.processor([text], list(images))
-            ids = inputs.ids[0]
-            pixel_values = inputs.pixel_values
+            check_marker_count([text], len(sizes), IMAGE_MARKER)
+            # Stand-ins of each image's size that hold one byte (stride 0): plan reads sizes.
+            stand_ins = [torch.zeros((), dtype=torch.uint8).expand(3, h, w) for h, w in sizes]
+            tiles = processor.plan([text], stand_ins)
+            per_tile = processor.tokens_per_image
+            if processor.kind == "llava":
+                texts = [IMAGE_MARKER * per_tile] * len(sizes)
+            else:
+                grids = [processor.image_processor.steps(h, w)[1:] for h, w in sizes]
+                texts = [idefics3_image_text(rows, cols, per_tile) for rows, cols in grids]
+            ids = [int(t) for t in processor.encode(expand_markers([text], texts, IMAGE_MARKER)[0])]
+            if not ids:
+                raise ValueError("prompts[0]: the tokenizer gives no tokens")
+            found = ids.count(processor.image_token_id)
+            if found != sum(tiles) * per_tile:
+                raise ValueError(
+                    f"prompts: the tokenized prompt holds {found} placeholder ids "
+                    f"({processor.image_token_id}), but the images give {sum(tiles) * per_tile} "
+                    f"rows; the tokenizer must encode {IMAGE_MARKER!r} as that single token"
+                )
         if self._last is None:
             raise RuntimeError(
                 "processor: its encode is not this encoder's, so the loss spans are unknown; "
@@ -205,7 +283,94 @@ class ConversationEncoder:
         labels[-1] = IGNORE_INDEX
         if not bool((labels != IGNORE_INDEX).any()):
             raise ValueError("no target token: the assistant's turns tokenize to nothing")
-        return Sample(tokens, labels, pixel_values, source)
+        return tokens, labels, tiles
+
+    def _pixels(self, images: Sequence[object]) -> torch.Tensor:
+        """float32 [tiles, 3, s, s]: the images processed as the processor processes them
+        (in order, each on its own, tiles concatenated).
+
+        Raises:
+            ValueError: an image the image processor cannot take, or sizes the vision tower
+                does not take.
+        """
+        processor = self.processor
+        size = processor.image_size
+        if processor.kind == "llava":
+            pixels = processor.image_processor(images)
+        else:
+            tiled = processor.image_processor(images)
+            pixels = torch.cat([t.tiles for t in tiled]) if tiled else torch.empty(0, 3, size, size)
+        if len(images) and pixels.shape[1:] != (3, size, size):
+            raise ValueError(
+                f"image_processor: gives images of {list(pixels.shape[2:])} pixels, but the "
+                f"vision tower takes {size} x {size}"
+            )
+        return pixels
+
+    def check_conversation(self, conversation: Conversation) -> Sample:
+        """``conversation`` as a :class:`Sample` whose pixels are made later
+        (:meth:`load_pixels`): each image is decoded to check it (one at a time, its pixels
+        dropped at once) and only its path and size are kept; ids and labels are
+        :meth:`encode`'s. Errors become a :class:`DataError` naming its file and line."""
+        from fusion.preprocessing import load_image
+
+        if self.processor is None and conversation.images:
+            raise conversation.error(
+                f"images: {len(conversation.images)} given, but the model is text-only "
+                "(no processor)"
+            )
+        try:
+            sizes = []
+            for path in conversation.images:
+                image = load_image(path)  # decodable? (pixels freed on the next line)
+                sizes.append((image.size(1), image.size(2)))
+                del image
+            tokens, labels, tiles = self._tokens_and_labels(conversation.messages, sizes)
+        except (ValueError, OSError) as error:
+            raise conversation.error(str(error)) from None
+        refs = tuple(
+            ImageRef(str(path), h, w, n)
+            for path, (h, w), n in zip(conversation.images, sizes, tiles, strict=True)
+        )
+        return Sample(tokens, labels, torch.empty(0), conversation.source, images=refs)
+
+    def load_pixels(self, samples: Sequence[Sample]) -> list[Sample]:
+        """``samples`` with the pixels of their :attr:`Sample.images` made: each image
+        decoded and processed now (as :meth:`encode` would), for one batch at a time.
+        Samples without image files are returned as they are.
+
+        Raises:
+            ValueError: naming the sample and file: an image that can no longer be read, or
+                whose size changed since it was checked (the file was replaced).
+        """
+        from fusion.preprocessing import load_image
+
+        out = []
+        for sample in samples:
+            if sample.pixels_loaded:
+                out.append(sample)
+                continue
+            images = []
+            for ref in sample.images:
+                try:
+                    image = load_image(ref.path)
+                except ValueError as error:
+                    raise ValueError(f"{sample.source}: {error}") from None
+                if (image.size(1), image.size(2)) != (ref.height, ref.width):
+                    raise ValueError(
+                        f"{sample.source}: image {ref.path!r} is now {image.size(1)} x "
+                        f"{image.size(2)} pixels, was {ref.height} x {ref.width} when the data "
+                        "was checked: the file changed during the run"
+                    )
+                images.append(image)
+            pixels = self._pixels(images)
+            expected = sum(ref.tiles for ref in sample.images)
+            if pixels.size(0) != expected:  # the size decides the tiles; a guard all the same
+                raise ValueError(
+                    f"{sample.source}: its images gave {pixels.size(0)} tiles, expected {expected}"
+                )
+            out.append(replace(sample, pixel_values=pixels))
+        return out
 
     def _encode(self, marked: str) -> list[int]:
         """Text with span markers -> ids (the spans kept for :meth:`encode`)."""
@@ -342,6 +507,10 @@ def encode_conversations(
     any training: the first failure is a :class:`DataError` naming the file, line and
     problem, or with ``skip_bad`` the conversation is skipped and its error kept.
 
+    Every image is decoded once here to check it, but no pixels are kept: the samples hold
+    :class:`ImageRef` (path, size, tiles) and :meth:`ConversationEncoder.load_pixels` makes
+    a batch's pixels when it is collated (:meth:`ConversationEncoder.check_conversation`).
+
     Raises:
         ValueError: ``max_seq_len`` not an integer >= 2 (before any conversation).
         DataError: a conversation that cannot be encoded or fitted (unless ``skip_bad``), or
@@ -352,7 +521,7 @@ def encode_conversations(
     samples, skipped, truncated = [], [], 0
     for conversation in conversations:
         try:
-            sample = encoder.encode_conversation(conversation)
+            sample = encoder.check_conversation(conversation)
             sample = fit_sample(
                 sample, max_seq_len, truncate=truncate, placeholder_ids=encoder.placeholder_ids
             )

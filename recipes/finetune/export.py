@@ -9,28 +9,41 @@ from fusion.checkpoint import CheckpointError
 from fusion.checkpoint.export import export_hf
 from fusion.checkpoint.files import fsync_path
 from fusion.lora import merge_lora, save_adapter
-from fusion.training import TrainingError, one_line, read_model_state_dict
-from recipes.finetune.config import FinetuneConfig
-from recipes.finetune.trainer import build_model
+from fusion.training import TrainingError, load_train_state, one_line, read_model_state_dict
+from recipes.finetune.config import FinetuneConfig, config_from_json
+from recipes.finetune.trainer import build_model, check_base_model
 
 FINAL = "final"
 ADAPTER = "adapter.safetensors"
 
 
 def export_final(config: FinetuneConfig, checkpoint: Path, output_dir: Path) -> Path:
-    """Build the model again in this process alone (CPU, float32), load checkpoint
-    ``checkpoint`` into it, and write ``output_dir/final``: staged under a temporary name and
-    renamed into place once complete, so a crash leaves the previous ``final/`` (if any) or
-    none, never a partial one. Returns the directory.
+    """Build the model again in this process alone (CPU, float32; the base from ``--model``),
+    load checkpoint ``checkpoint`` into it (the whole model, or only the trained tensors of a
+    ``--train lora`` / ``projector`` run, its base checked to be the same), and write
+    ``output_dir/final``: staged under a temporary name and renamed into place once complete,
+    so a crash leaves the previous ``final/`` (if any) or none, never a partial one. Returns
+    the directory.
 
     Raises:
-        TrainingError: the checkpoint does not fit the model, or no Hugging Face directory can
-            be written for it.
+        TrainingError: the checkpoint does not fit the model, its base model changed, or no
+            Hugging Face directory can be written for it.
         OSError: the file system failed.
     """
     assert config.model is not None
+    state = load_train_state(checkpoint, config_from_json)
+    check_base_model(checkpoint, state, config)
     model = build_model(config)
-    model.load_state_dict(read_model_state_dict(checkpoint), strict=True)
+    loaded = model.load_state_dict(read_model_state_dict(checkpoint), strict=False)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    if not state.trainable_only:
+        frozen = set()  # the whole model was saved
+    missing = sorted(set(loaded.missing_keys) - frozen)
+    if loaded.unexpected_keys or missing:
+        raise TrainingError(
+            f"{checkpoint}: its model tensors do not fit --model: missing {missing[:3]}, "
+            f"unexpected {sorted(loaded.unexpected_keys)[:3]}"
+        )
     model.eval()
     final = output_dir / FINAL
     staging = output_dir / f".tmp-{FINAL}"

@@ -42,6 +42,7 @@ from fusion.training import (
     save_checkpoint,
     wrap_model,
 )
+from fusion.training.fingerprint import fingerprint_changes, model_fingerprint
 from recipes.finetune.config import FinetuneConfig, config_to_json
 from recipes.finetune.model import (
     checkpoint_activations,
@@ -75,6 +76,37 @@ def read_data(
     return dataclasses.replace(encoded, skipped=[*read.skipped, *encoded.skipped])
 
 
+def trains_base(config: FinetuneConfig) -> bool:
+    """Whether checkpoints hold the whole model (``--train full``); with ``lora`` and
+    ``projector`` they hold only what trains, and the frozen base comes from ``--model``."""
+    return config.train == "full"
+
+
+def check_base_model(path: Path, state: TrainState, config: FinetuneConfig) -> None:
+    """Refuse checkpoint ``path`` (train state ``state``) that holds only trained tensors
+    when ``--model`` is no longer the base it was trained on (its weight files'
+    fingerprint, :func:`fusion.training.fingerprint.model_fingerprint`).
+
+    Raises:
+        TrainingError: naming the checkpoint and the files that changed.
+    """
+    if not state.trainable_only:
+        return  # the whole model is in the checkpoint
+    assert config.model is not None
+    if state.base_model is None:
+        raise TrainingError(
+            f"--resume: {path} holds only the trained tensors but no fingerprint of its base "
+            "model, so --model cannot be checked"
+        )
+    changes = fingerprint_changes(state.base_model, model_fingerprint(config.model))
+    if changes:
+        raise TrainingError(
+            f"--resume: {path} holds only the trained tensors of a run on another base "
+            f"model: in --model {config.model}, {'; '.join(changes)} since it was saved; "
+            "resume with the model directory it was trained on"
+        )
+
+
 def lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
     if step < warmup:
@@ -100,6 +132,7 @@ class Setup:
     num_trainable: int
     lengths: list[int] = field(default_factory=list)
     image_filler: Sample | None = None
+    encoder: ConversationEncoder | None = None
 
 
 def _pad_id(encoder: ConversationEncoder) -> int:
@@ -161,7 +194,7 @@ def setup(config: FinetuneConfig, runtime: Runtime) -> Setup:
         steps=config.steps,
     )
     model = build_model(config)
-    if config.train == "projector" and not any(s.pixel_values.numel() for s in train_data.samples):
+    if config.train == "projector" and not _has_images(train_data.samples):
         raise TrainingError("--train: 'projector' trains on images, but --data holds none")
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in trainable_parameters(model))
@@ -172,7 +205,7 @@ def setup(config: FinetuneConfig, runtime: Runtime) -> Setup:
         p.requires_grad for n, p in model.named_parameters() if n.startswith("encoders.")
     )
     if runtime.distributed and config.parallel == "ddp" and encoders_train:
-        with_images = [s for s in train_data.samples if s.pixel_values.numel()]
+        with_images = [s for s in train_data.samples if s.has_images]
         if not with_images:
             raise TrainingError(
                 f"--parallel: 'ddp' with --train {config.train} trains the connector, which "
@@ -206,6 +239,7 @@ def setup(config: FinetuneConfig, runtime: Runtime) -> Setup:
         num_trainable,
         lengths,
         image_filler,
+        encoder,
     )
 
 
@@ -217,7 +251,7 @@ def _ignored(sample: Sample) -> Sample:
 
 
 def _has_images(samples: Sequence[Sample]) -> bool:
-    return any(s.pixel_values.numel() for s in samples)
+    return any(s.has_images for s in samples)
 
 
 def micro_batch(
@@ -230,6 +264,9 @@ def micro_batch(
     collectively), so a process whose group is empty, or has no images when another's has
     (or when DDP needs them, ``run.image_filler``), adds a filler: a sample with no target
     (its loss and gradients are zero). One process skips an empty group (None).
+
+    The samples hold their images by file (:func:`fusion.data.encode_conversations`): their
+    pixels are decoded and processed here, for this micro-batch only.
     """
     mine = list(groups[rank])
     real = sum(len(s) for s in mine)
@@ -240,9 +277,14 @@ def micro_batch(
         mine.append(_ignored(min(everyone, key=len)))
     if not _has_images(mine):
         if _has_images(everyone):
-            mine.append(_ignored(min((s for s in everyone if s.pixel_values.numel()), key=len)))
+            mine.append(_ignored(min((s for s in everyone if s.has_images), key=len)))
         elif run.image_filler is not None:
             mine.append(run.image_filler)
+    if run.encoder is not None:  # this micro-batch's pixels, made now and freed with it
+        try:
+            mine = run.encoder.load_pixels(mine)
+        except ValueError as error:
+            raise TrainingError(f"--data: {one_line(error)}") from None
     config = run.config
     if config.packing:
         batch = collate_packed(pack_samples(mine, config.max_seq_len), pad_id=run.pad_id)
@@ -385,6 +427,7 @@ def train(
     start_step, losses, eval_losses = 0, [], []
     if resume is not None:
         path, state = resume
+        check_base_model(path, state, config)
         expected = _position(run, state.step)
         if state.step > total or (state.samples_seen, state.epoch) != expected:
             raise TrainingError(
@@ -417,6 +460,7 @@ def train(
     )
     root = checkpoint_root(output_dir)
     checkpoint = resume[0] if resume is not None else root
+    base_model = None if trains_base(config) else model_fingerprint(config.model or "")
     pending: list[torch.Tensor] = []
     tokens = slots = 0
     run.model.train()
@@ -453,6 +497,7 @@ def train(
                     parallel=config.parallel if runtime.distributed else "none",
                     scheduler=run.scheduler.state_dict(),
                     eval_losses=eval_losses,
+                    base_model=base_model,
                 )
                 checkpoint = save_checkpoint(
                     root,
@@ -461,6 +506,7 @@ def train(
                     state,
                     device=runtime.device,
                     keep=config.keep_checkpoints,
+                    trainable_only=base_model is not None,
                 )
                 log(runtime, f"saved checkpoint {checkpoint} (step {done}, loss {losses[-1]:.4f})")
     finally:

@@ -209,7 +209,8 @@ def test_encode_conversations_fits_truncates_and_skips(
     assert cut.truncated and len(cut) == limit
     assert torch.equal(cut.tokens, full.tokens[:limit])
     assert torch.equal(cut.labels[:-1], full.labels[: limit - 1])
-    assert cut.labels[-1] == IGNORE_INDEX and torch.equal(cut.pixel_values, full.pixel_values)
+    assert cut.labels[-1] == IGNORE_INDEX
+    assert torch.equal(encoder.load_pixels([cut])[0].pixel_values, full.pixel_values)
     data = encode_conversations(encoder, conversations, max_seq_len=limit, skip_bad=True)
     assert len(data.samples) == 1 and len(data.skipped) == 1
     assert data.skipped[0].line == 2
@@ -385,3 +386,58 @@ def test_processor_must_use_the_encoders_encode(model_dirs):
     encoder = ConversationEncoder(built.template, built.tokenizer, processor=foreign)
     with pytest.raises(RuntimeError, match="its encode is not this encoder's"):
         encoder.encode(text_conversation()["messages"])
+
+
+@pytest.mark.parametrize("family", ["llava", "idefics3"])
+def test_encode_conversations_keeps_no_pixels(
+    model_dirs, family, tmp_path, write_images, write_jsonl, monkeypatch
+):
+    """Encoding N image samples processes no image and keeps no pixels (only paths and
+    sizes); load_pixels makes exactly one batch's pixels, bitwise those encode makes, and a
+    file changed since the check is refused by name."""
+    import fusion.preprocessing
+
+    directory, _ = model_dirs[family]
+    sizes = [(20, 30), (45, 13), (16, 16), (33, 70), (8, 9), (64, 40)]
+    names = write_images(tmp_path, sizes)
+    file = write_jsonl(tmp_path / "train.jsonl", [hf_one_image(n) for n in names])
+    conversations = read_conversations(file).conversations
+    encoder = ConversationEncoder.from_directory(directory)
+    processed, decoded = [], []
+    image_processor = type(encoder.processor.image_processor)
+    process = image_processor.process
+    load_image = fusion.preprocessing.load_image
+
+    def counting_process(self, image, name="image"):
+        processed.append(name)
+        return process(self, image, name)
+
+    monkeypatch.setattr(image_processor, "process", counting_process)
+
+    def counting_load(path, **kwargs):
+        decoded.append(path)
+        return load_image(path, **kwargs)
+
+    monkeypatch.setattr(fusion.preprocessing, "load_image", counting_load)
+    data = encode_conversations(encoder, conversations, max_seq_len=1024)
+    assert not processed  # no image processed ...
+    assert len(decoded) == len(sizes)  # ... each decoded once, to check it
+    assert all(s.pixel_values.numel() == 0 and not s.pixels_loaded for s in data.samples)
+    assert [(r.height, r.width) for s in data.samples for r in s.images] == sizes
+    from fusion.data import collate_packed
+
+    with pytest.raises(ValueError, match=r"rows\[0\]\[0\]: .*train\.jsonl:1 has images whose"):
+        collate_packed([data.samples[:1]], pad_id=0)
+    decoded.clear()
+    batch = encoder.load_pixels(data.samples[2:4])
+    assert len(processed) == 2 and len(decoded) == 2  # that batch's images only
+    for conversation, lazy, loaded in zip(
+        conversations[2:4], data.samples[2:4], batch, strict=True
+    ):
+        eager = encoder.encode_conversation(conversation)
+        assert torch.equal(lazy.tokens, eager.tokens) and torch.equal(lazy.labels, eager.labels)
+        assert torch.equal(loaded.pixel_values, eager.pixel_values)
+        assert sum(r.tiles for r in lazy.images) == eager.pixel_values.size(0)
+    write_images(tmp_path, [(10, 10)])  # img0.png replaced by an image of another size
+    with pytest.raises(ValueError, match=r"train\.jsonl:1: image .*img0\.png.* now 10 x 10"):
+        encoder.load_pixels(data.samples[:1])

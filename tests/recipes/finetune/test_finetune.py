@@ -2,6 +2,8 @@
 the loss, overfits 8 conversations so that greedy generation answers them exactly, exports a
 directory transformers loads with our logits, and resumes bit for bit."""
 
+import json
+import math
 import shutil
 
 import pytest
@@ -13,7 +15,8 @@ from fusion import generate
 from fusion.checkpoint import load_hf_llama, load_hf_vlm
 from fusion.data import ChatTemplate, read_conversations
 from fusion.preprocessing import load_image, prepare_inputs
-from fusion.training import latest_checkpoint
+from fusion.training import latest_checkpoint, load_train_state
+from fusion.training.safe_dcp import read_metadata
 from recipes.finetune import main
 from vlm_helpers import PAD
 
@@ -163,6 +166,34 @@ def test_resume_is_bitwise(lora_run, tmp_path, ft):
         assert expected.keys() == resumed.keys()
         assert all(torch.equal(expected[k], resumed[k]) for k in expected)
     assert latest_checkpoint(copy / "checkpoints").name == "step_00000006"
+
+
+def test_lora_checkpoints_hold_only_what_trains(lora_run, tmp_path, capsys):
+    """A LoRA run's checkpoints hold the adapters and optimizer state, not the frozen base;
+    resuming on a base whose weights changed is refused, naming the file."""
+    _, out, _ = lora_run
+    checkpoint = out / "checkpoints" / "step_00000006"
+    stored = read_metadata(checkpoint).tensors("model.")
+    base = load_hf_vlm(model_dirs_of(lora_run)).state_dict()
+    assert stored and all(".lora_a." in k or ".lora_b." in k for k in stored)
+    weights = sum(v.numel() for v in base.values())
+    assert sum(math.prod(shape) for shape, _ in stored.values()) < weights / 10
+    state = load_train_state(checkpoint)
+    assert state.trainable_only and set(state.base_model) == {"config.json", "model.safetensors"}
+
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_00000006")
+    file = copy / "checkpoints" / "step_00000003" / "train_state.json"
+    saved = json.loads(file.read_text())
+    saved["base_model"]["model.safetensors"]["sha256"] = "0" * 64  # as if the weights changed
+    file.write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main(["--resume", "--output-dir", str(copy), "--threads", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "step_00000003 holds only the trained tensors of a run on another base model" in err
+    assert "model.safetensors changed (content)" in err
+    assert latest_checkpoint(copy / "checkpoints").name == "step_00000003"  # nothing lost
 
 
 def test_text_only_llama(model_dirs, tmp_path, ft):
