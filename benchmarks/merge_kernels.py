@@ -726,13 +726,13 @@ def main(argv: list[str] | None = None) -> dict:
     device = args.device
     info = machine(device, ("triton",))  # at the start
     info["THP_MEM_ALLOC_ENABLE"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and not args.quick:
         # A fresh cache: the first call of `compiled` pays the whole compile, as on a new
         # machine (inductor's cache in /tmp would otherwise serve a previous run's kernels).
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fusion-inductor-")
         info["inductor_cache"] = "fresh (a new temporary directory)"
     else:
-        info["inductor_cache"] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        info["inductor_cache"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default")
     dtype = DTYPES[args.dtype]
     found = contestants(device, dtype, args.impls)
     todo = cases(args)
