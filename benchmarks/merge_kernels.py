@@ -2,11 +2,14 @@
 
 For every case (tokens, embedding dim, placeholder fraction, forward or forward+backward) and
 every contestant (the floor ``copy``, each implementation of :func:`fusion.merge_embeddings`
-that runs on the device, and the baselines ``bool_index`` and ``torchtune``), it reports the
-median time, the effective bandwidth (output written once plus its source rows read once:
-2 x output bytes, forward only), the ratio to ``copy`` measured in the same run, the speedup
-over ``reference``, the peak transient memory beyond what the call returns, and whether the
-contestant synchronises with the host.
+that runs on the device, ``auto`` (what the default picks for the case), and the baselines
+``bool_index`` and ``torchtune``), it reports the median time, the effective bandwidth
+(output written once plus its source rows read once: 2 x output bytes, forward only), the
+ratio to ``copy`` measured in the same run, the speedup over ``reference``, the peak
+transient memory beyond what the call returns, and whether the contestant synchronises with
+the host. Apart from the timings it lists each contestant's
+first call in the run: for ``compiled`` that compiles its bucket, with a fresh inductor cache
+(``TORCHINDUCTOR_CACHE_DIR``, unless set) so that it costs what it costs on a new machine.
 
     python benchmarks/merge_kernels.py                # the default sweep for the device
     python benchmarks/merge_kernels.py --target       # the CPU/GPU target case only
