@@ -92,7 +92,8 @@ class Sample:
 
     def __post_init__(self) -> None:
         """Raises ValueError: ``tokens`` not integer ids [n] with n >= 1, ``labels`` not
-        integers of the same shape, ``pixel_values`` not a floating tensor (or empty)."""
+        integers of the same shape, ``pixel_values`` not a floating tensor (or empty),
+        ``images`` not a tuple of :class:`ImageRef`."""
         tokens, labels, pixels = self.tokens, self.labels, self.pixel_values
         if (
             not isinstance(tokens, torch.Tensor)
@@ -118,6 +119,12 @@ class Sample:
             pixels.numel() and not pixels.dtype.is_floating_point
         ):
             raise ValueError(f"pixel_values: expected a floating tensor, got {_describe(pixels)}")
+        if not isinstance(self.images, tuple) or not all(
+            isinstance(ref, ImageRef) for ref in self.images
+        ):
+            raise ValueError(
+                f"images: expected a tuple of ImageRef, got {type(self.images).__name__}"
+            )
 
     def __len__(self) -> int:
         return self.tokens.numel()

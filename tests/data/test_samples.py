@@ -438,6 +438,8 @@ def test_encode_conversations_keeps_no_pixels(
         assert torch.equal(lazy.tokens, eager.tokens) and torch.equal(lazy.labels, eager.labels)
         assert torch.equal(loaded.pixel_values, eager.pixel_values)
         assert sum(r.tiles for r in lazy.images) == eager.pixel_values.size(0)
+    with pytest.raises(ValueError, match="images: expected a tuple of ImageRef, got list"):
+        Sample(lazy.tokens, lazy.labels, lazy.pixel_values, images=list(lazy.images))
     write_images(tmp_path, [(10, 10)])  # img0.png replaced by an image of another size
     with pytest.raises(ValueError, match=r"train\.jsonl:1: image .*img0\.png.* now 10 x 10"):
         encoder.load_pixels(data.samples[:1])
