@@ -122,10 +122,12 @@ def _weight_parts(weights: torch.Tensor) -> list[tuple[torch.Tensor, int]] | Non
     taps, i.e. downscales by more than about 4): one float64 sum is then faster."""
     taps = max(int((weights != 0).sum(1).max()), 1)
     bits = math.floor(math.log2((1 << 24) / (255 * taps)))
+    if bits < 1:  # tens of thousands of taps
+        return None
     parts: list[tuple[torch.Tensor, int]] = []
     rest, shift = weights.to(torch.int64), 0
     while not bool((rest.abs() < (1 << bits)).all()):
-        if len(parts) == 1 or bits < 1:
+        if len(parts) == 1:
             return None
         parts.append(((rest & ((1 << bits) - 1)).to(torch.float32), shift))  # low bits, >= 0
         rest, shift = rest >> bits, shift + bits  # floor: the rest keeps the sign
