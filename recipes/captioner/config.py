@@ -2,20 +2,16 @@
 what a resumed run takes from its checkpoint."""
 
 import argparse
-import dataclasses
 import math
 import os
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from fusion.training.errors import TrainingError
-
-
-def _opt(default: Any, help: str, group: str, **kwargs: Any) -> Any:
-    return field(default=default, metadata={"help": help, "group": group, **kwargs})
-
+from fusion.training import config as shared
+from fusion.training.config import config_group, flag_name
+from fusion.training.config import option as _opt
 
 # What --resume does with each group of settings (see resumed_config).
 GROUP_TITLES = {
@@ -58,7 +54,7 @@ class TrainConfig:
     weight_decay: float = _opt(0.01, "AdamW weight decay", "optim")
     grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)", "optim")
     # run: stored; a resumed run may change them
-    steps: int = _opt(1_000, "total optimiser steps (a resumed run may extend them)", "run")
+    steps: int = _opt(1_500, "total optimiser steps (a resumed run may extend them)", "run")
     checkpoint_every: int = _opt(250, "save a checkpoint every N steps (and at the end)", "run")
     keep_checkpoints: int = _opt(2, "how many of the latest checkpoints to keep", "run")
     parallel: str = _opt(
@@ -100,11 +96,7 @@ class TrainConfig:
     def group(self, name: str) -> dict[str, Any]:
         """The fields of one group (``data``, ``model``, ``optim``, ``run``, ``session``) as a
         dict."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.metadata["group"] == name
-        }
+        return config_group(self, name)
 
 
 _POSITIVE = (
@@ -136,11 +128,6 @@ _NON_NEGATIVE = (
 )
 # No count or size of this job comes near it; above it products of sizes could overflow int64.
 MAX_INT = 2**31 - 1
-
-
-def flag_name(name: str) -> str:
-    """The command-line flag of config field ``name``."""
-    return "--" + name.replace("_", "-")
 
 
 def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) -> None:
@@ -191,42 +178,7 @@ def config_from_values(values: dict[str, Any], file: Path) -> TrainConfig:
     Raises:
         TrainingError: naming ``file`` and the key.
     """
-
-    def fail(message: str) -> TrainingError:
-        return TrainingError(f"checkpoint {file.parent}: {file.name}: {message}")
-
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    missing, unknown = sorted(set(fields) - set(values)), sorted(set(values) - set(fields))
-    if missing or unknown:
-        raise fail(f"key 'config': missing keys {missing}, unknown keys {unknown}")
-    checked: dict[str, Any] = {}
-    for key, f in fields.items():
-        value = values[key]
-        if f.type is float and type(value) is int:
-            value = float(value)
-        allowed: tuple[type, ...] = (str, type(None)) if f.type == str | None else (f.type,)  # type: ignore[assignment]
-        if type(value) not in allowed:
-            scalar = isinstance(value, (bool, int, float, str))
-            shown = f"{value!r:.60}" if scalar else f"a value of type {type(value).__name__}"
-            expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-            raise fail(f"key 'config.{key}': expected {expected}, got {shown}")
-        choices = f.metadata.get("choices")
-        if choices and value not in choices:
-            raise fail(f"key 'config.{key}': expected one of {list(choices)}, got {value!r:.60}")
-        checked[key] = value
-    config = TrainConfig(**checked)
-    try:
-        check_config(config, name=lambda n: f"key 'config.{n}'")
-    except ValueError as error:
-        raise fail(str(error)) from None
-    return config
-
-
-class _Parser(argparse.ArgumentParser):
-    """Reports a bad command line in one line (argparse's usage text is many lines)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+    return shared.config_from_values(TrainConfig, values, file, check=check_config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     Flags not given are absent from the parsed namespace (their defaults are the dataclass's),
     so that a resumed run can tell the flags given from its stored configuration.
     """
-    parser = _Parser(
+    return shared.build_parser(
+        TrainConfig,
         prog="python -m recipes.captioner",
         description=(
             "Train an early-fusion captioner (vision encoder + Llama-style decoder) from scratch "
@@ -243,27 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
             "and check that the checkpoint's decoder loads into a plain TransformerDecoder. "
             "Runs under torchrun for DDP or FSDP2."
         ),
-        argument_default=argparse.SUPPRESS,
+        group_titles=GROUP_TITLES,
     )
-    groups = {name: parser.add_argument_group(title) for name, title in GROUP_TITLES.items()}
-    for f in dataclasses.fields(TrainConfig):
-        flag = flag_name(f.name)
-        group = groups[f.metadata["group"]]
-        shown = "unset" if f.default is None else f.default
-        help = f"{f.metadata['help']} (default: {shown})"
-        if f.type is bool:
-            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
-            group.add_argument(flag, action=action, help=help)
-            continue
-        kind = f.type if f.type in (int, float) else str
-        group.add_argument(
-            flag,
-            type=kind,
-            help=help,
-            choices=f.metadata.get("choices"),
-            metavar=None if f.metadata.get("choices") else f.name.upper(),
-        )
-    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, frozenset[str]]:
@@ -302,28 +236,4 @@ def resumed_config(
         TrainingError: naming each flag given with another value than the checkpoint's, or
             ``--steps`` below the checkpoint's step.
     """
-    fixed = {name for group in FIXED_GROUPS for name in stored.group(group)}
-    changed = [
-        f.name
-        for f in dataclasses.fields(stored)
-        if f.name in given
-        and f.name in fixed
-        and getattr(config, f.name) != getattr(stored, f.name)
-    ]
-    if changed:
-        reasons = "; ".join(
-            f"{flag_name(name)}: the checkpoint was trained with {getattr(stored, name)}, "
-            f"not {getattr(config, name)}"
-            for name in changed
-        )
-        flags = "the flag" if len(changed) == 1 else "these flags"
-        raise TrainingError(
-            f"{reasons}; drop {flags} to resume (a different run needs another --output-dir)"
-        )
-    if "steps" in given and config.steps < step:
-        raise TrainingError(
-            f"--steps: expected at least the checkpoint's step {step}, got {config.steps}"
-        )
-    ours = set(config.group("session")) | (set(given) & set(config.group("run")))
-    restored = {f.name: getattr(stored, f.name) for f in dataclasses.fields(stored)}
-    return dataclasses.replace(config, **{k: v for k, v in restored.items() if k not in ours})
+    return shared.resumed_config(config, given, stored, step, fixed_groups=FIXED_GROUPS)

@@ -1,8 +1,17 @@
 """A captioned shapes dataset rendered with torch: no files, deterministic from a seed.
 
-Each image shows one shape (circle, square, triangle, cross) in one of several colours, in one
-of two sizes, at one of nine places, with a little jitter in position and size and some pixel
-noise. Its caption names those four attributes, e.g. ``"a small red circle top left"``.
+Each image shows one filled shape (circle, square, triangle, cross) in one of six colours, in
+one of two sizes, at one of nine places, on a background that is dark, light or a colour, with
+or without pixel noise. Its caption names the shape's four attributes, e.g.
+``"a small red circle top left"``.
+
+The ranges the model is trained on (and so the images it can caption), as fractions of the
+image side: a shape's extent (a circle's diameter, a cross's or triangle's width) is 17-23%
+(``small``) or 29-39% (``large``); its centre lies within 6% of a quarter, half or three
+quarters across and down; its colour between :data:`COLOURS` and Pillow's colour of that name
+(:data:`COLOUR_ANCHORS`), give or take 0.06 per channel; the background
+is a grey from black to white or any colour at least :data:`MIN_CONTRAST` away from the
+shape's colour, plain or noisy.
 """
 
 from dataclasses import dataclass
@@ -19,11 +28,29 @@ COLOURS = {
     "purple": (0.60, 0.20, 0.80),
     "white": (0.95, 0.95, 0.95),
 }
+# Each colour also spans the line to Pillow's colour of that name ("red" is (255, 0, 0), "green"
+# (0, 128, 0), "purple" (128, 0, 128)) and, for green, to (0, 255, 0): what a user draws with.
+COLOUR_ANCHORS = {
+    "red": ((1.0, 0.0, 0.0),),
+    "green": ((0.0, 0.5, 0.0), (0.0, 1.0, 0.0)),
+    "blue": ((0.0, 0.0, 1.0),),
+    "yellow": ((1.0, 1.0, 0.0),),
+    "purple": ((0.5, 0.0, 0.5),),
+    "white": ((1.0, 1.0, 1.0),),
+}
 SIZES = {"small": 0.10, "large": 0.17}  # half-extent as a fraction of the image side
 ROWS = ("top", "middle", "bottom")
 COLUMNS = ("left", "center", "right")
 _PLACE_FRACTIONS = (0.25, 0.5, 0.75)  # row/column centres as fractions of the image side
 _SUPERSAMPLE = 2  # rendered at twice the size, then averaged: smooth edges for small shapes
+SIZE_JITTER = 0.15  # a shape's half-extent is SIZES[size] * (1 +- SIZE_JITTER)
+PLACE_JITTER = 0.06  # a shape's centre is within this of its place, in each direction
+COLOUR_JITTER = 0.06  # then each channel moves by up to this
+NOISE_LEVELS = (0.0, 0.03, 0.08)  # standard deviations of the pixel noise, one drawn per image
+# Backgrounds are at least this far (RGB distance, channels in [0, 1]) from the shape's colour:
+# a white shape on a white background shows nothing to caption.
+MIN_CONTRAST = 0.45
+_BACKGROUND_TRIES = 6
 
 
 def place_phrase(row: int, column: int) -> str:
@@ -83,45 +110,94 @@ def caption(attributes: torch.Tensor) -> str:
     )
 
 
-def _circle(dx: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+def _circle(dx: torch.Tensor, dy: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
     return dx**2 + dy**2 <= 1
 
 
-def _square(dx: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    return torch.maximum(dx.abs(), dy.abs()) <= 0.85  # about a circle's area
+def _square(dx: torch.Tensor, dy: torch.Tensor, form: torch.Tensor) -> torch.Tensor:
+    # Half-side 0.78-0.92 of the half-extent: about a circle's area.
+    return torch.maximum(dx.abs(), dy.abs()) <= 0.85 + 0.07 * form
 
 
-def _triangle(dx: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    return (dy <= 1) & (dx.abs() <= (dy + 1) / 2)  # apex up
+def _triangle(dx: torch.Tensor, dy: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    return (dy <= 1) & (dx.abs() <= (dy + 1) / 2)  # apex up, base as wide as the extent
 
 
-def _cross(dx: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+def _cross(dx: torch.Tensor, dy: torch.Tensor, form: torch.Tensor) -> torch.Tensor:
+    arm = 1 / 3 + 0.06 * form  # half-width of an arm: 0.27-0.39 of the half-extent
     adx, ady = dx.abs(), dy.abs()
-    return ((adx <= 1 / 3) & (ady <= 1)) | ((ady <= 1 / 3) & (adx <= 1))
+    return ((adx <= arm) & (ady <= 1)) | ((ady <= arm) & (adx <= 1))  # an upright plus sign
 
 
-# Inside-tests in units of the half-extent, one per entry of SHAPES.
+# Inside-tests in units of the half-extent, one per entry of SHAPES; the third argument, in
+# [-1, 1], varies the shape's proportions a little.
 _INSIDE = (_circle, _square, _triangle, _cross)
 
 
+def shape_colours(colour: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """RGB in [0, 1] [n, 3] for colour indices [n]: a point on the segment from
+    :data:`COLOURS` to one of the name's :data:`COLOUR_ANCHORS` (or between two of them),
+    each channel then moved by up to :data:`COLOUR_JITTER`."""
+    anchors = [(COLOURS[name], *COLOUR_ANCHORS[name]) for name in COLOURS]
+    most = max(len(a) for a in anchors)
+    table = torch.tensor([[*a, *[a[-1]] * (most - len(a))] for a in anchors])  # [c, most, 3]
+    counts = torch.tensor([len(a) for a in anchors])[colour]
+    n = colour.size(0)
+    ends = (torch.rand(n, 2, generator=generator) * counts[:, None]).long()  # [n, 2]
+    first, second = table[colour[:, None], ends].unbind(1)  # each [n, 3]
+    t = torch.rand(n, 1, generator=generator)
+    jitter = (torch.rand(n, 3, generator=generator) - 0.5) * 2 * COLOUR_JITTER
+    return (first + t * (second - first) + jitter).clamp(0, 1)
+
+
+def backgrounds(colours: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One background colour per shape colour, contrasting with it.
+
+    A background is dark (black included), light (white included) or any colour, each as
+    likely, redrawn until it lies :data:`MIN_CONTRAST` from the shape's colour (after a few
+    tries, the shape colour's channel-wise opposite extreme).
+
+    Args:
+        colours: shape colours [n, 3] in [0, 1].
+        generator: the source of randomness.
+
+    Returns:
+        background colours [n, 3] in [0, 1].
+    """
+    n, tries = colours.size(0), _BACKGROUND_TRIES
+    kind = torch.randint(0, 3, (n, tries, 1), generator=generator)
+    # Greys reach exact black and white a fifth of the time (clamped), as drawn images do.
+    level = torch.rand(n, tries, 1, generator=generator) * 0.25
+    tint = (torch.rand(n, tries, 3, generator=generator) - 0.5) * 0.06
+    grey = torch.where(kind == 0, level - 0.05, 1.05 - level) + tint
+    colour = torch.rand(n, tries, 3, generator=generator)
+    candidates = torch.where(kind == 2, colour, grey).clamp(0, 1)  # [n, tries, 3]
+    far = (candidates - colours[:, None]).norm(dim=-1) >= MIN_CONTRAST  # [n, tries]
+    first = far.int().argmax(dim=1)  # the first far-enough try (0 if none: replaced below)
+    chosen = candidates[torch.arange(n), first]
+    opposite = (colours < 0.5).float()
+    return torch.where(far.any(dim=1, keepdim=True), chosen, opposite)
+
+
 def render(attributes: torch.Tensor, image_size: int, generator: torch.Generator) -> torch.Tensor:
-    """Render one image per attribute row.
+    """Render one image per attribute row, with the ranges of the module docstring.
 
     Args:
         attributes: int64 [n, 5] (shape, colour, size, row, column indices).
         image_size: side of the square images, in pixels.
-        generator: the source of the jitter and noise.
+        generator: the source of the jitter, the backgrounds and the noise.
 
     Returns:
         uint8 images [n, 3, image_size, image_size].
     """
     n = attributes.size(0)
     shape, colour, size, row, column = attributes.unbind(1)
-    jitter = (torch.rand(n, 3, generator=generator) - 0.5) * 2  # uniform in [-1, 1)
+    jitter = (torch.rand(n, 4, generator=generator) - 0.5) * 2  # uniform in [-1, 1)
     places = torch.tensor(_PLACE_FRACTIONS)
-    half = torch.tensor(list(SIZES.values()))[size] * (1 + 0.1 * jitter[:, 2])
-    cy = places[row] + 0.03 * jitter[:, 0]
-    cx = places[column] + 0.03 * jitter[:, 1]
+    half = torch.tensor(list(SIZES.values()))[size] * (1 + SIZE_JITTER * jitter[:, 2])
+    cy = places[row] + PLACE_JITTER * jitter[:, 0]
+    cx = places[column] + PLACE_JITTER * jitter[:, 1]
+    form = jitter[:, 3]
 
     side = image_size * _SUPERSAMPLE
     grid = (torch.arange(side) + 0.5) / side  # pixel centres in [0, 1]
@@ -132,13 +208,16 @@ def render(attributes: torch.Tensor, image_size: int, generator: torch.Generator
         # Offsets from the shape's centre in units of its half-extent: [k, side, 1], [k, 1, side].
         dy = (grid[None, :, None] - cy[chosen, None, None]) / scale
         dx = (grid[None, None, :] - cx[chosen, None, None]) / scale
-        mask[chosen] = inside(dx, dy).float()
+        mask[chosen] = inside(dx, dy, form[chosen, None, None]).float()
     mask = F.avg_pool2d(mask[:, None], _SUPERSAMPLE)  # [n, 1, s, s], anti-aliased coverage
 
-    rgb = torch.tensor(list(COLOURS.values()))[colour][:, :, None, None]  # [n, 3, 1, 1]
-    background = 0.08 + 0.04 * torch.rand(n, 3, 1, 1, generator=generator)
-    image = background + mask * (rgb - background)
-    image = image + 0.03 * torch.randn(image.shape, generator=generator)
+    rgb = shape_colours(colour, generator)
+    background = backgrounds(rgb, generator)[:, :, None, None]  # [n, 3, 1, 1]
+    image = background + mask * (rgb[:, :, None, None] - background)
+    noise = torch.tensor(NOISE_LEVELS)[
+        torch.randint(0, len(NOISE_LEVELS), (n,), generator=generator)
+    ]
+    image = image + noise[:, None, None, None] * torch.randn(image.shape, generator=generator)
     return (image.clamp(0, 1) * 255).round().to(torch.uint8)
 
 

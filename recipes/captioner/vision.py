@@ -119,7 +119,10 @@ class VisionEncoder(nn.Module):
                 raise ValueError(f"{name}: expected a positive integer, got {value}")
         if num_layers < 0:
             raise ValueError(f"num_layers: expected a non-negative integer, got {num_layers}")
-        self.patch_embedding = PatchEmbedding(image_size, patch_size, in_channels, dim)
+        self.in_channels = in_channels
+        # Each pixel's channels, its difference from the image's background, and the size of
+        # that difference (see forward).
+        self.patch_embedding = PatchEmbedding(image_size, patch_size, 2 * in_channels + 1, dim)
         self.layers = nn.ModuleList(
             VisionTransformerLayer(dim, num_heads) for _ in range(num_layers)
         )
@@ -144,7 +147,7 @@ class VisionEncoder(nn.Module):
         Raises:
             ValueError: wrong shape or a non-floating dtype, before any computation.
         """
-        size, channels = self.patch_embedding.image_size, self.patch_embedding.in_channels
+        size, channels = self.patch_embedding.image_size, self.in_channels
         if (
             images.dim() != 4
             or images.shape[1:] != (channels, size, size)
@@ -154,7 +157,14 @@ class VisionEncoder(nn.Module):
                 f"images: expected floating images [n, {channels}, {size}, {size}], "
                 f"got shape {list(images.shape)}, dtype {images.dtype}"
             )
-        x = self.patch_embedding(images.to(self.projection.weight.dtype))
+        images = images.to(self.projection.weight.dtype)
+        # The background, whatever its colour, is most of the image: its per-channel median.
+        # The size of the difference from it is the shape's silhouette alike on black, white
+        # or any colour, which a linear patch embedding cannot compute from the pixels.
+        background = images.flatten(2).median(dim=2).values[:, :, None, None]  # [n, c, 1, 1]
+        difference = images - background
+        contrast = difference.norm(dim=1, keepdim=True)  # [n, 1, h, w]
+        x = self.patch_embedding(torch.cat([images, difference, contrast], dim=1))
         for layer in self.layers:
             x = layer(x)
         return self.projection(self.norm(x))

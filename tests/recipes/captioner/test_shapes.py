@@ -2,8 +2,11 @@ import pytest
 import torch
 
 from recipes.captioner.shapes import (
+    COLOUR_ANCHORS,
     COLOURS,
+    MIN_CONTRAST,
     SHAPES,
+    backgrounds,
     caption,
     caption_words,
     combination_attributes,
@@ -11,6 +14,7 @@ from recipes.captioner.shapes import (
     max_caption_words,
     num_combinations,
     render,
+    shape_colours,
 )
 
 
@@ -47,10 +51,16 @@ def _one(shape: int, colour: int, size: int, row: int, column: int) -> torch.Ten
     return render(attributes, 48, torch.Generator().manual_seed(0))[0].float() / 255
 
 
+def _foreground(image: torch.Tensor) -> torch.Tensor:
+    """Pixels far from the image's median colour (its background)."""
+    background = image.flatten(1).median(1).values[:, None, None]
+    return (image - background).norm(dim=0) > 0.3
+
+
 def test_the_image_shows_the_caption():
     red = list(COLOURS).index("red")
     image = _one(SHAPES.index("circle"), red, size=1, row=0, column=0)  # large, top left
-    foreground = image.sum(0) > 1.0  # the background is dark, red sums to about 1.2
+    foreground = _foreground(image)
     ys, xs = foreground.nonzero().float().unbind(1)
     assert foreground.sum() > 50
     assert ys.mean() < 48 / 3 and xs.mean() < 48 / 3  # top left third
@@ -59,12 +69,31 @@ def test_the_image_shows_the_caption():
 
 
 def test_shapes_and_sizes_differ():
-    masks = [(_one(s, 0, 1, 1, 1).sum(0) > 1.0) for s in range(len(SHAPES))]
+    masks = [_foreground(_one(s, 0, 1, 1, 1)) for s in range(len(SHAPES))]
     for i in range(len(masks)):
         for j in range(i + 1, len(masks)):
             assert (masks[i] ^ masks[j]).sum() > 10, (SHAPES[i], SHAPES[j])
-    small = _one(0, 0, 0, 1, 1).sum(0) > 1.0
+    small = _foreground(_one(0, 0, 0, 1, 1))
     assert small.sum() < 0.6 * masks[0].sum()
+
+
+def test_backgrounds_vary_and_always_contrast_with_the_shape():
+    generator = torch.Generator().manual_seed(0)
+    colours = shape_colours(torch.arange(6).repeat(500), generator)
+    chosen = backgrounds(colours, generator)
+    assert bool(((chosen - colours).norm(dim=1) >= MIN_CONTRAST).all())
+    grey = (chosen.max(1).values - chosen.min(1).values) < 0.1
+    assert (grey & (chosen.mean(1) < 0.2)).sum() > 500  # dark
+    assert (grey & (chosen.mean(1) > 0.8)).sum() > 500  # light
+    assert (chosen == 0).all(1).sum() > 50 and (chosen == 1).all(1).sum() > 50  # black, white
+    assert (~grey).sum() > 500  # coloured
+    # White shapes get no light grey background; every colour covers Pillow's colour of its
+    # name.
+    assert not bool((grey & (chosen.mean(1) > 0.8))[5::6].any())
+    assert bool((colours[5::6] > 0.85).all())
+    for index, name in enumerate(COLOURS):
+        near = (colours[index::6] - torch.tensor(COLOUR_ANCHORS[name][0])).norm(dim=1)
+        assert near.min() < 0.1, name
 
 
 @pytest.mark.parametrize(
