@@ -18,8 +18,10 @@ Embedding = nn.Module | Callable[[torch.Tensor], torch.Tensor] | torch.Tensor
 
 IMPLEMENTATIONS = ("reference", "index", "fused", "compiled")
 # ``auto`` merges with ``compiled`` on CPU from this many output bytes (tokens x d x element
-# size); below, ``index``'s lower fixed cost per call wins (benchmarks/README.md).
-COMPILED_MIN_BYTES = 4 * 2**20
+# size); None: never. On the benchmark machine (2 shared cores, 2026-12-01) ``compiled`` was
+# slower than ``index`` at every size measured (benchmarks/README.md), so ``auto`` keeps
+# ``index``; set a size here where a paired run shows ``compiled`` winning.
+COMPILED_MIN_BYTES: int | None = None
 
 
 def embedding_table(embedding: Embedding) -> torch.Tensor | None:
@@ -56,7 +58,8 @@ def default_impl(device: torch.device, embedding: Embedding, tokens: int | None 
     ``"fused"`` (one Triton kernel) on CUDA with Triton installed and 1, 2, 4 or 8-byte
     elements; ``"compiled"`` (the merge compiled by inductor, compiled once per bucket on
     first use) on CPU when the output, ``tokens`` x d x element size, holds at least
-    ``COMPILED_MIN_BYTES``. ``"index"`` everywhere else: the embedding is called as a module
+    ``COMPILED_MIN_BYTES`` (None, today: measured slower than ``index`` at every size on the
+    benchmark machine). ``"index"`` everywhere else: the embedding is called as a module
     (so FSDP, tensor parallel, LoRA or quantized embeddings behave as in the decoder) and
     encoder rows are written into its output. Measurements in ``benchmarks/README.md``.
     None of them synchronises with the host.
@@ -74,9 +77,10 @@ def _auto_impl(device: torch.device, table: torch.Tensor | None, tokens: int | N
         return "index"
     if device.type == "cuda" and fused_supported(device, table.dtype):
         return "fused"
-    if device.type == "cpu" and table.device.type == "cpu" and table.dim() == 2:
+    threshold = COMPILED_MIN_BYTES
+    if threshold is not None and device.type == "cpu" == table.device.type and table.dim() == 2:
         size = table.size(1) * table.element_size()
-        if tokens is None or tokens * size >= COMPILED_MIN_BYTES:
+        if tokens is None or tokens * size >= threshold:
             return "compiled"
     return "index"
 

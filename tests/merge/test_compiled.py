@@ -40,17 +40,27 @@ def _graphs() -> int:
 # ---------------------------------------------------------------- the auto rule
 
 
+def test_auto_keeps_index_on_cpu_while_compiled_measures_slower():
+    """``COMPILED_MIN_BYTES`` is None: on the benchmark machine ``compiled`` was slower than
+    ``index`` at every size measured (benchmarks/README.md), so ``auto`` never picks it."""
+    assert COMPILED_MIN_BYTES is None
+    for embedding in (torch.zeros(32000, 2048), torch.nn.Embedding(16, 64)):
+        assert default_impl(CPU, embedding, 16384) == "index"
+        assert default_impl(CPU, embedding) == "index"
+
+
 def test_auto_picks_compiled_for_plain_tables_on_cpu_from_the_threshold():
     row = 64 * 4  # float32, width 64
-    tokens = COMPILED_MIN_BYTES // row
+    tokens = 2**22 // row
     table = torch.zeros(16, 64)
-    assert default_impl(CPU, table, tokens) == "compiled"
-    assert default_impl(CPU, table, tokens - 1) == "index"
-    assert default_impl(CPU, torch.nn.Embedding(16, 64), tokens) == "compiled"
-    assert default_impl(CPU, table) == "compiled"  # no size given: a size where it wins
-    # bfloat16 rows are half the bytes: twice the tokens for the same output.
-    assert default_impl(CPU, table.bfloat16(), tokens) == "index"
-    assert default_impl(CPU, table.bfloat16(), 2 * tokens) == "compiled"
+    with mock.patch("fusion.merge.merge.COMPILED_MIN_BYTES", 2**22):
+        assert default_impl(CPU, table, tokens) == "compiled"
+        assert default_impl(CPU, table, tokens - 1) == "index"
+        assert default_impl(CPU, torch.nn.Embedding(16, 64), tokens) == "compiled"
+        assert default_impl(CPU, table) == "compiled"  # no size given: a size where it wins
+        # bfloat16 rows are half the bytes: twice the tokens for the same output.
+        assert default_impl(CPU, table.bfloat16(), tokens) == "index"
+        assert default_impl(CPU, table.bfloat16(), 2 * tokens) == "compiled"
 
 
 @pytest.mark.parametrize(
@@ -62,13 +72,15 @@ def test_auto_picks_compiled_for_plain_tables_on_cpu_from_the_threshold():
     ],
 )
 def test_auto_keeps_index_for_what_is_not_a_plain_cpu_table(embedding):
-    assert default_impl(CPU, embedding, 10**9) == "index"
+    with mock.patch("fusion.merge.merge.COMPILED_MIN_BYTES", 1):
+        assert default_impl(CPU, embedding, 10**9) == "index"
 
 
 def test_merge_embeddings_auto_uses_compiled_above_the_threshold():
     args = _inputs(2, 8, 8, [1, 2])
     with mock.patch.object(compiled_module, "_run", wraps=compiled_module._run) as run:
-        merge_embeddings(*args)  # 2 x 8 x 8 float32: far below the threshold
+        with mock.patch("fusion.merge.merge.COMPILED_MIN_BYTES", 2 * 8 * 8 * 4 + 1):
+            merge_embeddings(*args)  # 2 x 8 x 8 float32: one byte below the threshold
         assert run.call_count == 0
         with mock.patch("fusion.merge.merge.COMPILED_MIN_BYTES", 2 * 8 * 8 * 4):
             merged = merge_embeddings(*args)

@@ -224,13 +224,13 @@ def test_same_errors_as_reference_on_count_mismatch(impl, case, data, eager_chec
 
 
 def test_default_rule():
-    """On CPU: ``compiled`` for a table from a size (tests/merge/test_compiled.py), ``index``
-    below it; on CUDA ``fused`` where Triton is."""
+    """On CPU ``index`` (``compiled`` only from COMPILED_MIN_BYTES, none today: see
+    tests/merge/test_compiled.py); on CUDA ``fused`` where Triton is."""
     table = torch.zeros(4, 2)
     assert default_impl(torch.device("cpu"), table, 1) == "index"
     assert default_impl(torch.device("cpu"), table.bfloat16(), 1) == "index"
     with implementation("fused"):  # the interpreter is for tests; auto never picks it
-        assert default_impl(torch.device("cpu"), table) == "compiled"
+        assert default_impl(torch.device("cpu"), table, 1) == "index"
     expected = "index" if triton is None else "fused"
     cuda = torch.device("cuda")
     assert default_impl(cuda, table.bfloat16()) == expected
