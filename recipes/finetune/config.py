@@ -2,21 +2,18 @@
 what a resumed run takes from its checkpoint."""
 
 import argparse
-import dataclasses
 import math
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from fusion.lora import DEFAULT_TARGETS
-from fusion.training import TrainingError
+from fusion.training import config as shared
+from fusion.training.config import config_group, flag_name
+from fusion.training.config import option as _opt
 
 PROG = "python -m recipes.finetune"
-
-
-def _opt(default: Any, help: str, group: str, **kwargs: Any) -> Any:
-    return field(default=default, metadata={"help": help, "group": group, **kwargs})
 
 
 # What --resume does with each group of settings (see resumed_config).
@@ -28,6 +25,7 @@ GROUP_TITLES = {
     "session": "this invocation (never restored)",
 }
 FIXED_GROUPS = ("data", "model", "optim")
+STORED_GROUPS = (*FIXED_GROUPS, "run")  # what a checkpoint stores (config_to_json)
 TRAIN_MODES = ("lora", "full", "projector")
 DTYPES = ("float32", "bfloat16")
 
@@ -145,11 +143,7 @@ class FinetuneConfig:
 
     def group(self, name: str) -> dict[str, Any]:
         """The fields of one group as a dict."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.metadata["group"] == name
-        }
+        return config_group(self, name)
 
     @property
     def lora_target_list(self) -> list[str]:
@@ -175,11 +169,6 @@ _NON_NEGATIVE = (
     "seed",
 )
 MAX_INT = 2**31 - 1
-
-
-def flag_name(name: str) -> str:
-    """The command-line flag of config field ``name``."""
-    return "--" + name.replace("_", "-")
 
 
 def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name) -> None:
@@ -239,7 +228,7 @@ def check_command_line(config: FinetuneConfig) -> None:
 
 def config_to_json(config: FinetuneConfig) -> dict[str, Any]:
     """The run's stored settings (``data``, ``model``, ``optim`` and ``run`` groups)."""
-    return {k: v for g in ("data", "model", "optim", "run") for k, v in config.group(g).items()}
+    return {k: v for g in STORED_GROUPS for k, v in config.group(g).items()}
 
 
 def config_from_json(values: Any, file: Path) -> FinetuneConfig:
@@ -249,50 +238,16 @@ def config_from_json(values: Any, file: Path) -> FinetuneConfig:
     Raises:
         TrainingError: naming ``file`` and the key.
     """
-
-    def fail(message: str) -> TrainingError:
-        return TrainingError(f"checkpoint {file.parent}: {file.name}: {message}")
-
-    if not isinstance(values, dict):
-        raise fail("key 'config': expected an object")
-    fields = {
-        f.name: f for f in dataclasses.fields(FinetuneConfig) if f.metadata["group"] != "session"
-    }
-    missing, unknown = sorted(set(fields) - set(values)), sorted(set(values) - set(fields))
-    if missing or unknown:
-        raise fail(f"key 'config': missing keys {missing}, unknown keys {unknown}")
-    checked: dict[str, Any] = {}
-    for key, f in fields.items():
-        value = values[key]
-        if f.type is float and type(value) is int:
-            value = float(value)
-        allowed: tuple[type, ...] = (str, type(None)) if f.type == str | None else (f.type,)  # type: ignore[assignment]
-        if type(value) not in allowed:
-            expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-            raise fail(f"key 'config.{key}': expected {expected}, got {value!r:.60}")
-        choices = f.metadata.get("choices")
-        if choices and value not in choices:
-            raise fail(f"key 'config.{key}': expected one of {list(choices)}, got {value!r:.60}")
-        checked[key] = value
-    config = FinetuneConfig(**checked)
-    try:
-        check_config(config, name=lambda n: f"key 'config.{n}'")
-    except ValueError as error:
-        raise fail(str(error)) from None
-    return config
-
-
-class _Parser(argparse.ArgumentParser):
-    """Reports a bad command line in one line (argparse's usage text is many lines)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+    return shared.config_from_values(
+        FinetuneConfig, values, file, check=check_config, stored_groups=STORED_GROUPS
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """One flag per :class:`FinetuneConfig` field, grouped. Flags not given are absent from
     the parsed namespace, so that a resumed run tells the flags given from its stored ones."""
-    parser = _Parser(
+    return shared.build_parser(
+        FinetuneConfig,
         prog=PROG,
         description=(
             "Fine-tune a Hugging Face vision-language model (LLaVA, Idefics3, SmolVLM) or a "
@@ -301,27 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
             "<output-dir>/final/, a Hugging Face directory transformers loads. Runs under "
             "torchrun for FSDP2 or DDP."
         ),
-        argument_default=argparse.SUPPRESS,
+        group_titles=GROUP_TITLES,
     )
-    groups = {name: parser.add_argument_group(title) for name, title in GROUP_TITLES.items()}
-    for f in dataclasses.fields(FinetuneConfig):
-        flag = flag_name(f.name)
-        group = groups[f.metadata["group"]]
-        shown = "unset" if f.default is None else f.default
-        help = f"{f.metadata['help']} (default: {shown})"
-        if f.type is bool:
-            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
-            group.add_argument(flag, action=action, help=help)
-            continue
-        kind = f.type if f.type in (int, float) else str
-        group.add_argument(
-            flag,
-            type=kind,
-            help=help,
-            choices=f.metadata.get("choices"),
-            metavar=None if f.metadata.get("choices") else f.name.upper(),
-        )
-    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[FinetuneConfig, frozenset[str]]:
@@ -341,39 +277,11 @@ def resumed_config(
     config: FinetuneConfig, given: Collection[str], stored: FinetuneConfig, step: int
 ) -> FinetuneConfig:
     """The configuration of a run resumed at ``step`` from a checkpoint storing ``stored``:
-    the stored one with this invocation's ``session`` settings and the ``run`` settings given.
+    the stored one with this invocation's ``session`` settings and the ``run`` settings given
+    (:func:`fusion.training.config.resumed_config`).
 
     Raises:
         TrainingError: a ``data``, ``model`` or ``optim`` flag given with another value than
             the checkpoint's (another run), or ``--steps`` below the checkpoint's step.
     """
-    fixed = {name for group in FIXED_GROUPS for name in stored.group(group)}
-    changed = [
-        name
-        for name in sorted(given)
-        if name in fixed and getattr(config, name) != getattr(stored, name)
-    ]
-    if changed:
-        reasons = "; ".join(
-            f"{flag_name(name)}: the checkpoint was trained with {getattr(stored, name)!r}, "
-            f"not {getattr(config, name)!r}"
-            for name in changed
-        )
-        flags = "the flag" if len(changed) == 1 else "these flags"
-        raise TrainingError(
-            f"{reasons}; drop {flags} to resume (a different run needs another --output-dir)"
-        )
-    if "steps" in given and 0 < config.steps < step:
-        raise TrainingError(
-            f"--steps: expected at least the checkpoint's step {step}, got {config.steps}"
-        )
-    run = {name: getattr(config if name in given else stored, name) for name in stored.group("run")}
-    session = config.group("session")
-    values = {
-        **stored.group("data"),
-        **stored.group("model"),
-        **stored.group("optim"),
-        **run,
-        **session,
-    }
-    return FinetuneConfig(**values)
+    return shared.resumed_config(config, given, stored, step, fixed_groups=FIXED_GROUPS)

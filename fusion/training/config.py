@@ -1,0 +1,175 @@
+"""A recipe's configuration as one dataclass whose fields are its command-line flags, in
+groups that say what ``--resume`` does with them (the recipes' shared machinery).
+
+Each field is an :func:`option` with a help text and a group. The groups are the recipe's
+(``GROUP_TITLES``); by convention ``data``, ``model`` and ``optim`` are fixed for the life of
+a run, ``run`` settings are stored and may change when resuming, ``session`` settings belong
+to one invocation. :func:`build_parser` makes one flag per field (absent from the parsed
+namespace unless given, so a resumed run tells the flags given from its stored ones),
+:func:`config_from_values` reads a checkpoint's stored settings back, every key checked, and
+:func:`resumed_config` merges the two.
+"""
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import field
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+from fusion.training.errors import TrainingError
+
+C = TypeVar("C")
+
+
+def option(default: Any, help: str, group: str, **kwargs: Any) -> Any:
+    """A config field: its default, its ``--help`` text, its group, and e.g. ``choices``."""
+    return field(default=default, metadata={"help": help, "group": group, **kwargs})
+
+
+def flag_name(name: str) -> str:
+    """The command-line flag of config field ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+def config_group(config: Any, name: str) -> dict[str, Any]:
+    """The fields of ``config`` in group ``name``, as a dict."""
+    return {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.metadata["group"] == name
+    }
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Reports a bad command line in one line (argparse's usage text is many lines)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(
+    config_class: type, *, prog: str, description: str, group_titles: Mapping[str, str]
+) -> argparse.ArgumentParser:
+    """One flag per field of ``config_class``, in the argument groups ``group_titles``
+    names. Flags not given are absent from the parsed namespace (their defaults are the
+    dataclass's); booleans are ``--flag`` (default False) or ``--flag/--no-flag``."""
+    parser = OneLineParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
+    groups = {name: parser.add_argument_group(title) for name, title in group_titles.items()}
+    for f in dataclasses.fields(config_class):
+        flag = flag_name(f.name)
+        group = groups[f.metadata["group"]]
+        shown = "unset" if f.default is None else f.default
+        help = f"{f.metadata['help']} (default: {shown})"
+        if f.type is bool:
+            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
+            group.add_argument(flag, action=action, help=help)
+            continue
+        kind = f.type if f.type in (int, float) else str
+        group.add_argument(
+            flag,
+            type=kind,
+            help=help,
+            choices=f.metadata.get("choices"),
+            metavar=None if f.metadata.get("choices") else f.name.upper(),
+        )
+    return parser
+
+
+def config_from_values(
+    config_class: Callable[..., C],
+    values: Any,
+    file: Path,
+    *,
+    check: Callable[[C, Callable[[str], str]], None],
+    stored_groups: Collection[str] | None = None,
+) -> C:
+    """A config from the JSON object ``values`` (the ``config`` of checkpoint file ``file``),
+    checked before use: every field of ``stored_groups`` (None: every field) present, of its
+    type (an integer for a float is taken; ``str | None`` takes null), within its
+    ``choices``, then ``check(config, name)`` (raising ``ValueError``; ``name`` words a field
+    as the file's key).
+
+    Raises:
+        TrainingError: naming ``file`` and the key.
+    """
+
+    def fail(message: str) -> TrainingError:
+        return TrainingError(f"checkpoint {file.parent}: {file.name}: {message}")
+
+    if not isinstance(values, dict):
+        raise fail("key 'config': expected an object")
+    fields = {
+        f.name: f
+        for f in dataclasses.fields(config_class)  # type: ignore[arg-type]
+        if stored_groups is None or f.metadata["group"] in stored_groups
+    }
+    missing, unknown = sorted(set(fields) - set(values)), sorted(set(values) - set(fields))
+    if missing or unknown:
+        raise fail(f"key 'config': missing keys {missing}, unknown keys {unknown}")
+    checked: dict[str, Any] = {}
+    for key, f in fields.items():
+        value = values[key]
+        if f.type is float and type(value) is int:
+            value = float(value)
+        allowed: tuple[type, ...] = (str, type(None)) if f.type == str | None else (f.type,)  # type: ignore[assignment]
+        if type(value) not in allowed:
+            scalar = isinstance(value, (bool, int, float, str))
+            shown = f"{value!r:.60}" if scalar else f"a value of type {type(value).__name__}"
+            expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise fail(f"key 'config.{key}': expected {expected}, got {shown}")
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise fail(f"key 'config.{key}': expected one of {list(choices)}, got {value!r:.60}")
+        checked[key] = value
+    config = config_class(**checked)
+    try:
+        check(config, lambda n: f"key 'config.{n}'")
+    except ValueError as error:
+        raise fail(str(error)) from None
+    return config
+
+
+def resumed_config(
+    config: C,
+    given: Collection[str],
+    stored: C,
+    step: int,
+    *,
+    fixed_groups: Collection[str],
+) -> C:
+    """The configuration of a run resumed from a checkpoint at ``step`` that stores
+    ``stored``: the stored one, with this invocation's ``session`` settings (from ``config``)
+    and the ``run`` settings named in ``given`` (the flags given).
+
+    A flag of ``fixed_groups`` may be given only with the stored value: another would train
+    another model, or on other data, than the checkpoint continues.
+
+    Raises:
+        TrainingError: naming each flag given with another value than the checkpoint's, or
+            a positive ``--steps`` below the checkpoint's step.
+    """
+    fixed = {name for group in fixed_groups for name in config_group(stored, group)}
+    changed = [
+        f.name
+        for f in dataclasses.fields(stored)  # type: ignore[arg-type]
+        if f.name in given
+        and f.name in fixed
+        and getattr(config, f.name) != getattr(stored, f.name)
+    ]
+    if changed:
+        reasons = "; ".join(
+            f"{flag_name(name)}: the checkpoint was trained with {getattr(stored, name)}, "
+            f"not {getattr(config, name)}"
+            for name in changed
+        )
+        flags = "the flag" if len(changed) == 1 else "these flags"
+        raise TrainingError(
+            f"{reasons}; drop {flags} to resume (a different run needs another --output-dir)"
+        )
+    steps = getattr(config, "steps", 0)
+    if "steps" in given and 0 < steps < step:
+        raise TrainingError(f"--steps: expected at least the checkpoint's step {step}, got {steps}")
+    ours = set(config_group(config, "session")) | (set(given) & set(config_group(config, "run")))
+    restored = {f.name: getattr(stored, f.name) for f in dataclasses.fields(stored)}  # type: ignore[arg-type]
+    return dataclasses.replace(config, **{k: v for k, v in restored.items() if k not in ours})  # type: ignore[type-var]
