@@ -15,8 +15,7 @@ from fusion.preprocessing.images import (
     as_uint8_image,
     check_pixels,
     default_max_pixels,
-    normalize,
-    rescale,
+    rescale_normalize,
     to_rgb,
 )
 from fusion.preprocessing.resize import BICUBIC, resize
@@ -143,8 +142,10 @@ class ClipImageProcessor:
             image = resize(image, self._resized(*image.shape[1:]), self.resample)
         if self.do_center_crop:
             image = _center_crop(image, self.crop_height, self.crop_width)
-        pixels = rescale(image, self.rescale_factor if self.do_rescale else 1.0)
-        return normalize(pixels, self.image_mean, self.image_std) if self.do_normalize else pixels
+        factor = self.rescale_factor if self.do_rescale else 1.0
+        if self.do_normalize:
+            return rescale_normalize(image, factor, self.image_mean, self.image_std)
+        return rescale_normalize(image, factor, None, None)
 
     def __call__(self, images: Sequence[object]) -> torch.Tensor:
         """Images -> ``pixel_values`` [n, 3, H, W] (all come out the same size).
@@ -178,7 +179,9 @@ def _pad_to_square(image: torch.Tensor, color: tuple[int, ...]) -> torch.Tensor:
     if height == width:
         return image
     side = max(height, width)
-    out = torch.tensor(color, dtype=torch.uint8).view(3, 1, 1).expand(3, side, side).clone()
+    # Laid out [side, side, 3] as Pillow's images are: resizing reads it without a copy.
+    out = torch.empty(side, side, 3, dtype=torch.uint8).permute(2, 0, 1)
+    out.copy_(torch.tensor(color, dtype=torch.uint8).view(3, 1, 1).expand(3, side, side))
     if width > height:
         top = (side - height) // 2
         out[:, top : top + height] = image

@@ -15,8 +15,7 @@ from fusion.preprocessing.images import (
     as_uint8_image,
     check_pixels,
     default_max_pixels,
-    normalize,
-    rescale,
+    rescale_normalize,
     to_rgb,
 )
 from fusion.preprocessing.resize import LANCZOS, resize
@@ -188,9 +187,8 @@ class Idefics3ImageProcessor:
             else:
                 tiles = [image]
         factor = self.rescale_factor if self.do_rescale else 1.0
-        pixels = [rescale(t, factor) for t in tiles]
-        if self.do_normalize:
-            pixels = [normalize(p, self.image_mean, self.image_std) for p in pixels]
+        mean, std = (self.image_mean, self.image_std) if self.do_normalize else (None, None)
+        pixels = [rescale_normalize(t, factor, mean, std) for t in tiles]
         return TiledImage(torch.stack(pixels), rows, cols)
 
     def __call__(self, images: Sequence[object]) -> list[TiledImage]:

@@ -45,10 +45,13 @@ def is_pil_image(value: object) -> bool:
     return module is not None and isinstance(value, module.Image)
 
 
-def from_pil(image: Any, name: str = "image") -> torch.Tensor:
+def from_pil(image: Any, name: str = "image", *, contiguous: bool = True) -> torch.Tensor:
     """A Pillow image as a uint8 tensor [channels, height, width]: [3] RGB, [4] RGBA (images
     with an alpha band or a transparent colour), [1] for grayscale ``L``. Other 8-bit modes are
     converted to RGB or RGBA by Pillow (a palette lookup, CMYK or YCbCr to RGB).
+
+    ``contiguous=False`` returns a view of Pillow's interleaved [height, width, channels]
+    bytes (one copy fewer; what the processors take, as Pillow's resize reads that layout).
 
     Raises:
         TypeError: not a Pillow image.
@@ -69,7 +72,8 @@ def from_pil(image: Any, name: str = "image") -> torch.Tensor:
         image = image.convert("RGB")
     data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
     channels = len(image.getbands())
-    return data.view(image.height, image.width, channels).permute(2, 0, 1).contiguous()
+    pixels = data.view(image.height, image.width, channels).permute(2, 0, 1)
+    return pixels.contiguous() if contiguous else pixels
 
 
 def default_max_pixels() -> int:
@@ -209,7 +213,7 @@ def as_uint8_image(image: object, name: str = "image") -> torch.Tensor:
             :func:`from_pil` refuses.
     """
     if is_pil_image(image):
-        return from_pil(image, name)
+        return from_pil(image, name, contiguous=False)
     if not isinstance(image, torch.Tensor):
         raise TypeError(
             f"{name}: expected a uint8 tensor [channels, h, w] or a Pillow image, got "
@@ -239,6 +243,23 @@ def to_rgb(image: torch.Tensor) -> torch.Tensor:
     blended = rgb * (128 * alpha) + 255 * (128 * (255 - alpha)) + (0x80 << 7)
     out = (((blended >> 8) + blended) >> 8) >> 7
     return torch.where(alpha == 0, 255, out).to(torch.uint8)
+
+
+def rescale_normalize(
+    image: torch.Tensor, factor: float, mean: Sequence[float] | None, std: Sequence[float] | None
+) -> torch.Tensor:
+    """uint8 [c, h, w] -> float32 [c, h, w] (contiguous): :func:`rescale` by ``factor``, then
+    :func:`normalize` with ``mean`` and ``std`` unless they are None, in one pass: an 8-bit
+    channel takes 256 values, so the two steps run on those (the same arithmetic, the same
+    bits) and each pixel looks its value up in the table [c, 256]."""
+    channels = image.size(0)
+    levels = torch.arange(256, dtype=torch.uint8).expand(channels, 1, 256)
+    table = rescale(levels, factor)
+    if mean is not None and std is not None:
+        table = normalize(table, mean, std)
+    offsets = torch.arange(0, channels * 256, 256, dtype=torch.int64).view(-1, 1, 1)
+    index = (image.to(torch.int64) + offsets).contiguous()
+    return table.reshape(-1)[index]
 
 
 def rescale(image: torch.Tensor, factor: float) -> torch.Tensor:

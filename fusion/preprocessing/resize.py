@@ -8,11 +8,18 @@ the two one-dimensional passes. Pillow 13 runs the vertical pass first when the 
 by more than twice as many pixels as the width does, the horizontal pass first otherwise
 (earlier Pillow versions always ran the horizontal pass first; results then differ by a level
 or two at some pixels of such resizes).
+
+Where Pillow is installed, :func:`resize` hands 1- and 3-channel images on the CPU to Pillow
+itself (bit-identical by construction, and Pillow's C loops are the fastest way to these
+pixels); the torch path serves other devices, other channel counts and machines without Pillow,
+and is tested against Pillow bit for bit.
 """
 
+import ctypes
 import functools
 import math
 from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -166,7 +173,16 @@ def _resample_first(image: torch.Tensor, out_size: int, resample: int) -> torch.
     return out.view(out_size, *image.shape[1:])
 
 
-def resize(image: torch.Tensor, size: tuple[int, int], resample: int = BICUBIC) -> torch.Tensor:
+BACKENDS = ("auto", "pillow", "torch")
+
+
+def resize(
+    image: torch.Tensor,
+    size: tuple[int, int],
+    resample: int = BICUBIC,
+    *,
+    backend: Literal["auto", "pillow", "torch"] = "auto",
+) -> torch.Tensor:
     """Resize an 8-bit image as Pillow's ``Image.resize(size[::-1], resample)`` does.
 
     Args:
@@ -175,14 +191,21 @@ def resize(image: torch.Tensor, size: tuple[int, int], resample: int = BICUBIC) 
         size: (height, width) of the output, each >= 1.
         resample: :data:`BOX`, :data:`BILINEAR`, :data:`HAMMING`, :data:`BICUBIC` or
             :data:`LANCZOS` (Pillow's numbers).
+        backend: ``"pillow"``: Pillow's own ``Image.resize`` (1 or 3 channels on the CPU);
+            ``"torch"``: the vectorised torch resampling (any channel count and device);
+            ``"auto"``: Pillow where it is installed and the image qualifies, torch otherwise.
+            Both give the same bytes.
 
     Returns:
-        uint8 [channels, height, width]; a copy when the size is unchanged.
+        uint8 [channels, height, width] on ``image``'s device (from Pillow: a view of
+        interleaved [height, width, channels] memory); a copy when the size is unchanged.
 
     Raises:
         TypeError: ``image`` not a tensor.
         ValueError: ``image`` not uint8 [c, h, w] with h, w >= 1; ``size`` not two integers
-            >= 1; an unsupported filter (e.g. nearest).
+            >= 1; an unsupported filter (e.g. nearest); an unknown ``backend``, or
+            ``"pillow"`` for an image it cannot take (not 1 or 3 channels, not on the CPU).
+        ImportError: ``backend="pillow"`` without Pillow installed.
     """
     if not isinstance(image, torch.Tensor):
         raise TypeError(f"image: expected a uint8 tensor [c, h, w], got {type(image).__name__}")
@@ -200,6 +223,20 @@ def resize(image: torch.Tensor, size: tuple[int, int], resample: int = BICUBIC) 
     if resample not in FILTERS:
         names = ", ".join(f"{n} ({FILTER_NAMES[n]})" for n in sorted(FILTERS))
         raise ValueError(f"resample: expected one of {names}, got {resample!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+    # Pillow premultiplies alpha (RGBA) and has no 2-band 8-bit mode: 1 or 3 channels only.
+    pillow_fits = image.device.type == "cpu" and image.size(0) in (1, 3)
+    if backend == "pillow":
+        if not pillow_fits:
+            raise ValueError(
+                "backend: 'pillow' takes 1 or 3 channels on the CPU, got shape "
+                f"{list(image.shape)} on {image.device}"
+            )
+        if _pillow_image() is None:
+            raise ImportError("backend='pillow' needs Pillow: pip install pillow")
+    if backend == "pillow" or (backend == "auto" and pillow_fits and _pillow_image()):
+        return _resize_pillow(image, size, resample)
     height, width = size
     in_height, in_width = image.shape[1:]
     vertical_first = height < in_height and in_height - height > 2 * (in_width - width)
@@ -212,3 +249,31 @@ def resize(image: torch.Tensor, size: tuple[int, int], resample: int = BICUBIC) 
     if not vertical_first and height != in_height:
         out = _resample_first(out.transpose(0, 1), height, resample).transpose(0, 1)
     return out.contiguous().clone() if out is image else out.contiguous().to(image.device)
+
+
+@functools.cache
+def _pillow_image() -> Any:
+    """Pillow's ``Image`` module, or None when Pillow is not installed."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return None
+    return Image
+
+
+def _resize_pillow(image: torch.Tensor, size: tuple[int, int], resample: int) -> torch.Tensor:
+    """uint8 [1 or 3, h, w] on the CPU resized by Pillow's ``Image.resize``: [c, *size]."""
+    Image = _pillow_image()
+    channels, in_height, in_width = image.shape
+    # Pillow's interleaved layout [h, w, c]; a view (no copy) when the tensor already is one,
+    # as images decoded by Pillow are (``from_pil``).
+    interleaved = image.permute(1, 2, 0).contiguous()
+    # The tensor's memory as a buffer Pillow reads from (no numpy needed); kept alive below.
+    buffer = (ctypes.c_uint8 * interleaved.numel()).from_address(interleaved.data_ptr())
+    mode = "L" if channels == 1 else "RGB"
+    source = Image.frombuffer(mode, (in_width, in_height), buffer, "raw", mode, 0, 1)
+    resized = source.resize((size[1], size[0]), resample=resample)
+    del source, buffer, interleaved
+    data = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8)
+    # A [c, h, w] view of Pillow's layout: a further resize reads it without a copy.
+    return data.view(size[0], size[1], channels).permute(2, 0, 1)

@@ -6,7 +6,14 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from fusion.preprocessing import as_uint8_image, from_pil, load_image, to_rgb
+from fusion.preprocessing import (
+    as_uint8_image,
+    from_pil,
+    load_image,
+    normalize,
+    rescale,
+    to_rgb,
+)
 from vlm_helpers import as_tensor, make_image
 
 
@@ -97,3 +104,20 @@ def test_load_image_errors(tmp_path):
 def test_tensors_that_cannot_be_taken(image, error, match):
     with pytest.raises(error, match=match):
         as_uint8_image(image)
+
+
+@pytest.mark.parametrize("normalise", [True, False])
+def test_rescale_normalize_in_one_pass_equals_the_two_steps(normalise):
+    from fusion.preprocessing.images import CLIP_MEAN, CLIP_STD, rescale_normalize
+
+    generator = torch.Generator().manual_seed(0)
+    image = torch.randint(0, 256, (5, 3, 17), dtype=torch.uint8, generator=generator)
+    image = image.permute(1, 0, 2)  # [3, 5, 17], not contiguous, as decoded images come
+    image[:, 0, :5] = torch.tensor([0, 1, 127, 254, 255], dtype=torch.uint8)
+    mean, std = (CLIP_MEAN, CLIP_STD) if normalise else (None, None)
+    fused = rescale_normalize(image, 1 / 255, mean, std)
+    expected = rescale(image, 1 / 255)
+    if normalise:
+        expected = normalize(expected, CLIP_MEAN, CLIP_STD)
+    assert fused.dtype == torch.float32 and fused.is_contiguous()
+    assert torch.equal(fused, expected)  # the same bits, not only close

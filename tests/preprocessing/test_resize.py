@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from fusion.preprocessing import resize
@@ -37,23 +39,28 @@ def pil_resize(array: np.ndarray, size: tuple[int, int], resample: int) -> np.nd
     return np.array(Image.fromarray(array).resize(size[::-1], resample=resample))
 
 
+BACKENDS = ["torch", "pillow"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("resample", [BICUBIC, LANCZOS, BILINEAR, BOX, HAMMING])
-def test_equals_pillow(resample):
+def test_equals_pillow(resample, backend):
     for seed, (h, w, oh, ow) in enumerate(SIZES):
         array = make_image(h, w, seed)
-        ours = resize(as_tensor(array), (oh, ow), resample)
+        ours = resize(as_tensor(array), (oh, ow), resample, backend=backend)
         assert ours.dtype == torch.uint8 and ours.shape == (3, oh, ow)
         expected = as_tensor(pil_resize(array, (oh, ow), resample))
         assert torch.equal(ours, expected), (h, w, oh, ow)
 
 
 @pytest.mark.parametrize("resample", [LANCZOS, BICUBIC])
-def test_wide_filters_equal_pillow(resample):
+def test_wide_filters_equal_pillow(resample):  # the torch path
     # Large downscales: hundreds and thousands of taps (float64; small filters: float32).
     for seed, (h, w, oh, ow) in enumerate([(3, 1500, 3, 20), (2, 3000, 2, 7), (700, 5, 9, 5)]):
         array = make_image(h, w, seed)
         expected = as_tensor(pil_resize(array, (oh, ow), resample))
-        assert torch.equal(resize(as_tensor(array), (oh, ow), resample), expected), (h, w)
+        ours = resize(as_tensor(array), (oh, ow), resample, backend="torch")
+        assert torch.equal(ours, expected), (h, w)
 
 
 def test_pass_order_matters_where_pillow_runs_vertically_first():
@@ -65,16 +72,51 @@ def test_pass_order_matters_where_pillow_runs_vertically_first():
     horizontal_first = _resample_first(across.transpose(0, 1), 8, BICUBIC).transpose(0, 1)
     expected = as_tensor(pil_resize(array, (8, 60), BICUBIC))
     assert not torch.equal(horizontal_first, expected)
-    assert torch.equal(resize(image, (8, 60), BICUBIC), expected)
+    assert torch.equal(resize(image, (8, 60), BICUBIC, backend="torch"), expected)
 
 
-def test_single_channel_and_same_size():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_channel_and_same_size(backend):
     gray = make_image(21, 34, 3)[..., :1]
-    ours = resize(as_tensor(gray), (10, 50), LANCZOS)
+    ours = resize(as_tensor(gray), (10, 50), LANCZOS, backend=backend)
     assert torch.equal(ours[0], torch.from_numpy(pil_resize(gray[..., 0], (10, 50), LANCZOS)))
     image = as_tensor(make_image(8, 8))
-    same = resize(image, (8, 8))
+    same = resize(image, (8, 8), backend=backend)
     assert torch.equal(same, image) and same.data_ptr() != image.data_ptr()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.sampled_from([1, 3]),
+    st.tuples(*[st.integers(1, 60)] * 4),
+    st.sampled_from([BICUBIC, LANCZOS, BILINEAR, BOX, HAMMING]),
+    st.integers(0, 2**32 - 1),
+    st.booleans(),
+)
+def test_backends_give_the_same_bytes(channels, sizes, resample, seed, strided):
+    h, w, oh, ow = sizes
+    generator = torch.Generator().manual_seed(seed)
+    image = torch.randint(0, 256, (channels, h, w), dtype=torch.uint8, generator=generator)
+    if strided:  # a channels-last view, as decoded Pillow images are
+        image = image.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    torch_out = resize(image, (oh, ow), resample, backend="torch")
+    pillow_out = resize(image, (oh, ow), resample, backend="pillow")
+    auto_out = resize(image, (oh, ow), resample)
+    assert torch_out.shape == pillow_out.shape == (channels, oh, ow)
+    assert torch.equal(torch_out, pillow_out) and torch.equal(auto_out, pillow_out)
+
+
+def test_auto_takes_torch_where_pillow_cannot():
+    # 4 channels: Pillow would premultiply alpha; the torch path resizes each band alone.
+    image = torch.randint(0, 256, (4, 9, 7), dtype=torch.uint8, generator=torch.Generator())
+    out = resize(image, (5, 11), BICUBIC)
+    assert torch.equal(out[:3], resize(image[:3], (5, 11), BICUBIC, backend="pillow"))
+    assert torch.equal(out[3:], resize(image[3:], (5, 11), BICUBIC, backend="pillow"))
+    with pytest.raises(ValueError, match="backend: 'pillow' takes 1 or 3 channels"):
+        resize(image, (5, 11), backend="pillow")
+    meta = torch.empty(3, 9, 7, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match="on the CPU, got shape \\[3, 9, 7\\] on meta"):
+        resize(meta, (5, 11), backend="pillow")
 
 
 @pytest.mark.parametrize(
@@ -86,8 +128,10 @@ def test_single_channel_and_same_size():
         ((torch.zeros(3, 4, 4, dtype=torch.uint8), (2.0, 2)), ValueError, "size: expected"),
         ((torch.zeros(3, 4, 4, dtype=torch.uint8), (2, 2), NEAREST), ValueError, "resample:"),
         ((np.zeros((3, 4, 4), np.uint8), (2, 2)), TypeError, "image: expected a uint8 tensor"),
+        ((torch.zeros(3, 4, 4, dtype=torch.uint8), (2, 2), BICUBIC, "gpu"), ValueError, "backend:"),
     ],
 )
 def test_bad_arguments(args, error, match):
+    *positional, backend = args if len(args) == 4 else (*args, "auto")
     with pytest.raises(error, match=match):
-        resize(*args)
+        resize(*positional, backend=backend)
