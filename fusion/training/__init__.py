@@ -12,6 +12,11 @@
 - :mod:`~fusion.training.safe_dcp`: reading DCP directories without executing code from them.
 - :mod:`~fusion.training.distributed`: one process or ``torchrun``; DDP or FSDP2.
 - :mod:`~fusion.training.report`: log lines, the progress bar, ``metrics.json``, the loss plot.
+- :mod:`~fusion.training.config`: a recipe's config dataclass as its flags, read back from a
+  checkpoint and merged on ``--resume``.
+- :mod:`~fusion.training.fingerprint`: a cheap fingerprint of a model directory's weights, so
+  checkpoints that hold only what trains (``save_checkpoint(trainable_only=True)``) can
+  refuse a changed base.
 
 Every problem with a job's input is a :class:`TrainingError` whose message is one line
 naming the file (and key) or flag at fault; a recipe prints it and exits with status 1.
