@@ -4,16 +4,18 @@ the same decoded image, for LLaVA-1.5's (CLIP 336, padded to a square) and SmolV
 
 Each case starts from one decoded Pillow image (decoding is the same Pillow call on both sides
 and is not timed) and times the whole processor call: ours ``ClipImageProcessor.process`` /
-``Idefics3ImageProcessor.process`` (Pillow image -> tensor, resize, crop or tiles, rescale,
-normalise), theirs ``processor(images=[image], return_tensors="pt")`` (transformers' Pillow
-backend, the one whose pixels ours matches); our cache of filter weights is cleared before
-each call. The two alternate within each round; reported:
+``Idefics3ImageProcessor.process`` (Pillow image -> tensor, pad, resize, crop or tiles,
+rescale and normalise), theirs ``processor(images=[image], return_tensors="pt")``
+(transformers' Pillow backend, the one whose pixels ours matches). Our resize runs Pillow's own
+``Image.resize`` where Pillow is installed (recorded as ``settings.fusion_resize``), the torch
+resampling otherwise; the torch path's cache of filter weights is cleared before each call.
+The two alternate within each round; reported:
 the median of the rounds on each side and the median of the per-round ratios
 (transformers / fusion: above 1, fusion is faster). The pixels are compared (largest absolute
 difference, reported).
 
     python benchmarks/preprocessing.py           # 4000x3000 and 12000x12000 -> benchmarks/results/
-    python benchmarks/preprocessing.py --quick   # small images, seconds -> a temporary directory
+    python benchmarks/preprocessing.py --quick   # small images and tiles, seconds -> a temp dir
 
 Writes ``preprocessing.json`` to ``--out``.
 """
@@ -30,11 +32,11 @@ from common import add_out_argument, machine, output_dir
 from PIL import Image
 
 from fusion.preprocessing import ClipImageProcessor, Idefics3ImageProcessor
-from fusion.preprocessing.resize import _coefficients
+from fusion.preprocessing.resize import _coefficients, _pillow_image
 
 # (height, width): a 12 MP photo, and the 144 MP image the issue found 4.7x slower.
 SIZES = [(3000, 4000), (12000, 12000)]
-QUICK_SIZES = [(300, 400), (900, 900)]
+QUICK_SIZES = [(120, 160), (90, 90)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,13 +54,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def processors() -> dict:
-    """name -> (ours, theirs) with the same settings."""
+def processors(quick: bool = False) -> dict:
+    """name -> (ours, theirs) with the same settings (``quick``: SmolVLM's sizes divided by 8,
+    so that a check takes seconds)."""
     from transformers import LlavaImageProcessor, SmolVLMImageProcessor
 
     clip = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}}
     clip |= {"do_pad": True, "resample": 3}
-    smolvlm = {"size": {"longest_edge": 2048}, "max_image_size": {"longest_edge": 512}}
+    longest, tile = (256, 64) if quick else (2048, 512)
+    smolvlm = {"size": {"longest_edge": longest}, "max_image_size": {"longest_edge": tile}}
     smolvlm |= {"resample": 1, "do_image_splitting": True}
     # The 144 MP image is above the default cap (Pillow's bomb limit): raised, as a user would.
     cap = {"max_pixels": 12_000 * 12_000}
@@ -103,12 +107,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     report = {
         "machine": machine(torch.device("cpu"), ("transformers", "PIL", "numpy")),
-        "settings": {"rounds": args.rounds, "quick": args.quick},
+        "settings": {
+            "rounds": args.rounds,
+            "quick": args.quick,
+            # Which resampling fusion's resize took ("auto": Pillow's, where installed).
+            "fusion_resize": "pillow" if _pillow_image() is not None else "torch",
+        },
         "results": [],
     }
     for height, width in QUICK_SIZES if args.quick else SIZES:
         picture = image(height, width)
-        for name, (ours, theirs) in processors().items():
+        for name, (ours, theirs) in processors(args.quick).items():
             mine, hf = ours_pixels(ours, picture), theirs_pixels(theirs, picture)  # warm-up
             difference = (mine - hf).abs().max().item() if mine.shape == hf.shape else None
             ours_s, theirs_s = [], []

@@ -179,16 +179,20 @@ def _pad_to_square(image: torch.Tensor, color: tuple[int, ...]) -> torch.Tensor:
     if height == width:
         return image
     side = max(height, width)
-    # Laid out [side, side, 3] as Pillow's images are: resizing reads it without a copy.
-    out = torch.empty(side, side, 3, dtype=torch.uint8).permute(2, 0, 1)
-    out.copy_(torch.tensor(color, dtype=torch.uint8).view(3, 1, 1).expand(3, side, side))
+    # Laid out [side, side, 3] as Pillow's images are (resizing reads it without a copy); the
+    # image copied once and only the bands around it filled with the colour.
+    fill = torch.tensor(color, dtype=torch.uint8)
+    out = torch.empty(side, side, 3, dtype=torch.uint8)
     if width > height:
         top = (side - height) // 2
-        out[:, top : top + height] = image
+        rows = out.view(side, side * 3)
+        rows[:top] = rows[top + height :] = fill.repeat(side)
+        out[top : top + height] = image.permute(1, 2, 0)
     else:
         left = (side - width) // 2
-        out[:, :, left : left + width] = image
-    return out
+        out[:, :left] = out[:, left + width :] = fill
+        out[:, left : left + width] = image.permute(1, 2, 0)
+    return out.permute(2, 0, 1)
 
 
 def _center_crop(image: torch.Tensor, height: int, width: int) -> torch.Tensor:

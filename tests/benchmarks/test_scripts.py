@@ -127,3 +127,18 @@ def test_finetune_quick(tmp_path):
         assert r["x_transformers_tokens_per_s"] > 0
         assert name in stdout
     assert (tmp_path / "finetune_cpu.txt").read_text() in stdout
+
+
+def test_preprocessing_quick(tmp_path):
+    stdout = run_script("preprocessing.py", "--quick", "--threads", "1", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "preprocessing.json").read_text())
+    assert report["settings"]["fusion_resize"] == "pillow"  # Pillow is installed here
+    rows = report["results"]
+    assert {(r["processor"], r["height"], r["width"]) for r in rows} == {
+        (name, h, w) for name in ("llava_1_5", "smolvlm_256m") for h, w in ((120, 160), (90, 90))
+    }
+    for r in rows:
+        assert r["same_shape"] and r["max_abs_difference"] == 0.0  # the same pixels
+        assert len(r["fusion_s"]) == len(r["transformers_s"]) == report["settings"]["rounds"]
+        assert r["fusion_median_s"] > 0 and r["ratio_transformers_to_fusion"] > 0
+        assert r["processor"] in stdout
