@@ -114,7 +114,9 @@ class _SinglePass(torch.autograd.Function):
         n, dim = text_ids.numel(), table.size(1)
         out = table.new_empty(n, dim)
         used = [r for r in rows if r.size(0)]  # encoders without rows have nothing to read
-        if n and dim:
+        if not used:  # text only: one gather, a copy of table rows (no graph to compile)
+            torch.index_select(table, 0, text_ids, out=out)
+        elif n and dim:
             bits = _bits(table, used)
             # Detached: no input is a view, so dynamo's guards never see the bases (whose
             # dtype and rank vary with the caller's tensors). int64 ids: one graph for int32.
