@@ -188,8 +188,11 @@ class Idefics3ImageProcessor:
                 tiles = [image]
         factor = self.rescale_factor if self.do_rescale else 1.0
         mean, std = (self.image_mean, self.image_std) if self.do_normalize else (None, None)
-        pixels = [rescale_normalize(t, factor, mean, std) for t in tiles]
-        return TiledImage(torch.stack(pixels), rows, cols)
+        # Written straight into the stacked tiles (all tiles are the same size).
+        pixels = torch.empty(len(tiles), *tiles[0].shape, dtype=torch.float32)
+        for tile_pixels, out in zip(tiles, pixels, strict=True):
+            rescale_normalize(tile_pixels, factor, mean, std, out=out)
+        return TiledImage(pixels, rows, cols)
 
     def __call__(self, images: Sequence[object]) -> list[TiledImage]:
         """Each image's :class:`TiledImage`, in order.

@@ -246,20 +246,32 @@ def to_rgb(image: torch.Tensor) -> torch.Tensor:
 
 
 def rescale_normalize(
-    image: torch.Tensor, factor: float, mean: Sequence[float] | None, std: Sequence[float] | None
+    image: torch.Tensor,
+    factor: float,
+    mean: Sequence[float] | None,
+    std: Sequence[float] | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """uint8 [c, h, w] -> float32 [c, h, w] (contiguous): :func:`rescale` by ``factor``, then
     :func:`normalize` with ``mean`` and ``std`` unless they are None, in one pass: an 8-bit
     channel takes 256 values, so the two steps run on those (the same arithmetic, the same
-    bits) and each pixel looks its value up in the table [c, 256]."""
+    bits) and each pixel looks its value up in the table [c, 256].
+
+    Args:
+        out: a contiguous float32 [c, h, w] to write into (e.g. one row of a stacked batch).
+    """
     channels = image.size(0)
     levels = torch.arange(256, dtype=torch.uint8).expand(channels, 1, 256)
     table = rescale(levels, factor)
     if mean is not None and std is not None:
         table = normalize(table, mean, std)
-    offsets = torch.arange(0, channels * 256, 256, dtype=torch.int64).view(-1, 1, 1)
-    index = (image.to(torch.int64) + offsets).contiguous()
-    return table.reshape(-1)[index]
+    table = table.reshape(channels, 256).to(image.device)
+    if out is None:
+        out = torch.empty(image.shape, dtype=torch.float32, device=image.device)
+    index = image.to(torch.int32).contiguous()  # 4 bytes a pixel, not int64's 8
+    for c in range(channels):
+        torch.index_select(table[c], 0, index[c].view(-1), out=out[c].view(-1))
+    return out
 
 
 def rescale(image: torch.Tensor, factor: float) -> torch.Tensor:

@@ -121,3 +121,8 @@ def test_rescale_normalize_in_one_pass_equals_the_two_steps(normalise):
         expected = normalize(expected, CLIP_MEAN, CLIP_STD)
     assert fused.dtype == torch.float32 and fused.is_contiguous()
     assert torch.equal(fused, expected)  # the same bits, not only close
+    batch = torch.full((2, 3, 5, 17), float("nan"))
+    assert (
+        rescale_normalize(image, 1 / 255, mean, std, out=batch[1]).data_ptr() == batch[1].data_ptr()
+    )
+    assert torch.equal(batch[1], expected) and batch[0].isnan().all()
