@@ -1,6 +1,6 @@
 """Caption images with a trained checkpoint of the main job.
 
-    python -m recipes.captioner.caption --checkpoint runs/x/checkpoints/step_00001500 a.png b.png
+    python -m recipes.captioner.caption --checkpoint runs/x/checkpoints/step_00002000 a.png b.png
 
 prints ``<file>: <caption>`` per image, in order, and one line on stderr per file it cannot
 read (the others are still captioned; the exit status is then 1). From Python,
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         required=True,
         metavar="DIR",
-        help="a checkpoint directory, e.g. runs/x/checkpoints/step_00001500",
+        help="a checkpoint directory, e.g. runs/x/checkpoints/step_00002000",
     )
     parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
     parser.add_argument(

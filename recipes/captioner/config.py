@@ -54,7 +54,7 @@ class TrainConfig:
     weight_decay: float = _opt(0.01, "AdamW weight decay", "optim")
     grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)", "optim")
     # run: stored; a resumed run may change them
-    steps: int = _opt(1_500, "total optimiser steps (a resumed run may extend them)", "run")
+    steps: int = _opt(2_000, "total optimiser steps (a resumed run may extend them)", "run")
     checkpoint_every: int = _opt(250, "save a checkpoint every N steps (and at the end)", "run")
     keep_checkpoints: int = _opt(2, "how many of the latest checkpoints to keep", "run")
     parallel: str = _opt(
