@@ -18,7 +18,12 @@ from fusion.preprocessing.images import (
     rescale_normalize,
     to_rgb,
 )
-from fusion.preprocessing.resize import LANCZOS, resize
+from fusion.preprocessing.resize import (
+    LANCZOS,
+    resize,
+    resize_pillow_image,
+    resizes_as_pillow_image,
+)
 
 MAX_IMAGE_SIDE = 4096  # Idefics3's cap on either side after the first resize
 IMAGE_TOKEN = "<image>"
@@ -164,11 +169,18 @@ class Idefics3ImageProcessor:
                 taken (see :func:`fusion.preprocessing.as_uint8_image`); an image that is, or
                 would be resized to, more than ``max_pixels`` pixels (checked first).
         """
-        image = as_uint8_image(image, name)
-        check_pixels(self.steps(*image.shape[1:])[0], self.max_pixels or default_max_pixels(), name)
-        image = to_rgb(image)
-        if self.do_resize:
-            image = resize(image, self._first_size(*image.shape[1:]), self.resample)
+        limit = self.max_pixels or default_max_pixels()
+        if self.do_resize and resizes_as_pillow_image(image, self.resample):
+            # The large decoded image goes to Pillow's resize as it is (no tensor copy first).
+            height, width = image.height, image.width  # type: ignore[attr-defined]
+            check_pixels(self.steps(height, width)[0], limit, name)
+            image = resize_pillow_image(image, self._first_size(height, width), self.resample)
+        else:
+            image = as_uint8_image(image, name)
+            check_pixels(self.steps(*image.shape[1:])[0], limit, name)
+            image = to_rgb(image)
+            if self.do_resize:
+                image = resize(image, self._first_size(*image.shape[1:]), self.resample)
         tile = self.max_image_size
         rows = cols = 0
         if not self.do_image_splitting:

@@ -24,6 +24,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from fusion.preprocessing.images import from_pil, is_pil_image
+
 # Pillow's resampling filter numbers, which image processor configs store (``resample``).
 NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING = 0, 1, 2, 3, 4, 5
 _PRECISION_BITS = 22  # 32 bits, minus 8 for the value, minus 2 for overshoot and sign
@@ -277,3 +279,24 @@ def _resize_pillow(image: torch.Tensor, size: tuple[int, int], resample: int) ->
     data = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8)
     # A [c, h, w] view of Pillow's layout: a further resize reads it without a copy.
     return data.view(size[0], size[1], channels).permute(2, 0, 1)
+
+
+def resizes_as_pillow_image(image: object, resample: int) -> bool:
+    """Whether :func:`resize_pillow_image` takes ``image``: a Pillow RGB image without a
+    transparent colour (one :func:`fusion.preprocessing.to_rgb` would leave as it is), and a
+    filter :func:`resize` takes."""
+    return (
+        is_pil_image(image)
+        and image.mode == "RGB"  # type: ignore[attr-defined]
+        and image.info.get("transparency") is None  # type: ignore[attr-defined]
+        and resample in FILTERS
+    )
+
+
+def resize_pillow_image(image: Any, size: tuple[int, int], resample: int) -> torch.Tensor:
+    """A Pillow RGB image (see :func:`resizes_as_pillow_image`) resized by Pillow before it
+    becomes a tensor: the same pixels as ``resize(from_pil(image), size, resample)`` without
+    copying the large image into a tensor first. Returns uint8 [3, *size] (a view of
+    interleaved memory)."""
+    resized = image.resize((size[1], size[0]), resample=resample)
+    return from_pil(resized, "image", contiguous=False)

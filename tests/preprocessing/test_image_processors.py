@@ -139,3 +139,21 @@ def test_bad_images_are_named_by_index():
         processor([good, torch.rand(3, 20, 20)])
     with pytest.raises(ValueError, match=r"images\[0\]: Pillow mode 'F' cannot be taken"):
         Idefics3ImageProcessor.for_image_size(16)([Image.new("F", (4, 4))])
+
+
+@pytest.mark.parametrize("resample", [1, 3])
+def test_idefics3_rgb_pillow_images_resized_before_conversion_are_the_same(resample):
+    # RGB Pillow images go to Pillow's resize as they are; tensors take the torch path.
+    from transformers import Idefics3ImageProcessor as HFProcessor
+
+    settings = {"size": {"longest_edge": 48}, "max_image_size": {"longest_edge": 16}}
+    hf = HFProcessor(**settings, resample=resample)
+    ours = Idefics3ImageProcessor.from_config(config_of(hf))
+    for i, (h, w) in enumerate(SIZES):
+        image = Image.fromarray(make_image(h, w, i))
+        assert image.mode == "RGB"
+        mine = ours.process(image).tiles
+        theirs = torch.as_tensor(np.array(hf([[image]])["pixel_values"]))[0, : len(mine)]
+        assert torch.equal(mine, theirs), (h, w)
+        as_tensor = torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+        assert torch.equal(ours.process(as_tensor).tiles, mine), (h, w)
