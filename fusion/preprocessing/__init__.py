@@ -1,8 +1,9 @@
 """From image files and prompts to token ids and pixels, for LLaVA and Idefics3 / SmolVLM.
 
 Decoding uses Pillow (the ``vision`` extra), imported only by :func:`load_image` and
-:func:`from_pil`; everything after decoding is torch, and computes the pixels Hugging Face's
-image processors compute (their Pillow backend), resizing included (see
+:func:`from_pil`, and by the resize where it is installed (Pillow's own ``Image.resize``,
+the fastest way to its pixels); everything else is torch, and computes the pixels Hugging
+Face's image processors compute (their Pillow backend), resizing included without Pillow (see
 :mod:`fusion.preprocessing.resize`).
 
     from fusion.preprocessing import load_image, prepare_inputs
