@@ -24,9 +24,9 @@ def test_building_blocks_are_importable_from_their_modules_only():
             assert not hasattr(fusion.checkpoint, name), name
 
 
-def test_every_export_is_a_loader_saver_converter_or_the_error():
+def test_every_export_is_a_loader_saver_exporter_converter_or_the_error():
     names = fusion.checkpoint.__all__
     assert all(callable(getattr(fusion.checkpoint, name)) for name in names)
-    io = [n for n in names if n.startswith(("load_", "save_"))]
+    io = [n for n in names if n.startswith(("load_", "save_", "export_"))]
     renaming = [n for n in names if "_to_" in n] + ["select_prefix", "decoder_state_dict"]
     assert sorted(names) == sorted([*io, *renaming, "CheckpointError", "read_hf_config"])
