@@ -10,7 +10,8 @@
   the recipe's config, scheduler, optimizer hyper-parameters, every process's RNG states) and
   its strict JSON loader :func:`load_train_state`.
 - :mod:`~fusion.training.safe_dcp`: reading DCP directories without executing code from them.
-- :mod:`~fusion.training.distributed`: one process or ``torchrun``; DDP or FSDP2.
+- :mod:`~fusion.training.distributed`: one process or ``torchrun``; DDP or FSDP2;
+  :func:`agree_on_rank0` (rank 0 decides, every process gets its verdict or its error).
 - :mod:`~fusion.training.report`: log lines, the progress bar, ``metrics.json``, the loss plot.
 - :mod:`~fusion.training.config`: a recipe's config dataclass as its flags, read back from a
   checkpoint and merged on ``--resume``.
@@ -25,6 +26,7 @@ naming the file (and key) or flag at fault; a recipe prints it and exits with st
 from fusion.training.checkpoint import (
     atomic_write_bytes,
     check_model_tensors,
+    check_writable,
     checkpoint_dir,
     checkpoint_root,
     latest_checkpoint,
@@ -41,6 +43,7 @@ from fusion.training.checkpoint import (
 )
 from fusion.training.distributed import (
     Runtime,
+    agree_on_rank0,
     init_runtime,
     launched_by_torchrun,
     resolve_device,
@@ -65,8 +68,10 @@ __all__ = [
     "Runtime",
     "TrainState",
     "TrainingError",
+    "agree_on_rank0",
     "atomic_write_bytes",
     "check_model_tensors",
+    "check_writable",
     "checkpoint_dir",
     "checkpoint_root",
     "init_runtime",

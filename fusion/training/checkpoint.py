@@ -33,6 +33,7 @@ import dataclasses
 import os
 import re
 import shutil
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -69,6 +70,23 @@ S = TypeVar("S")
 def checkpoint_root(output_dir: str | os.PathLike) -> Path:
     """Where a run in ``output_dir`` keeps its checkpoints: ``<output_dir>/checkpoints``."""
     return Path(output_dir) / CHECKPOINTS
+
+
+def check_writable(output_dir: Path, root: Path) -> None:
+    """Create ``root`` (a run's checkpoint root in ``output_dir``, :func:`checkpoint_root`) and
+    write a file in it, as a save will, so an unwritable ``--output-dir`` fails before training.
+
+    Raises:
+        TrainingError: ``root`` cannot be created or written in; names ``--output-dir``.
+    """
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as error:
+        raise TrainingError(
+            f"--output-dir: {output_dir} is not writable ({error.strerror or error})"
+        ) from error
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -10,7 +10,9 @@ launched it), :func:`wrap_model` on the model it built, and :func:`shutdown` at 
 """
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from fusion.parallel import apply_fsdp
 from fusion.training.errors import TrainingError, one_line
 
 PARALLEL_CHOICES = ("ddp", "fsdp")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,40 @@ def init_runtime(device: str) -> Runtime:
     except (RuntimeError, ValueError, OSError) as error:  # rendezvous, backend, network
         raise TrainingError(f"cannot start the process group: {one_line(error)}") from None
     return Runtime(rank, world, local_rank, resolved, distributed=True)
+
+
+def agree_on_rank0(
+    runtime: Runtime,
+    plan: Callable[[], T],
+    encode: Callable[[T], Any],
+    decode: Callable[[Any], T],
+) -> T:
+    """Run ``plan`` on rank 0 alone and give every process its verdict, so all of them go on
+    with the same result, or fail alike with rank 0's :class:`TrainingError` message.
+
+    Args:
+        runtime: this process's :class:`Runtime`; with one process ``plan`` just runs here.
+        plan: what rank 0 decides (it may read and change the disk; the others never run it).
+        encode: rank 0's result as plain picklable values (paths as str, dataclasses as dicts),
+            for ``broadcast_object_list``.
+        decode: the result back from what ``encode`` returned, on every rank (rank 0 too).
+
+    Raises:
+        TrainingError: the one ``plan`` raised on rank 0, with its message, on every rank.
+    """
+    if not runtime.distributed:
+        return plan()
+    verdict: list[Any] = [None]
+    if runtime.is_main:
+        try:
+            verdict = [("ok", encode(plan()))]
+        except TrainingError as error:
+            verdict = [("error", str(error))]
+    dist.broadcast_object_list(verdict, src=0)
+    status, value = verdict[0]
+    if status == "error":
+        raise TrainingError(value)
+    return decode(value)
 
 
 def shutdown(runtime: Runtime) -> None:

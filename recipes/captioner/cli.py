@@ -2,7 +2,6 @@
 
 import dataclasses
 import sys
-import tempfile
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -10,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fusion.checkpoint import select_prefix
 from fusion.training import (
@@ -18,6 +16,8 @@ from fusion.training import (
     Runtime,
     TrainingError,
     TrainState,
+    agree_on_rank0,
+    check_writable,
     checkpoint_root,
     init_runtime,
     latest_checkpoint,
@@ -126,13 +126,13 @@ def _plan_start(
                 "(nothing was changed)"
             )
         _check_batch_split(config.batch_size, world_size, "")
-        _check_writable(output_dir, root)
+        check_writable(output_dir, root)
         return Start(config, output_dir, None)
 
     resume, state, damaged = newest_intact_checkpoint(root, inspect_for_resume)
     config = resumed_config(config, given, state.config, state.step)
     _check_batch_split(config.batch_size, world_size, f" (the batch size of {resume.name})")
-    _check_writable(output_dir, root)
+    check_writable(output_dir, root)
     set_aside_damaged(damaged, resume, warn)
     return Start(config, output_dir, resume)
 
@@ -145,36 +145,23 @@ def _check_batch_split(batch_size: int, world_size: int, source: str) -> None:
         )
 
 
-def _check_writable(output_dir: Path, root: Path) -> None:
-    """Create ``root`` (in ``output_dir``) and write a file in it, as a save will."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):
-            pass
-    except OSError as error:
-        raise TrainingError(
-            f"--output-dir: {output_dir} is not writable ({error.strerror or error})"
-        ) from error
-
-
 def agree_on_start(config: TrainConfig, given: Collection[str], runtime: Runtime) -> Start:
     """Rank 0 plans the start (:func:`plan_start`); every rank gets its verdict, so all
     processes run the same configuration, or fail alike with the same message."""
-    if not runtime.distributed:
-        return plan_start(config, given, runtime.world_size)
-    verdict: list[Any] = [None]
-    if runtime.is_main:
-        try:
-            start = plan_start(config, given, runtime.world_size)
-            resume = None if start.resume is None else str(start.resume)
-            verdict = [("ok", dataclasses.asdict(start.config), str(start.output_dir), resume)]
-        except TrainingError as error:
-            verdict = [("error", str(error), None, None)]
-    dist.broadcast_object_list(verdict, src=0)
-    status, value, output_dir, resume = verdict[0]
-    if status == "error":
-        raise TrainingError(value)
-    return Start(TrainConfig(**value), Path(output_dir), None if resume is None else Path(resume))
+
+    def encode(start: Start) -> tuple[dict[str, Any], str, str | None]:
+        resume = None if start.resume is None else str(start.resume)
+        return dataclasses.asdict(start.config), str(start.output_dir), resume
+
+    def decode(verdict: tuple[dict[str, Any], str, str | None]) -> Start:
+        value, output_dir, resume = verdict
+        return Start(
+            TrainConfig(**value), Path(output_dir), None if resume is None else Path(resume)
+        )
+
+    return agree_on_rank0(
+        runtime, lambda: plan_start(config, given, runtime.world_size), encode, decode
+    )
 
 
 def decoder_check(

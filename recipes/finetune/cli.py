@@ -4,7 +4,6 @@ resume), then write ``<output-dir>/final/``, ``metrics.json`` and the loss plot.
 import dataclasses
 import resource
 import sys
-import tempfile
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -12,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fusion.training import (
     INSTALL_TRAIN_EXTRA,
     Runtime,
     TrainingError,
     TrainState,
+    agree_on_rank0,
+    check_writable,
     checkpoint_root,
     init_runtime,
     latest_checkpoint,
@@ -95,11 +95,11 @@ def plan_start(config: FinetuneConfig, given: Collection[str]) -> Start:
                     f"--output-dir: {output_dir} already holds {what}; pass --resume to "
                     "continue that run, or choose another --output-dir (nothing was changed)"
                 )
-            _check_writable(output_dir, root)
+            check_writable(output_dir, root)
             return Start(config, output_dir, None)
         path, state, damaged = newest_intact_checkpoint(root, inspect_checkpoint)
         config = resumed_config(config, given, state.config, state.step)
-        _check_writable(output_dir, root)
+        check_writable(output_dir, root)
         set_aside_damaged(damaged, path, warn)
         return Start(config, output_dir, (path, state))
     except OSError as error:
@@ -108,37 +108,21 @@ def plan_start(config: FinetuneConfig, given: Collection[str]) -> Start:
         ) from None
 
 
-def _check_writable(output_dir: Path, root: Path) -> None:
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):
-            pass
-    except OSError as error:
-        raise TrainingError(
-            f"--output-dir: {output_dir} is not writable ({error.strerror or error})"
-        ) from error
-
-
 def agree_on_start(config: FinetuneConfig, given: Collection[str], runtime: Runtime) -> Start:
     """Rank 0 plans the start; every process gets its verdict (or its error)."""
-    if not runtime.distributed:
-        return plan_start(config, given)
-    verdict: list[Any] = [None]
-    if runtime.is_main:
-        try:
-            start = plan_start(config, given)
-            resume = None if start.resume is None else str(start.resume[0])
-            verdict = [("ok", dataclasses.asdict(start.config), str(start.output_dir), resume)]
-        except TrainingError as error:
-            verdict = [("error", str(error), None, None)]
-    dist.broadcast_object_list(verdict, src=0)
-    status, value, output_dir, resume = verdict[0]
-    if status == "error":
-        raise TrainingError(value)
-    resumed = None
-    if resume is not None:
-        resumed = (Path(resume), load_train_state(Path(resume), config_from_json))
-    return Start(FinetuneConfig(**value), Path(output_dir), resumed)
+
+    def encode(start: Start) -> tuple[dict[str, Any], str, str | None]:
+        resume = None if start.resume is None else str(start.resume[0])
+        return dataclasses.asdict(start.config), str(start.output_dir), resume
+
+    def decode(verdict: tuple[dict[str, Any], str, str | None]) -> Start:
+        value, output_dir, resume = verdict
+        resumed = None
+        if resume is not None:
+            resumed = (Path(resume), load_train_state(Path(resume), config_from_json))
+        return Start(FinetuneConfig(**value), Path(output_dir), resumed)
+
+    return agree_on_rank0(runtime, lambda: plan_start(config, given), encode, decode)
 
 
 def peak_memory(device: torch.device) -> dict[str, Any]:
