@@ -7,11 +7,13 @@ a run, ``run`` settings are stored and may change when resuming, ``session`` set
 to one invocation. :func:`build_parser` makes one flag per field (absent from the parsed
 namespace unless given, so a resumed run tells the flags given from its stored ones),
 :func:`config_from_values` reads a checkpoint's stored settings back, every key checked, and
-:func:`resumed_config` merges the two.
+:func:`resumed_config` merges the two; :func:`check_ranges` is where a recipe's
+``check_config`` starts.
 """
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import field
 from pathlib import Path
@@ -20,6 +22,8 @@ from typing import Any, NoReturn, TypeVar
 from fusion.training.errors import TrainingError
 
 C = TypeVar("C")
+# No count or size of a recipe comes near it; above it products of sizes could overflow int64.
+MAX_INT = 2**31 - 1
 
 
 def option(default: Any, help: str, group: str, **kwargs: Any) -> Any:
@@ -39,6 +43,49 @@ def config_group(config: Any, name: str) -> dict[str, Any]:
         for f in dataclasses.fields(config)
         if f.metadata["group"] == name
     }
+
+
+def check_ranges(
+    config: Any,
+    name: Callable[[str], str] = flag_name,
+    *,
+    positive: Collection[str] = (),
+    non_negative: Collection[str] = (),
+    no_nul: bool = False,
+) -> None:
+    """The checks every recipe's config starts with: each float finite, each int at most
+    :data:`MAX_INT` in magnitude (and, with ``no_nul``, each str free of NUL characters), field
+    by field; then the fields named in ``positive`` above 0 and those in ``non_negative`` at
+    least 0.
+
+    Args:
+        config: a config dataclass instance.
+        name: how a message names a field (default: its flag, :func:`flag_name`).
+        positive: the fields that must be > 0.
+        non_negative: the fields that must be >= 0.
+        no_nul: refuse a NUL character in any str field.
+
+    Raises:
+        ValueError: ``"<name>: expected <what>, got <value>"`` for the first field at fault.
+    """
+
+    def fail(field_name: str, expected: str) -> NoReturn:
+        got = getattr(config, field_name)
+        raise ValueError(f"{name(field_name)}: expected {expected}, got {got!r}")
+
+    for field_name, value in vars(config).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(field_name, "a finite number")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            fail(field_name, f"at most {MAX_INT} in magnitude")
+        if no_nul and isinstance(value, str) and "\0" in value:
+            fail(field_name, "no NUL character")
+    for field_name in positive:
+        if getattr(config, field_name) <= 0:
+            fail(field_name, "a positive value")
+    for field_name in non_negative:
+        if getattr(config, field_name) < 0:
+            fail(field_name, "a value >= 0")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -2,7 +2,6 @@
 what a resumed run takes from its checkpoint."""
 
 import argparse
-import math
 import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -126,8 +125,6 @@ _NON_NEGATIVE = (
     "threads",
     "num_samples",
 )
-# No count or size of this job comes near it; above it products of sizes could overflow int64.
-MAX_INT = 2**31 - 1
 
 
 def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) -> None:
@@ -138,17 +135,7 @@ def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) ->
         got = getattr(config, field_name)
         raise ValueError(f"{name(field_name)}: expected {expected}, got {got!r}")
 
-    for field_name, value in vars(config).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(field_name, "a finite number")
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-            fail(field_name, f"at most {MAX_INT} in magnitude")
-    for field_name in _POSITIVE:
-        if getattr(config, field_name) <= 0:
-            fail(field_name, "a positive value")
-    for field_name in _NON_NEGATIVE:
-        if getattr(config, field_name) < 0:
-            fail(field_name, "a value >= 0")
+    shared.check_ranges(config, name, positive=_POSITIVE, non_negative=_NON_NEGATIVE)
     if not config.lr > 0:
         fail("lr", "a positive learning rate")
     if config.image_size % config.patch_size:

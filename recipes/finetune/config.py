@@ -2,7 +2,6 @@
 what a resumed run takes from its checkpoint."""
 
 import argparse
-import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,7 +167,6 @@ _NON_NEGATIVE = (
     "eval_every",
     "seed",
 )
-MAX_INT = 2**31 - 1
 
 
 def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name) -> None:
@@ -179,19 +177,7 @@ def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name)
         got = getattr(config, field_name)
         raise ValueError(f"{name(field_name)}: expected {expected}, got {got!r}")
 
-    for field_name, value in vars(config).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(field_name, "a finite number")
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-            fail(field_name, f"at most {MAX_INT} in magnitude")
-        if isinstance(value, str) and "\0" in value:
-            fail(field_name, "no NUL character")
-    for field_name in _POSITIVE:
-        if getattr(config, field_name) <= 0:
-            fail(field_name, "a positive value")
-    for field_name in _NON_NEGATIVE:
-        if getattr(config, field_name) < 0:
-            fail(field_name, "a value >= 0")
+    shared.check_ranges(config, name, positive=_POSITIVE, non_negative=_NON_NEGATIVE, no_nul=True)
     if not config.lr > 0:
         fail("lr", "a positive learning rate")
     if not 0 <= config.lora_dropout < 1:
