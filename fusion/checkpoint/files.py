@@ -262,6 +262,25 @@ def _parse_json(raw: bytes, file: Path, problem: str) -> Any:
         raise CheckpointError(file, None, f"{problem}: {error}") from error
 
 
+def read_bounded(file: Path, limit: int) -> bytes:
+    """The content of the regular file ``file``, refused when it holds more than ``limit`` bytes
+    (read at most ``limit + 1``, so a huge or growing file costs nothing).
+
+    Raises:
+        CheckpointError: naming ``file``: not a regular file, unreadable, or too large.
+    """
+    try:
+        with open_regular(file) as handle:
+            raw = handle.read(limit + 1)
+    except NotRegularFile:
+        raise CheckpointError(file, None, "not a regular file (a FIFO, device, ...)") from None
+    except OSError as error:
+        raise CheckpointError(file, None, f"unreadable: {error.strerror}") from None
+    if len(raw) > limit:
+        raise CheckpointError(file, None, f"larger than {limit} bytes: refused")
+    return raw
+
+
 def read_json(file: Path, what: str) -> Any:
     """Read a JSON file of at most :data:`MAX_JSON_BYTES` (``what`` names it in errors)."""
     with _open_regular(file, what) as f:

@@ -27,9 +27,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fusion._io import NotRegularFile, open_regular
 from fusion.checkpoint.errors import CheckpointError, as_path
-from fusion.checkpoint.files import read_json
+from fusion.checkpoint.files import read_bounded, read_json
 
 MAX_TEMPLATE_BYTES = 2**20  # real templates are a few kilobytes
 MAX_OUTPUT_CHARS = 2**22
@@ -135,15 +134,7 @@ def _pick(value: object, file: Path) -> str:
 
 
 def _read_text(file: Path) -> str:
-    try:
-        with open_regular(file) as handle:
-            raw = handle.read(MAX_TEMPLATE_BYTES + 1)
-    except NotRegularFile:
-        raise CheckpointError(file, None, "not a regular file (a FIFO, device, ...)") from None
-    except OSError as error:
-        raise CheckpointError(file, None, f"unreadable: {error.strerror}") from None
-    if len(raw) > MAX_TEMPLATE_BYTES:
-        raise CheckpointError(file, None, f"larger than {MAX_TEMPLATE_BYTES} bytes: refused")
+    raw = read_bounded(file, MAX_TEMPLATE_BYTES)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from fusion._io import NotRegularFile, open_regular
 from fusion._validation import describe
 from fusion.checkpoint.errors import CheckpointError, as_path
+from fusion.checkpoint.files import read_bounded
 from fusion.data.chat_template import (
     GENERATION_END,
     GENERATION_START,
@@ -432,15 +432,7 @@ def _load_tokenizer(file: Path) -> Any:
         raise ImportError("reading tokenizer.json needs the tokenizers package") from None
     if not file.exists():
         raise CheckpointError(file, None, "missing: encoding conversations needs the tokenizer")
-    try:
-        with open_regular(file) as handle:
-            raw = handle.read(MAX_TOKENIZER_BYTES + 1)
-    except NotRegularFile:
-        raise CheckpointError(file, None, "not a regular file (a FIFO, device, ...)") from None
-    except OSError as error:
-        raise CheckpointError(file, None, f"unreadable: {error.strerror}") from None
-    if len(raw) > MAX_TOKENIZER_BYTES:
-        raise CheckpointError(file, None, f"larger than {MAX_TOKENIZER_BYTES} bytes: refused")
+    raw = read_bounded(file, MAX_TOKENIZER_BYTES)
     try:
         return Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as error:  # tokenizers raises plain Exception
