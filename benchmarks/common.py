@@ -60,3 +60,27 @@ def machine(device: torch.device, packages: tuple[str, ...] = ()) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def idefics3_hf_config(text: dict, vision: dict, scale_factor: int, image_token_id: int) -> dict:
+    """``Idefics3Config`` / ``SmolVLMConfig`` fields for a model given as this library's
+    ``llama3_2`` keyword arguments (``text``) and SigLIP sizes (``vision``)."""
+    return {
+        "text_config": {
+            "model_type": "llama",
+            "vocab_size": text["vocab_size"],
+            "hidden_size": text["embed_dim"],
+            "intermediate_size": text["intermediate_dim"],
+            "num_hidden_layers": text["num_layers"],
+            "num_attention_heads": text["num_heads"],
+            "num_key_value_heads": text["num_kv_heads"],
+            "max_position_embeddings": text["max_seq_len"],
+            "rope_theta": float(text["rope_base"]),
+            "rms_norm_eps": text["norm_eps"],
+            "tie_word_embeddings": text["tie_word_embeddings"],
+        },
+        "vision_config": dict(vision),
+        "scale_factor": scale_factor,
+        "image_token_id": image_token_id,
+        "tie_word_embeddings": text["tie_word_embeddings"],
+    }

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_out_argument, machine, output_dir
+from common import add_out_argument, idefics3_hf_config, machine, output_dir
 
 from fusion import masked_token_loss
 from fusion.data import IGNORE_INDEX, Sample, collate_packed, collate_padded, pack_samples
@@ -106,27 +106,9 @@ def hf_config(quick: bool) -> dict:
         vision |= {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
         vision |= {"num_attention_heads": 2, "image_size": 32, "patch_size": 4}
         scale = 2
-    return {
-        "text_config": {
-            "model_type": "llama",
-            "vocab_size": text["vocab_size"],
-            "hidden_size": text["embed_dim"],
-            "intermediate_size": text["intermediate_dim"],
-            "num_hidden_layers": text["num_layers"],
-            "num_attention_heads": text["num_heads"],
-            "num_key_value_heads": text["num_kv_heads"],
-            "max_position_embeddings": text["max_seq_len"],
-            "rope_theta": float(text["rope_base"]),
-            "rms_norm_eps": text["norm_eps"],
-            "tie_word_embeddings": text["tie_word_embeddings"],
-            "pad_token_id": PAD_ID,
-        },
-        "vision_config": dict(vision),
-        "scale_factor": scale,
-        "image_token_id": image_id,
-        "tie_word_embeddings": text["tie_word_embeddings"],
-        "pad_token_id": PAD_ID,
-    }
+    config = idefics3_hf_config(text, vision, scale, image_id)
+    config["text_config"]["pad_token_id"] = config["pad_token_id"] = PAD_ID
+    return config
 
 
 def image_rows(config: dict) -> int:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_out_argument, output_dir
+from common import add_out_argument, idefics3_hf_config, output_dir
 
 from fusion.checkpoint.hf_vlm import load_hf_idefics3
 from fusion.generation import generate_stream
@@ -78,25 +78,7 @@ def hf_config(quick: bool) -> dict:
         vision |= {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
         vision |= {"num_attention_heads": 2, "image_size": 32, "patch_size": 4}
         scale, image_id = 2, 200
-    return {
-        "text_config": {
-            "model_type": "llama",
-            "vocab_size": text["vocab_size"],
-            "hidden_size": text["embed_dim"],
-            "intermediate_size": text["intermediate_dim"],
-            "num_hidden_layers": text["num_layers"],
-            "num_attention_heads": text["num_heads"],
-            "num_key_value_heads": text["num_kv_heads"],
-            "max_position_embeddings": text["max_seq_len"],
-            "rope_theta": float(text["rope_base"]),
-            "rms_norm_eps": text["norm_eps"],
-            "tie_word_embeddings": text["tie_word_embeddings"],
-        },
-        "vision_config": {k: vision[k] for k in vision},
-        "scale_factor": scale,
-        "image_token_id": image_id,
-        "tie_word_embeddings": text["tie_word_embeddings"],
-    }
+    return idefics3_hf_config(text, vision, scale, image_id)
 
 
 def build(args: argparse.Namespace, directory: Path):
