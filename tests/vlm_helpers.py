@@ -112,6 +112,34 @@ def tiny_hf_idefics3(seed: int = 0, *, smolvlm: bool = False, tied: bool = False
     return randomize(model, seed)
 
 
+def tiny_hf_processor(kind: str, tokenizer, chat_template: str | None = None):
+    """The transformers processor of a tiny ``"llava"`` or Idefics3-family model (16-pixel
+    images, no tiling) around ``tokenizer``."""
+    if kind == "llava":
+        from transformers import CLIPImageProcessor, LlavaProcessor
+
+        return LlavaProcessor(
+            image_processor=CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16),
+            tokenizer=tokenizer,
+            patch_size=4,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=chat_template,
+        )
+    from transformers import Idefics3ImageProcessor, Idefics3Processor
+
+    return Idefics3Processor(
+        image_processor=Idefics3ImageProcessor(
+            size={"longest_edge": 16},
+            max_image_size={"longest_edge": 16},
+            do_image_splitting=False,
+        ),
+        tokenizer=tokenizer,
+        image_seq_len=IDEFICS3_TOKENS,
+        chat_template=chat_template,
+    )
+
+
 def char_tokenizer():
     """A ``tokenizers.Tokenizer``: one token per character of :data:`CHARS`, the special tokens
     of LLaVA and Idefics3 prompts as added tokens, ``<s>`` prepended."""

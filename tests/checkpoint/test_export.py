@@ -26,6 +26,7 @@ from vlm_helpers import (
     randomize,
     tiny_hf_idefics3,
     tiny_hf_llava,
+    tiny_hf_processor,
 )
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
@@ -42,32 +43,9 @@ def write_source(kind: str, directory):
     if kind == "llama":
         model = randomize(LlamaForCausalLM(LlamaConfig(**TEXT_CONFIG, tie_word_embeddings=False)))
         tokenizer.save_pretrained(directory)
-    elif kind == "llava":
-        from transformers import CLIPImageProcessor, LlavaProcessor
-
-        model = tiny_hf_llava()
-        LlavaProcessor(
-            image_processor=CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16),
-            tokenizer=tokenizer,
-            patch_size=4,
-            vision_feature_select_strategy="default",
-            num_additional_image_tokens=1,
-            chat_template=TEMPLATE,
-        ).save_pretrained(directory)
     else:
-        from transformers import Idefics3ImageProcessor, Idefics3Processor
-
-        model = tiny_hf_idefics3()
-        Idefics3Processor(
-            image_processor=Idefics3ImageProcessor(
-                size={"longest_edge": 16},
-                max_image_size={"longest_edge": 16},
-                do_image_splitting=False,
-            ),
-            tokenizer=tokenizer,
-            image_seq_len=IDEFICS3_TOKENS,
-            chat_template=TEMPLATE,
-        ).save_pretrained(directory)
+        model = tiny_hf_llava() if kind == "llava" else tiny_hf_idefics3()
+        tiny_hf_processor(kind, tokenizer, TEMPLATE).save_pretrained(directory)
     model.save_pretrained(directory)
     GenerationConfig(max_new_tokens=7, eos_token_id=2).save_pretrained(directory)
     return model

@@ -10,13 +10,13 @@ import torch
 from PIL import Image
 
 from vlm_helpers import (
-    IDEFICS3_TOKENS,
     TEXT_CONFIG,
     char_tokenizer,
     hf_tokenizer,
     make_image,
     tiny_hf_idefics3,
     tiny_hf_llava,
+    tiny_hf_processor,
 )
 
 # A chat template in the characters of the tests' tokenizer: "role:" headers, images where
@@ -59,31 +59,10 @@ def write_model(kind: str, directory: Path, seed: int = 0) -> Path:
         tokenizer.save_pretrained(directory)
         return directory
     if kind == "llava":
-        from transformers import CLIPImageProcessor, LlavaProcessor
-
         model = tiny_hf_llava(seed)
-        processor = LlavaProcessor(
-            image_processor=CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16),
-            tokenizer=tokenizer,
-            patch_size=4,
-            vision_feature_select_strategy="default",
-            num_additional_image_tokens=1,
-            chat_template=TEMPLATE,
-        )
     else:
-        from transformers import Idefics3ImageProcessor, Idefics3Processor
-
         model = tiny_hf_idefics3(seed, smolvlm=kind == "smolvlm")
-        processor = Idefics3Processor(
-            image_processor=Idefics3ImageProcessor(
-                size={"longest_edge": 16},
-                max_image_size={"longest_edge": 16},
-                do_image_splitting=False,
-            ),
-            tokenizer=tokenizer,
-            image_seq_len=IDEFICS3_TOKENS,
-            chat_template=TEMPLATE,
-        )
+    processor = tiny_hf_processor(kind, tokenizer, TEMPLATE)
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
