@@ -13,7 +13,6 @@ Plans (``fully_shard`` by hand: ``fusion.parallel``'s plans name this library's 
 """
 
 import sys
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from helpers import FEATURES, HF_VOCAB
-from parallel.sharding_scenarios import full_grads
+from parallel.sharding_scenarios import full_grads, run_jobs
 
 BATCH, SEQ = 4, 10
 PLANS = {"per_module": False, "blocks_root": True, "decoder_unit": False}  # plan -> tied
@@ -87,20 +86,7 @@ def run_all(rank: int, world_size: int, init_file: str, out_dir: Path) -> None:
         timeout=timedelta(seconds=60),
     )
     mesh = init_device_mesh("cpu", (world_size,))
-    results = {}
-    for plan in PLANS:
-        try:
-            results[plan] = {"ok": True, **run_plan(plan, mesh)}
-        except Exception as error:
-            results[plan] = {
-                "ok": False,
-                "error_type": type(error).__name__,
-                "message": str(error),
-                "traceback": traceback.format_exc(),
-            }
-        dist.barrier()
-    torch.save(results, out_dir / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    run_jobs({plan: (lambda plan=plan: run_plan(plan, mesh)) for plan in PLANS}, rank, out_dir)
 
 
 if __name__ == "__main__":

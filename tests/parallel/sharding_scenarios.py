@@ -302,6 +302,12 @@ def run_all(rank: int, world_size: int, init_file: str, out_dir: Path) -> None:
     jobs[LOAD] = lambda: load_checkpoint(mesh, out_dir)
     for name in REFUSALS:
         jobs[name] = lambda name=name: run_refusal(name, mesh)
+    run_jobs(jobs, rank, out_dir)
+
+
+def run_jobs(jobs: dict[str, Callable[[], dict]], rank: int, out_dir: Path) -> None:
+    """Run each job on this rank, in order, with a barrier after each; save every result (or
+    the error it raised) to ``out_dir/rank{rank}.pt`` and leave the process group."""
     results = {}
     for name, job in jobs.items():
         try:
