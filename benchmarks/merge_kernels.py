@@ -8,8 +8,8 @@ that runs on the device, ``auto`` (what the default picks for the case), and the
 ratio to ``copy`` measured in the same run, the speedup over ``reference``, the peak
 transient memory beyond what the call returns, and whether the contestant synchronises with
 the host. Apart from the timings it lists each contestant's
-first call in the run: for ``compiled`` that compiles its bucket, with a fresh inductor cache
-(``TORCHINDUCTOR_CACHE_DIR``, unless set) so that it costs what it costs on a new machine.
+first call in the run: for ``compiled`` that builds its C loop (once per process, as on a new
+machine: nothing is cached on disk).
 
     python benchmarks/merge_kernels.py                # the default sweep for the device
     python benchmarks/merge_kernels.py --target       # the CPU/GPU target case only
@@ -44,7 +44,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -203,6 +202,11 @@ def torchtune(inp: Inputs) -> torch.Tensor:
     return out
 
 
+def auto_picks(inp: Inputs) -> str:
+    rows = sum(r.size(0) for r in inp.rows.values())
+    return default_impl(inp.tokens.device, inp.embedding, inp.tokens.numel(), encoder_rows=rows)
+
+
 def contestants(
     device: torch.device, dtype: torch.dtype, wanted: list[str] | None
 ) -> dict[str, tuple[Callable[[Inputs], torch.Tensor], Callable[[Inputs], torch.Tensor]]]:
@@ -227,7 +231,7 @@ def contestants(
 
         def core(inp: Inputs, name: str = name) -> torch.Tensor:
             if name == "auto":  # what auto picks for this case
-                name = default_impl(inp.tokens.device, inp.embedding, inp.tokens.numel())
+                name = auto_picks(inp)
             return cores[name](inp)
 
         found[name] = (public, core)
@@ -437,9 +441,9 @@ def run_case(case: Case, args, device: torch.device, found: dict) -> list[dict]:
                 "impl": name,
                 "median_ms": seconds * 1e3,
                 # The first call of this contestant in this case; for `compiled` (and `auto`
-                # when it picks it) the first in the run includes compiling its bucket.
+                # when it picks it) the first in the run includes building its C loop.
                 "first_call_ms": first[name] * 1e3,
-                "auto_picks": default_impl(device, inp.embedding, inp.tokens.numel()),
+                "auto_picks": auto_picks(inp),
                 "round_ms": [t * 1e3 for t in times[name]],
                 "min_ms": min(times[name]) * 1e3,
                 "ratio_to_copy_of_minimums": min(times[name]) / min(times["copy"]),
@@ -610,7 +614,7 @@ def table(results: list[dict]) -> str:
 
 def first_calls(results: list[dict]) -> str:
     """Apart from the timings: the first call of each contestant in the run (for `compiled`,
-    and `auto` where it picks it, compiling its bucket) against its median call."""
+    and `auto` where it picks it first, building its C loop) against its median call."""
     lines = ["first call in the run (compiles where the contestant compiles), vs its median:"]
     seen = set()
     for r in results:
@@ -729,13 +733,6 @@ def main(argv: list[str] | None = None) -> dict:
     device = args.device
     info = machine(device, ("triton",))  # at the start
     info["THP_MEM_ALLOC_ENABLE"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and not args.quick:
-        # A fresh cache: the first call of `compiled` pays the whole compile, as on a new
-        # machine (inductor's cache in /tmp would otherwise serve a previous run's kernels).
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fusion-inductor-")
-        info["inductor_cache"] = "fresh (a new temporary directory)"
-    else:
-        info["inductor_cache"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default")
     dtype = DTYPES[args.dtype]
     found = contestants(device, dtype, args.impls)
     todo = cases(args)

@@ -10,7 +10,7 @@ from fusion._validation import check_token_ids, describe, is_dtensor
 from fusion.merge.compiled import merge_compiled
 from fusion.merge.fused import check_fused, fused_supported, merge_fused
 from fusion.merge.index import merge_index
-from fusion.merge.layouts import EncoderRows
+from fusion.merge.layouts import EncoderRows, Packed, Padded
 from fusion.merge.placement import resolve_placements
 from fusion.merge.reference import merge_reference
 
@@ -18,10 +18,10 @@ Embedding = nn.Module | Callable[[torch.Tensor], torch.Tensor] | torch.Tensor
 
 IMPLEMENTATIONS = ("reference", "index", "fused", "compiled")
 # ``auto`` merges with ``compiled`` on CPU from this many output bytes (tokens x d x element
-# size); None: never. On the benchmark machine (2 shared cores, 2026-12-01) ``compiled`` was
-# slower than ``index`` at every size measured (benchmarks/README.md), so ``auto`` keeps
-# ``index``; set a size here where a paired run shows ``compiled`` winning.
-COMPILED_MIN_BYTES: int | None = None
+# size); None: never. Measured in benchmarks/README.md ("The compiled single pass"): from
+# 16 MiB it beat ``index`` in every case, forward and forward+backward; below, the two were
+# within noise of each other, and the backward's allocations decided.
+COMPILED_MIN_BYTES: int | None = 16 << 20
 
 
 def embedding_table(embedding: Embedding) -> torch.Tensor | None:
@@ -50,35 +50,45 @@ def embedding_table(embedding: Embedding) -> torch.Tensor | None:
     return weight if type(weight) in (torch.Tensor, nn.Parameter) else None
 
 
-def default_impl(device: torch.device, embedding: Embedding, tokens: int | None = None) -> str:
+def default_impl(
+    device: torch.device,
+    embedding: Embedding,
+    tokens: int | None = None,
+    *,
+    encoder_rows: int | None = None,
+) -> str:
     """The implementation ``impl="auto"`` picks for ``embedding`` on ``device``.
 
     Only for a plain table that :func:`embedding_table` finds (reading it is provably what
     calling the embedding does), a single-pass merge that writes each output row once:
     ``"fused"`` (one Triton kernel) on CUDA with Triton installed and 1, 2, 4 or 8-byte
-    elements; ``"compiled"`` (the merge compiled by inductor, compiled once per bucket on
-    first use) on CPU when the output, ``tokens`` x d x element size, holds at least
-    ``COMPILED_MIN_BYTES`` (None, today: measured slower than ``index`` at every size on the
-    benchmark machine). ``"index"`` everywhere else: the embedding is called as a module
-    (so FSDP, tensor parallel, LoRA or quantized embeddings behave as in the decoder) and
-    encoder rows are written into its output. Measurements in ``benchmarks/README.md``.
-    None of them synchronises with the host.
+    elements; ``"compiled"`` (a C loop built on first use) on CPU when the output, ``tokens``
+    x d x element size, holds at least ``COMPILED_MIN_BYTES`` (16 MiB) and there are encoder
+    rows to merge. ``"index"`` everywhere else: the embedding is called as a module (so FSDP,
+    tensor parallel, LoRA or quantized embeddings behave as in the decoder, and a text-only
+    batch is the embedding's own call) and encoder rows are written into its output.
+    Measurements in ``benchmarks/README.md``. None of them synchronises with the host.
 
     Args:
         device: where the tokens are.
         embedding: as :func:`merge_embeddings` takes it.
         tokens: the number of tokens merged (b x s); None: as many as ``compiled`` needs.
+        encoder_rows: the number of encoder rows merged, all encoders together (a shape, so
+            known without reading data); None: some.
     """
-    return _auto_impl(device, embedding_table(embedding), tokens)
+    return _auto_impl(device, embedding_table(embedding), tokens, encoder_rows)
 
 
-def _auto_impl(device: torch.device, table: torch.Tensor | None, tokens: int | None) -> str:
+def _auto_impl(
+    device: torch.device, table: torch.Tensor | None, tokens: int | None, encoder_rows: int | None
+) -> str:
     if table is None:
         return "index"
     if device.type == "cuda" and fused_supported(device, table.dtype):
         return "fused"
     threshold = COMPILED_MIN_BYTES
-    if threshold is not None and device.type == "cpu" == table.device.type and table.dim() == 2:
+    cpu = device.type == "cpu" == table.device.type and table.dim() == 2
+    if threshold is not None and cpu and encoder_rows != 0:
         size = table.size(1) * table.element_size()
         if tokens is None or tokens * size >= threshold:
             return "compiled"
@@ -135,7 +145,7 @@ def merge_embeddings(
     check_token_ids(tokens)
     table = embedding_table(embedding)
     if impl == "auto":
-        impl = _auto_impl(tokens.device, table, tokens.numel())
+        impl = _auto_impl(tokens.device, table, tokens.numel(), _row_count(encoder_rows))
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl: expected 'auto' or one of {list(IMPLEMENTATIONS)}, got {impl!r}")
     if isinstance(embedding, torch.Tensor):
@@ -182,6 +192,19 @@ def merge_embeddings(
     embed = _checked(_lookup(embedding) if isinstance(embedding, torch.Tensor) else embedding)
     merge = merge_index if impl == "index" else merge_reference
     return merge(text_ids, embed, placements)
+
+
+def _row_count(encoder_rows: Mapping[str, EncoderRows]) -> int | None:
+    """All encoders' rows (shapes only); None where something is not a layout (refused later)."""
+    if not isinstance(encoder_rows, Mapping):
+        return None
+    count = 0
+    for rows in encoder_rows.values():
+        rows = rows.rows if isinstance(rows, Packed | Padded) else rows
+        if not isinstance(rows, torch.Tensor) or rows.dim() == 0:
+            return None
+        count += rows.shape[:-1].numel()
+    return count
 
 
 def _lookup(table: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

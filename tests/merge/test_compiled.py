@@ -1,17 +1,17 @@
-"""The compiled single-pass merge: when ``auto`` picks it, one graph per bucket, inside a
-compiled model, under a dispatch mode, without a compiler, and its errors.
+"""The compiled single-pass merge: when ``auto`` picks it, one build of its C loop per
+process, every bit pattern, inside a compiled model, where the loop cannot run, its errors.
 
-Bits and gradients against ``reference`` are in tests/merge/test_differential.py. Every test
-here stays in the bucket of one float32 encoder with a row-major table (the differential tests
-compile it too), so the whole file compiles a single graph.
+Bits and gradients against ``reference`` for random batches are in
+tests/merge/test_differential.py.
 """
 
+import os
+import shutil
 import warnings
 from unittest import mock
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode
 
 from fusion.merge import Padded, default_impl, merge_embeddings
@@ -33,34 +33,24 @@ def _inputs(batch: int, seq_len: int, dim: int, placeholders: list[int], seed: i
     return tokens, table, {"image": rows}, {"image": 99}
 
 
-def _graphs() -> int:
-    return counters["stats"]["unique_graphs"]
-
-
 # ---------------------------------------------------------------- the auto rule
 
 
-def test_auto_keeps_index_on_cpu_while_compiled_measures_slower():
-    """``COMPILED_MIN_BYTES`` is None: on the benchmark machine ``compiled`` was slower than
-    ``index`` at every size measured (benchmarks/README.md), so ``auto`` never picks it."""
-    assert COMPILED_MIN_BYTES is None
-    for embedding in (torch.zeros(32000, 2048), torch.nn.Embedding(16, 64)):
-        assert default_impl(CPU, embedding, 16384) == "index"
-        assert default_impl(CPU, embedding) == "index"
-
-
 def test_auto_picks_compiled_for_plain_tables_on_cpu_from_the_threshold():
+    assert COMPILED_MIN_BYTES == 16 << 20  # benchmarks/README.md: where it was measured to win
     row = 64 * 4  # float32, width 64
-    tokens = 2**22 // row
+    tokens = COMPILED_MIN_BYTES // row
     table = torch.zeros(16, 64)
-    with mock.patch("fusion.merge.merge.COMPILED_MIN_BYTES", 2**22):
-        assert default_impl(CPU, table, tokens) == "compiled"
-        assert default_impl(CPU, table, tokens - 1) == "index"
-        assert default_impl(CPU, torch.nn.Embedding(16, 64), tokens) == "compiled"
-        assert default_impl(CPU, table) == "compiled"  # no size given: a size where it wins
-        # bfloat16 rows are half the bytes: twice the tokens for the same output.
-        assert default_impl(CPU, table.bfloat16(), tokens) == "index"
-        assert default_impl(CPU, table.bfloat16(), 2 * tokens) == "compiled"
+    assert default_impl(CPU, table, tokens) == "compiled"
+    assert default_impl(CPU, table, tokens - 1) == "index"
+    assert default_impl(CPU, torch.nn.Embedding(16, 64), tokens) == "compiled"
+    assert default_impl(CPU, table) == "compiled"  # no size given: a size where it wins
+    # bfloat16 rows are half the bytes: twice the tokens for the same output.
+    assert default_impl(CPU, table.bfloat16(), tokens) == "index"
+    assert default_impl(CPU, table.bfloat16(), 2 * tokens) == "compiled"
+    # Text only: the merge is the embedding's own call.
+    assert default_impl(CPU, table, tokens, encoder_rows=0) == "index"
+    assert default_impl(CPU, table, tokens, encoder_rows=1) == "compiled"
 
 
 @pytest.mark.parametrize(
@@ -76,39 +66,71 @@ def test_auto_keeps_index_for_what_is_not_a_plain_cpu_table(embedding):
         assert default_impl(CPU, embedding, 10**9) == "index"
 
 
-def test_merge_embeddings_auto_uses_compiled_above_the_threshold():
+def test_merge_embeddings_auto_uses_compiled_above_the_threshold_with_rows():
     args = _inputs(2, 8, 8, [1, 2])
-    with mock.patch.object(compiled_module, "_run", wraps=compiled_module._run) as run:
+    text_only = (args[0].clamp(max=15), args[1], {}, args[3])
+    with mock.patch.object(compiled_module, "kernel", wraps=compiled_module.kernel) as loop:
         with mock.patch("fusion.merge.merge.COMPILED_MIN_BYTES", 2 * 8 * 8 * 4 + 1):
             merge_embeddings(*args)  # 2 x 8 x 8 float32: one byte below the threshold
-        assert run.call_count == 0
+        assert loop.call_count == 0
         with mock.patch("fusion.merge.merge.COMPILED_MIN_BYTES", 2 * 8 * 8 * 4):
             merged = merge_embeddings(*args)
-        assert run.call_count == 1
+            assert loop.call_count == 1
+            merge_embeddings(*text_only)
+            merge_embeddings(*text_only[:2], {"image": torch.zeros(0, 8)}, args[3])
+        assert loop.call_count == 1
     assert torch.equal(merged, merge_embeddings(*args, impl="reference"))
 
 
-# ---------------------------------------------------------------- one graph per bucket
+# ---------------------------------------------------------------- the C loop
 
 
-def test_one_graph_serves_every_batch_shape():
-    """Token counts, row counts (0 and 1 included), widths, int32 ids, padded rows, fp32 and
-    bf16 of even width: after the bucket's first call, nothing compiles again."""
-    merge_embeddings(*_inputs(2, 6, 8, [0, 3]), impl="compiled")
-    before = _graphs()
-    shapes = [(1, 1, 8, [0]), (3, 5, 2, [4]), (2, 7, 16, [1, 2, 3]), (5, 2, 4, [1])]
-    for batch, seq_len, dim, placeholders in shapes:
-        for dtype in (torch.float32, torch.bfloat16):
-            tokens, table, rows, ids = _inputs(batch, seq_len, dim, placeholders)
-            table, rows = table.to(dtype), {"image": rows["image"].to(dtype)}
-            for t in (tokens, tokens.int()):
-                merged = merge_embeddings(t, table, rows, ids, impl="compiled")
-                assert torch.equal(merged, merge_embeddings(t, table, rows, ids, impl="reference"))
-    tokens, table, rows, ids = _inputs(2, 5, 4, [1, 3])
-    padded = Padded(torch.randn(2, 3, 4))
-    merged = merge_embeddings(tokens, table, {"image": padded}, ids, impl="compiled")
-    assert torch.equal(merged, merge_embeddings(tokens, table, {"image": padded}, ids))
-    assert _graphs() == before
+@pytest.fixture
+def unbuilt():
+    """A process in which the loop has not been built yet (restored after the test)."""
+    with mock.patch.object(compiled_module, "_kernel_fn", compiled_module._UNBUILT):
+        yield
+
+
+def _same_as_reference(*args, **kwargs) -> None:
+    expected = merge_embeddings(*args, **kwargs, impl="reference")
+    assert torch.equal(merge_embeddings(*args, **kwargs, impl="compiled"), expected)
+
+
+def test_one_build_serves_every_shape_and_dtype(unbuilt):
+    """Token and row counts (0 and 1 included), widths, int32 ids, padded rows, every floating
+    dtype: the loop is built on the first call and never again."""
+    with mock.patch.object(compiled_module, "_build", wraps=compiled_module._build) as build:
+        shapes = [(2, 6, 8, [0, 3]), (1, 1, 8, [0]), (3, 5, 3, [4]), (2, 7, 1, []), (5, 2, 4, [1])]
+        for batch, seq_len, dim, placeholders in shapes:
+            for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+                tokens, table, rows, ids = _inputs(batch, seq_len, dim, placeholders)
+                table, rows = table.to(dtype), {"image": rows["image"].to(dtype)}
+                for t in (tokens, tokens.int()):
+                    _same_as_reference(t, table, rows, ids)
+        tokens, table, _, ids = _inputs(2, 5, 4, [1, 3])
+        _same_as_reference(tokens, table, {"image": Padded(torch.randn(2, 3, 4))}, ids)
+    assert build.call_count == 1
+
+
+def test_every_bit_pattern_moves_unchanged():
+    """NaN payloads, signalling NaNs, -0.0, subnormals and infinities: rows move as bytes."""
+    gen = torch.Generator().manual_seed(3)
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        info = torch.iinfo(bits)
+        table = torch.randint(info.min, info.max, (16, 6), generator=gen, dtype=bits).view(dtype)
+        rows = torch.randint(info.min, info.max, (4, 6), generator=gen, dtype=bits).view(dtype)
+        tokens = torch.randint(0, 16, (2, 9), generator=gen)
+        tokens[:, [2, 5]] = 99
+        args = (tokens, table, {"image": rows}, {"image": 99})
+        merged = merge_embeddings(*args, impl="compiled").view(bits)
+        assert torch.equal(merged, merge_embeddings(*args, impl="reference").view(bits))
+
+
+def test_large_outputs_copy_on_every_thread_with_the_same_bits():
+    args = _inputs(4, 64, 32, [3, 4, 5, 40])
+    with mock.patch.object(compiled_module, "PARALLEL_MIN_BYTES", 0):
+        _same_as_reference(*args)
 
 
 @pytest.mark.parametrize("shape", [(0, 3), (2, 0)])
@@ -116,6 +138,15 @@ def test_empty_batches_and_sequences(shape):
     tokens = torch.zeros(shape, dtype=torch.long)
     merged = merge_embeddings(tokens, torch.randn(8, 4), {}, {"image": 9}, impl="compiled")
     assert merged.shape == (*shape, 4)
+
+
+def test_a_text_id_beyond_the_table_is_refused_not_read():
+    """``vocab_size`` above the table's rows lets the id through validation; the loop checks
+    every id it reads."""
+    tokens, table, rows, ids = _inputs(2, 6, 8, [0, 3])
+    tokens[1, 4] = 16
+    with pytest.raises(IndexError, match=r"tokens: text id 16 at flat position 10 is outside the "):
+        merge_embeddings(tokens, table, rows, ids, impl="compiled", vocab_size=17)
 
 
 # ---------------------------------------------------------------- inside a compiled model
@@ -134,8 +165,8 @@ def test_inside_a_compiled_model_no_nested_compile_no_graph_break():
     expected.sum().backward()
     expected_grad = model.decoder.tok_embeddings.weight.grad.clone()
     model.zero_grad()
-    # fullgraph: a graph break would raise. The cached compiled merge is never called.
-    with mock.patch.object(compiled_module, "_run", side_effect=AssertionError("nested")):
+    # fullgraph: a graph break would raise. The C loop is never called.
+    with mock.patch.object(compiled_module, "kernel", side_effect=AssertionError("opaque")):
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
         actual = compiled(tokens, encoder_input=encoder_input)
         actual.sum().backward()
@@ -143,40 +174,69 @@ def test_inside_a_compiled_model_no_nested_compile_no_graph_break():
     torch.testing.assert_close(model.decoder.tok_embeddings.weight.grad, expected_grad)
 
 
-# ---------------------------------------------------------------- where dynamo cannot compile
+# ---------------------------------------------------------------- where the loop cannot run
 
 
-def test_under_a_dispatch_mode_the_same_ops_run_eagerly_and_only_there():
-    """Dynamo does not compile under a TorchDispatchMode (FlopCounterMode is one): the merge
-    then runs the same ops uncompiled, with the same bits, and compiled again after it (a
-    frame dynamo skipped once it would skip for good)."""
+def _index_calls(*args) -> int:
+    """How many times ``impl='compiled'`` fell back to ``index``'s merge for ``args``."""
+    with mock.patch.object(compiled_module, "merge_index", wraps=compiled_module.merge_index) as m:
+        _same_as_reference(*args)
+    return m.call_count
+
+
+def test_under_a_dispatch_mode_the_merge_is_index_and_only_there():
+    """A TorchDispatchMode (FlopCounterMode is one) sees every op, which the C loop hides."""
     args = _inputs(2, 6, 8, [0, 3])
-    expected = merge_embeddings(*args, impl="reference")
-    merge_embeddings(*args, impl="compiled")  # the bucket compiled before _fill is watched
-    with mock.patch.object(compiled_module, "_fill", wraps=compiled_module._fill) as eager:
-        with FlopCounterMode(display=False):
-            assert torch.equal(merge_embeddings(*args, impl="compiled"), expected)
-        assert eager.call_count == 1
-        assert torch.equal(merge_embeddings(*args, impl="compiled"), expected)
-        assert eager.call_count == 1
+    with FlopCounterMode(display=False):
+        assert _index_calls(*args) == 1
+    assert _index_calls(*args) == 0
 
 
-def test_without_a_working_compiler_it_warns_once_and_merges_uncompiled():
+def test_a_column_major_table_is_read_by_index_strided_rows_by_the_loop():
+    tokens, table, rows, ids = _inputs(2, 6, 8, [0, 3])
+    assert _index_calls(tokens, table.t().contiguous().t(), rows, ids) == 1
+    strided = {"image": torch.randn(4, 16)[:, ::2]}
+    assert _index_calls(tokens, table, strided, ids) == 0
+
+
+def _fake_compiler(tmp_path, body: str) -> str:
+    script = tmp_path / "cc"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize(
+    "compiler",
+    ["/nonexistent/cc", pytest.param("failing", id="a compiler that fails")],
+)
+def test_without_a_working_compiler_it_warns_once_and_merges_as_index(unbuilt, tmp_path, compiler):
+    if compiler == "failing":
+        compiler = _fake_compiler(tmp_path, "echo 'cc: error: no' >&2; exit 1")
     args = _inputs(2, 6, 8, [0, 3])
-    expected = merge_embeddings(*args, impl="reference")
-    failure = torch._dynamo.exc.BackendCompilerFailed(
-        lambda: None, RuntimeError("no C++ compiler"), None
-    )
     with (
-        mock.patch.object(compiled_module, "_compiled", side_effect=failure) as compiled,
-        mock.patch.object(compiled_module, "_FAILED", set()),
+        mock.patch.dict(os.environ, {"CC": compiler}),
         warnings.catch_warnings(record=True) as caught,
     ):
         warnings.simplefilter("always")
-        for _ in range(2):
-            assert torch.equal(merge_embeddings(*args, impl="compiled"), expected)
-    assert compiled.call_count == 1  # the failed bucket is not tried again
-    assert len(caught) == 1 and "RuntimeError: no C++ compiler" in str(caught[0].message)
+        assert _index_calls(*args) == 1
+        assert _index_calls(*args) == 1  # not built again
+    assert len(caught) == 1
+    assert "could not build the merge loop" in str(caught[0].message)
+    assert "merging as impl='index' instead" in str(caught[0].message)
+
+
+def test_a_compiler_without_openmp_builds_a_one_thread_loop(unbuilt, tmp_path):
+    system_cc = shutil.which("cc")
+    assert system_cc, "the tests need a C compiler, as inductor does"
+    compiler = _fake_compiler(
+        tmp_path, f'case "$*" in *-fopenmp*) exit 1;; esac\nexec {system_cc} "$@"'
+    )
+    with mock.patch.dict(os.environ, {"CC": compiler}), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compiled_module.kernel() is not None
+        with mock.patch.object(compiled_module, "PARALLEL_MIN_BYTES", 0):
+            assert _index_calls(*_inputs(4, 64, 32, [3, 4, 5, 40])) == 0
 
 
 # ---------------------------------------------------------------- bad input

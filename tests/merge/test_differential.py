@@ -38,9 +38,6 @@ OTHERS = [
     for name in sorted(IMPLEMENTATIONS)
     if name != "reference"
 ]
-# "compiled" compiles one graph per bucket (encoders with rows, element view, table layout):
-# its differential test draws from few buckets (see test_compiled_same_bits_...).
-UNCOMPILED = [name for name in OTHERS if name != "compiled"]
 # The interpreter runs a kernel program in NumPy: tiny shapes keep the fused tests fast.
 SMALL = {"max_batch": 3, "max_seq_len": 12, "vocab_size": 16, "dims": (1, 3, 8)}
 
@@ -112,50 +109,13 @@ def run(impl: str, case: MergeCase, tokens: torch.Tensor, leaves: Leaves, grad: 
     return out.detach(), leaves.weight.grad, grads
 
 
-@pytest.mark.parametrize("impl", UNCOMPILED)
+@pytest.mark.parametrize("impl", OTHERS)
 @given(case=merge_inputs(**SMALL), data=st.data())
 def test_same_bits_and_gradients_as_reference(impl, case, data):
     check_against_reference(impl, case, data)
 
 
-# Widths whose rows are whole int32 words in float32 and bfloat16 alike, at most two encoders
-# and a row-major table: two compiled graphs (one and two encoders) serve every example.
-# test_compiled_bit_views_and_a_column_major_table covers the other buckets.
-COMPILED_CASES = merge_inputs(
-    max_batch=3, max_seq_len=12, vocab_size=16, dims=(2, 8), max_encoders=2
-)
-
-
-@given(case=COMPILED_CASES, data=st.data())
-@settings(max_examples=40)
-def test_compiled_same_bits_and_gradients_as_reference(case, data):
-    """Random batches, placeholder counts and positions, packed and padded layouts, one or two
-    encoders (with and without rows), float32 and bfloat16, forward and backward."""
-    check_against_reference("compiled", case, data, column_major=False)
-
-
-def test_compiled_bit_views_and_a_column_major_table():
-    """Rows that are not whole int32 words (bfloat16, width 3) move as same-width integers; a
-    column-major table is read in place, strided rows through a contiguous copy."""
-    dtype = torch.bfloat16
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.tensor([[9, 1, 9, 2, 7], [3, 9, 0, 9, 9]], dtype=torch.int32)
-    weight = torch.randn(8, 3, generator=gen).to(dtype)  # made column-major by make_leaves
-    wide = torch.randn(5, 6, generator=gen).to(dtype)
-    case = MergeCase(tokens, weight, {"image": Packed(wide[:, ::2])}, {"image": 9})
-    grad = torch.randn(2, 5, 3, generator=gen).to(dtype)
-    leaves = make_leaves(case, weight_transposed=True, rows_grad={"image": True})
-    expected = run("reference", case, tokens, leaves, grad)
-    leaves = make_leaves(case, weight_transposed=True, rows_grad={"image": True})
-    actual = run("compiled", case, tokens, leaves, grad)
-    for a, e, what in zip(actual[:2], expected[:2], ("output", "table grad"), strict=True):
-        assert_bitwise(a, e, what)
-    assert_bitwise(actual[2]["image"], expected[2]["image"], "rows grad")
-
-
-def check_against_reference(
-    impl: str, case: MergeCase, data: st.DataObject, column_major: bool = True
-) -> None:
+def check_against_reference(impl: str, case: MergeCase, data: st.DataObject) -> None:
     """``impl`` and ``reference`` on the same drawn variations of ``case``: the same bits out,
     the same gradients w.r.t. the table and each encoder's rows."""
     tokens = case.tokens
@@ -163,7 +123,7 @@ def check_against_reference(
         tokens = tokens.int()
     if data.draw(st.booleans(), label="non-contiguous tokens"):
         tokens = tokens.t().contiguous().t()
-    weight_transposed = column_major and data.draw(st.booleans(), label="column-major table")
+    weight_transposed = data.draw(st.booleans(), label="column-major table")
     rows_grad = {
         name: data.draw(st.booleans(), label=f"{name} requires grad") for name in case.encoder_rows
     }

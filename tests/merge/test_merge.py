@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from fusion.merge import IMPLEMENTATIONS, Packed, Padded, merge_embeddings
 from fusion.testing import MergeCase, merge_inputs
 
-# "fused" runs on CPU only under Triton's interpreter, and "compiled" compiles a graph per
-# bucket and reads tables only; tests/merge/test_differential.py checks both bitwise against
-# "reference", which these tests check against the loop.
+# "fused" runs on CPU only under Triton's interpreter, and "fused" and "compiled" read tables
+# only; tests/merge/test_differential.py checks both bitwise against "reference", which these
+# tests check against the loop.
 IMPLS = sorted(set(IMPLEMENTATIONS) - {"fused", "compiled"})
 
 
