@@ -37,6 +37,8 @@ Output: a table on stdout, ``merge_kernels.json`` (machine, settings, results, t
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import itertools
 import json
@@ -250,6 +252,24 @@ def contestants(
 
 
 # ------------------------------------------------------------------ measurements
+
+
+def fix_mmap_threshold() -> str:
+    """Fix glibc's mmap threshold at its initial 128 KiB (CPU runs), and say what was done.
+
+    glibc raises the threshold (up to 32 MiB) each time a mapped block is freed, and reuses
+    freed heap blocks of any size: whether an output is fresh memory, whose every page faults
+    on first touch, or warm reused memory then depends on what the previous contestant freed,
+    which moved paired ratios by up to 40% in identical code. Fixed, every output of 128 KiB
+    or more is fresh memory for every contestant, as outputs above 32 MiB always are.
+    """
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return "allocator as is (not glibc)"
+    if mallopt(-3, 128 << 10) != 1:  # -3: M_MMAP_THRESHOLD
+        return "allocator as is (mallopt failed)"
+    return "glibc M_MMAP_THRESHOLD fixed at 128 KiB: every output is fresh memory"
 
 
 def measure(calls: dict[str, Callable[[], object]], device: torch.device, args) -> dict:
@@ -696,6 +716,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add_out_argument(p)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--dynamic-mmap-threshold",
+        action="store_true",
+        help="CPU: leave glibc's adaptive mmap threshold on (see fix_mmap_threshold)",
+    )
     args = p.parse_args(argv)
     args.out = output_dir(args.out, check=args.quick or args.target)
     if args.threads:
@@ -733,6 +758,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = args.device
     info = machine(device, ("triton",))  # at the start
     info["THP_MEM_ALLOC_ENABLE"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
+    if device.type == "cpu" and not args.dynamic_mmap_threshold:
+        info["allocator"] = fix_mmap_threshold()
     dtype = DTYPES[args.dtype]
     found = contestants(device, dtype, args.impls)
     todo = cases(args)

@@ -19,7 +19,7 @@ compile to fuse into one loop: no nested compilation, no graph break.
 
 import ctypes
 import os
-import shutil
+import shlex
 import subprocess
 import tempfile
 import threading
@@ -89,27 +89,32 @@ def kernel() -> Callable[..., int] | None:
 
 
 def _build() -> Callable[..., int] | None:
-    compiler = os.environ.get("CC") or "cc"
-    problems = []
+    cc = os.environ.get("CC") or "cc"  # may hold a command line: CC="ccache gcc"
+    problem = ""
     with tempfile.TemporaryDirectory(prefix="fusion-merge-", ignore_cleanup_errors=True) as tmp:
-        source, library = Path(tmp, "merge_rows.c"), Path(tmp, "merge_rows.so")
+        source = Path(tmp, "merge_rows.c")
         source.write_text(_SOURCE)
-        for flags in (["-fopenmp"], []):  # without OpenMP the loop runs on one thread
-            command = [compiler, "-O2", "-shared", "-fPIC", *flags, str(source), "-o", str(library)]
+        for flags in ("-fopenmp", ""):  # without OpenMP the loop runs on one thread
+            library = str(Path(tmp, f"merge_rows{len(flags)}.so"))
             try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.SubprocessError) as e:
-                problems.append(f"{type(e).__name__}: {e}")
-                break
-            if done.returncode == 0:
-                fn = ctypes.CDLL(str(library)).fusion_merge_rows
-                fn.restype, fn.argtypes = ctypes.c_int64, _ARGTYPES
-                return fn
-            last_line = done.stderr.strip().splitlines()[-1:]
-            problems.append(last_line[0] if last_line else f"exit status {done.returncode}")
+                command = [*shlex.split(cc), "-O2", "-shared", "-fPIC", *flags.split()]
+                done = subprocess.run(
+                    [*command, str(source), "-o", library],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+                if done.returncode == 0:
+                    fn = ctypes.CDLL(library).fusion_merge_rows
+                    fn.restype, fn.argtypes = ctypes.c_int64, _ARGTYPES
+                    return fn
+                last_line = done.stderr.strip().splitlines()[-1:]
+                problem = last_line[0] if last_line else f"exit status {done.returncode}"
+            except (OSError, ValueError, subprocess.SubprocessError) as e:
+                problem = f"{type(e).__name__}: {e}"
     warnings.warn(
-        f"impl 'compiled': could not build the merge loop with {shutil.which(compiler) or compiler}"
-        f" ({problems[-1]}); merging as impl='index' instead (the same bits, two passes)",
+        f"impl 'compiled': could not build the merge loop with $CC or cc ({cc!r}: {problem}); "
+        "merging as impl='index' instead (the same bits, two passes)",
         RuntimeWarning,
         stacklevel=5,
     )

@@ -119,9 +119,8 @@ def merge_embeddings(
         impl: ``"auto"`` (see :func:`default_impl`), ``"reference"`` (embed, then
             ``masked_scatter``), ``"index"`` (embed, then ``index_copy_``), ``"fused"`` (one
             Triton kernel reading the table itself; CUDA, needs Triton and a plain table, see
-            :func:`embedding_table`) or ``"compiled"`` (one pass compiled by inductor; CPU,
-            needs a plain table; the first call of a bucket compiles, see
-            :mod:`fusion.merge.compiled`).
+            :func:`embedding_table`) or ``"compiled"`` (one pass, a C loop built on the
+            process's first call; CPU, needs a plain table, see :mod:`fusion.merge.compiled`).
         vocab_size: text ids must lie in ``[0, vocab_size)``. Default: the table's rows, or
             the module's ``num_embeddings``; unchecked if neither exists.
         eager_checks: check placeholder counts on the host and raise ``ValueError`` (a host

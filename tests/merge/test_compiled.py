@@ -208,7 +208,11 @@ def _fake_compiler(tmp_path, body: str) -> str:
 
 @pytest.mark.parametrize(
     "compiler",
-    ["/nonexistent/cc", pytest.param("failing", id="a compiler that fails")],
+    [
+        "/nonexistent/cc",
+        pytest.param("cc 'unbalanced", id="a command line that does not parse"),
+        pytest.param("failing", id="a compiler that fails"),
+    ],
 )
 def test_without_a_working_compiler_it_warns_once_and_merges_as_index(unbuilt, tmp_path, compiler):
     if compiler == "failing":
@@ -226,9 +230,19 @@ def test_without_a_working_compiler_it_warns_once_and_merges_as_index(unbuilt, t
     assert "merging as impl='index' instead" in str(caught[0].message)
 
 
-def test_a_compiler_without_openmp_builds_a_one_thread_loop(unbuilt, tmp_path):
+def _system_cc() -> str:
     system_cc = shutil.which("cc")
     assert system_cc, "the tests need a C compiler, as inductor does"
+    return system_cc
+
+
+def test_cc_may_be_a_command_line(unbuilt):
+    with mock.patch.dict(os.environ, {"CC": f"env FUSION_TEST=1 {_system_cc()} -g0"}):
+        assert compiled_module.kernel() is not None
+
+
+def test_a_compiler_without_openmp_builds_a_one_thread_loop(unbuilt, tmp_path):
+    system_cc = _system_cc()
     compiler = _fake_compiler(
         tmp_path, f'case "$*" in *-fopenmp*) exit 1;; esac\nexec {system_cc} "$@"'
     )

@@ -184,7 +184,7 @@ def test_same_errors_as_reference_on_count_mismatch(impl, case, data, eager_chec
 
 
 def test_default_rule():
-    """On CPU ``index`` (``compiled`` only from COMPILED_MIN_BYTES, none today: see
+    """On CPU ``index`` for small outputs (``compiled`` from COMPILED_MIN_BYTES: see
     tests/merge/test_compiled.py); on CUDA ``fused`` where Triton is."""
     table = torch.zeros(4, 2)
     assert default_impl(torch.device("cpu"), table, 1) == "index"
