@@ -18,10 +18,10 @@ Embedding = nn.Module | Callable[[torch.Tensor], torch.Tensor] | torch.Tensor
 
 IMPLEMENTATIONS = ("reference", "index", "fused", "compiled")
 # ``auto`` merges with ``compiled`` on CPU from this many output bytes (tokens x d x element
-# size); None: never. Measured in benchmarks/README.md ("The compiled single pass"): from
-# 16 MiB it beat ``index`` in every case, forward and forward+backward; below, the two were
-# within noise of each other, and the backward's allocations decided.
-COMPILED_MIN_BYTES: int | None = 16 << 20
+# size); None: never. In the paired sweep of benchmarks/README.md ("The compiled single pass")
+# it beat ``index`` in every case with encoder rows from 4 MiB, the smallest output measured,
+# forward and forward+backward; text-only merges are the embedding's call (``index``).
+COMPILED_MIN_BYTES: int | None = 4 << 20
 
 
 def embedding_table(embedding: Embedding) -> torch.Tensor | None:
@@ -63,8 +63,8 @@ def default_impl(
     calling the embedding does), a single-pass merge that writes each output row once:
     ``"fused"`` (one Triton kernel) on CUDA with Triton installed and 1, 2, 4 or 8-byte
     elements; ``"compiled"`` (a C loop built on first use) on CPU when the output, ``tokens``
-    x d x element size, holds at least ``COMPILED_MIN_BYTES`` (16 MiB) and there are encoder
-    rows to merge. ``"index"`` everywhere else: the embedding is called as a module (so FSDP,
+    x d x element size, holds at least ``COMPILED_MIN_BYTES`` (4 MiB), there are encoder
+    rows to merge and no ``torch.compile`` is tracing. ``"index"`` everywhere else: the embedding is called as a module (so FSDP,
     tensor parallel, LoRA or quantized embeddings behave as in the decoder, and a text-only
     batch is the embedding's own call) and encoder rows are written into its output.
     Measurements in ``benchmarks/README.md``. None of them synchronises with the host.
@@ -88,7 +88,9 @@ def _auto_impl(
         return "fused"
     threshold = COMPILED_MIN_BYTES
     cpu = device.type == "cpu" == table.device.type and table.dim() == 2
-    if threshold is not None and cpu and encoder_rows != 0:
+    # Inside torch.compile the C loop cannot run; inductor's own loop was not measured faster.
+    eager = not torch.compiler.is_compiling()
+    if threshold is not None and cpu and eager and encoder_rows != 0:
         size = table.size(1) * table.element_size()
         if tokens is None or tokens * size >= threshold:
             return "compiled"
