@@ -635,7 +635,7 @@ def table(results: list[dict]) -> str:
 def first_calls(results: list[dict]) -> str:
     """Apart from the timings: the first call of each contestant in the run (for `compiled`,
     and `auto` where it picks it first, building its C loop) against its median call."""
-    lines = ["first call in the run (compiles where the contestant compiles), vs its median:"]
+    lines = ["first call in the run (for compiled, building its loop), vs its median:"]
     seen = set()
     for r in results:
         if r["impl"] in seen or r["impl"] == "copy":
