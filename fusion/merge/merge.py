@@ -64,9 +64,10 @@ def default_impl(
     ``"fused"`` (one Triton kernel) on CUDA with Triton installed and 1, 2, 4 or 8-byte
     elements; ``"compiled"`` (a C loop built on first use) on CPU when the output, ``tokens``
     x d x element size, holds at least ``COMPILED_MIN_BYTES`` (4 MiB), there are encoder
-    rows to merge and no ``torch.compile`` is tracing. ``"index"`` everywhere else: the embedding is called as a module (so FSDP,
-    tensor parallel, LoRA or quantized embeddings behave as in the decoder, and a text-only
-    batch is the embedding's own call) and encoder rows are written into its output.
+    rows to merge and no ``torch.compile`` is tracing. ``"index"`` everywhere else: the
+    embedding is called as a module (so FSDP, tensor parallel, LoRA or quantized embeddings
+    behave as in the decoder, and a text-only batch is the embedding's own call) and encoder
+    rows are written into its output.
     Measurements in ``benchmarks/README.md``. None of them synchronises with the host.
 
     Args:
