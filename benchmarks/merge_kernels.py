@@ -18,7 +18,8 @@ machine: nothing is cached on disk).
 Timing: ``torch.utils.benchmark.Timer`` on CPU, ``triton.testing.do_bench`` (CUDA events) on
 GPU; see :func:`measure`. Each contestant reports the median over rounds of its time, and its
 ratios (to ``copy``, ``reference`` over it) as the median over rounds of the ratio within the
-round, so load on shared cores, which drifts, cancels out as far as it can.
+round, so load on shared cores, which drifts, cancels out as far as it can. On CPU every
+output is fresh memory for every contestant (:func:`fix_mmap_threshold`).
 
 Transient memory: on GPU ``torch.cuda.max_memory_allocated`` minus what stays allocated after
 the call; on CPU the same quantity from the profiler's allocator events (every allocation
@@ -259,9 +260,10 @@ def fix_mmap_threshold() -> str:
 
     glibc raises the threshold (up to 32 MiB) each time a mapped block is freed, and reuses
     freed heap blocks of any size: whether an output is fresh memory, whose every page faults
-    on first touch, or warm reused memory then depends on what the previous contestant freed,
-    which moved paired ratios by up to 40% in identical code. Fixed, every output of 128 KiB
-    or more is fresh memory for every contestant, as outputs above 32 MiB always are.
+    on first touch, or warm reused memory then depends on what the previous contestant freed
+    (in one run: 9.5% between two calls of the same code, 1.6x between ``index`` and
+    ``index_table``). Fixed, every output of 128 KiB or more is fresh memory for every
+    contestant, as outputs above 32 MiB always are.
     """
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
