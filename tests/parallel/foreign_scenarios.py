@@ -13,7 +13,6 @@ Plans (``fully_shard`` by hand: ``fusion.parallel``'s plans name this library's 
 """
 
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -21,11 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from foreign_decoders import IMAGE, fuse, hf_llama
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from helpers import FEATURES, HF_VOCAB
-from parallel.sharding_scenarios import full_grads, run_jobs
+from parallel.sharding_scenarios import full_grads, join_group, run_jobs
 
 BATCH, SEQ = 4, 10
 PLANS = {"per_module": False, "blocks_root": True, "decoder_unit": False}  # plan -> tied
@@ -77,15 +76,7 @@ def run_plan(plan: str, mesh: DeviceMesh) -> dict:
 
 
 def run_all(rank: int, world_size: int, init_file: str, out_dir: Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=60),
-    )
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = join_group(rank, world_size, init_file)
     run_jobs({plan: (lambda plan=plan: run_plan(plan, mesh)) for plan in PLANS}, rank, out_dir)
 
 

@@ -287,7 +287,9 @@ def run_refusal(name: str, mesh: DeviceMesh) -> dict:
     return {"error_type": None, "message": "", "changed": True}
 
 
-def run_all(rank: int, world_size: int, init_file: str, out_dir: Path) -> None:
+def join_group(rank: int, world_size: int, init_file: str) -> DeviceMesh:
+    """Join the gloo process group of this scenario run (one thread per rank) and return its
+    one-dimensional CPU mesh."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -296,7 +298,11 @@ def run_all(rank: int, world_size: int, init_file: str, out_dir: Path) -> None:
         world_size=world_size,
         timeout=timedelta(seconds=60),  # a desynchronised scenario fails instead of hanging
     )
-    mesh = init_device_mesh("cpu", (world_size,))
+    return init_device_mesh("cpu", (world_size,))
+
+
+def run_all(rank: int, world_size: int, init_file: str, out_dir: Path) -> None:
+    mesh = join_group(rank, world_size, init_file)
     jobs: dict[str, Callable[[], dict]] = {c.name: (lambda c=c: run_case(c, mesh)) for c in CASES}
     jobs[SAVE] = lambda: save_checkpoint(mesh, out_dir)
     jobs[LOAD] = lambda: load_checkpoint(mesh, out_dir)
