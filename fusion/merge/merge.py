@@ -76,7 +76,16 @@ def default_impl(
         tokens: the number of tokens merged (b x s); None: as many as ``compiled`` needs.
         encoder_rows: the number of encoder rows merged, all encoders together (a shape, so
             known without reading data); None: some.
+
+    Raises:
+        TypeError: ``encoder_rows`` is neither None nor an int.
+        ValueError: ``encoder_rows`` is negative.
     """
+    if encoder_rows is not None:
+        if not isinstance(encoder_rows, int) or isinstance(encoder_rows, bool):
+            raise TypeError(f"encoder_rows: expected an int or None, got {encoder_rows!r:.40}")
+        if encoder_rows < 0:
+            raise ValueError(f"encoder_rows: expected a count >= 0, got {encoder_rows}")
     return _auto_impl(device, embedding_table(embedding), tokens, encoder_rows)
 
 

@@ -6,6 +6,7 @@ tests/merge/test_differential.py.
 """
 
 import os
+import re
 import shutil
 import warnings
 from unittest import mock
@@ -54,6 +55,19 @@ def test_auto_picks_compiled_for_plain_tables_on_cpu_from_the_threshold():
     # Under torch.compile the loop cannot run: the compiler traces index's ops.
     with mock.patch("torch.compiler.is_compiling", return_value=True):
         assert default_impl(CPU, table, tokens) == "index"
+
+
+@pytest.mark.parametrize(
+    ("encoder_rows", "error", "message"),
+    [
+        ("3", TypeError, "encoder_rows: expected an int or None, got '3'"),
+        (True, TypeError, "encoder_rows: expected an int or None, got True"),
+        (-1, ValueError, "encoder_rows: expected a count >= 0, got -1"),
+    ],
+)
+def test_default_impl_refuses_a_bad_row_count(encoder_rows, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        default_impl(CPU, torch.zeros(16, 64), 10, encoder_rows=encoder_rows)
 
 
 @pytest.mark.parametrize(
