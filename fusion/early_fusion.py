@@ -2,7 +2,7 @@
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from fusion.decoder_kinds import (
 )
 from fusion.merge import IMPLEMENTATIONS, EncoderRows, merge_embeddings
 from fusion.merge.placement import PlaceholderIds
+from fusion.positions import grids_from, mrope_positions
 
 _FUSION_MODULE_FLAG = "_fusion_module"
 
@@ -93,6 +94,11 @@ class EarlyFusion(nn.Module):
             :func:`register_fusion_module`, overriding the other two.
         merge_impl, eager_checks: passed to :func:`fusion.merge_embeddings` (``eager_checks=True``
             checks placeholder counts on the host, with a synchronisation, on any device).
+        mrope: for a decoder with M-RoPE (Qwen2-VL): ``(encoder name, spatial merge size)``.
+            Positions are then derived as :func:`fusion.positions.mrope_positions` does, from
+            the 1-D ``input_pos`` (or none), that encoder's placeholders and its input's
+            ``image_grid_thw``; with an enabled KV cache they are carried on in the decoder's
+            ``mrope_deltas``, so that decoding steps fed to the decoder continue them.
 
     Raises:
         TypeError: ``decoder`` is none of the kinds above (the message names what was looked
@@ -118,6 +124,7 @@ class EarlyFusion(nn.Module):
         fusion_trainable: bool | None = None,
         merge_impl: str = "auto",
         eager_checks: bool | None = None,
+        mrope: tuple[str, int] | None = None,
     ) -> None:
         super().__init__()
         kind = decoder_kind(decoder)
@@ -144,6 +151,14 @@ class EarlyFusion(nn.Module):
         self.encoder_tokens = encoder_tokens
         self.merge_impl = merge_impl
         self.eager_checks = eager_checks
+        if mrope is not None and (
+            kind != FUSION or not decoder.multimodal_rope or mrope[0] not in encoder_tokens
+        ):
+            raise ValueError(
+                "mrope: expected an encoder name of this model over this library's decoder "
+                f"with M-RoPE, got {mrope!r} for a {kind} decoder"
+            )
+        self.mrope = mrope
         flags = (decoder_trainable, encoders_trainable, fusion_trainable)
         if any(flag is not None for flag in flags):
             if not isinstance(encoders_trainable, Mapping):
@@ -239,6 +254,8 @@ class EarlyFusion(nn.Module):
                     eager_checks=self.eager_checks,
                 )
 
+            if self.mrope is not None:
+                input_pos = self._mrope_positions(tokens, input_pos, encoder_input)
             return self.decoder(tokens, mask=mask, input_pos=input_pos, embed=embed, **kwargs)
         embedding = embedding_module(self.decoder, kind)
         check_gathered(embedding)
@@ -256,6 +273,34 @@ class EarlyFusion(nn.Module):
         given = {"mask": mask, "input_pos": input_pos}
         kwargs = {**{k: v for k, v in given.items() if v is not None}, **kwargs}
         return self.decoder(None, input_embeds=embeds, **kwargs)
+
+    def _mrope_positions(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor | None,
+        encoder_input: Mapping[str, Any] | None,
+    ) -> torch.Tensor:
+        """[3, b, s] positions for an M-RoPE decoder: as given when 3-D, else derived."""
+        if isinstance(input_pos, torch.Tensor) and input_pos.dim() == 3:
+            return input_pos
+        name, merge_size = cast(tuple[str, int], self.mrope)
+        decoder = self.decoder
+        cached = decoder.caches_are_enabled()
+        if input_pos is None and cached:  # the cache's next slots, as the decoder's default
+            input_pos = decoder.kv_caches()[0].fill + torch.arange(
+                tokens.size(1), device=tokens.device
+            )
+        positions, offsets = mrope_positions(
+            tokens,
+            input_pos,
+            self.encoder_tokens[name],
+            grids_from(encoder_input, name),
+            merge_size,
+            carry=decoder.mrope_deltas if cached else None,
+        )
+        if cached:
+            decoder.mrope_deltas.copy_(offsets)
+        return positions
 
     # ------------------------------------------------------------------ delegated to the decoder
     # A Hugging Face decoder keeps its cache in its ``cache`` argument and has none of these;

@@ -17,11 +17,12 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from fusion.checkpoint.errors import CheckpointError, as_path, check_positive_int
 from fusion.checkpoint.files import fsync_path
 from fusion.checkpoint.hf_llama import save_hf_llama
-from fusion.checkpoint.hf_vlm import save_hf_idefics3, save_hf_llava
+from fusion.checkpoint.hf_vlm import save_hf_idefics3, save_hf_llava, save_hf_qwen2_vl
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
 from fusion.models.idefics3 import Idefics3ImageEncoder
 from fusion.models.llava import LlavaImageEncoder
+from fusion.models.qwen2_vl import VISION_TOWERS
 
 # What a model directory holds besides weights and config.json, for tokenizers, processors and
 # generation (transformers' names); those present in the source are copied.
@@ -164,10 +165,13 @@ def _saver(model: object) -> Callable[[Path, int | None], list[Path]]:
             return partial(_save, save_hf_llava, inner)
         if len(encoders) == 1 and isinstance(encoders[0], Idefics3ImageEncoder):
             return partial(_save, save_hf_idefics3, inner)
+        if len(encoders) == 1 and isinstance(encoders[0], tuple(VISION_TOWERS.values())):
+            return partial(_save, save_hf_qwen2_vl, inner)
         got = {name: type(e).__name__ for name, e in inner.encoders.items()}
         raise TypeError(
-            f"model: expected a LLaVA or Idefics3 EarlyFusion (one 'image' encoder, a "
-            f"LlavaImageEncoder or an Idefics3ImageEncoder), or a text decoder; got encoders {got}"
+            f"model: expected a LLaVA, Idefics3 or Qwen2-VL EarlyFusion (one 'image' encoder, a "
+            f"LlavaImageEncoder, an Idefics3ImageEncoder or a Qwen vision tower), or a text "
+            f"decoder; got encoders {got}"
         )
     if isinstance(inner, EarlyFusion | TransformerDecoder):
         return partial(_save, save_hf_llama, inner)

@@ -364,9 +364,10 @@ def _check_fits(tensor: torch.Tensor, dtype: torch.dtype, file: Path, key: str) 
 def _check_all_filled(model: nn.Module, loaded: set[str], kind: str) -> None:
     """Guard against a module gaining state that neither the checkpoint nor a rebuild fills."""
     rebuilt = {
-        f"{name}.cache" if name else "cache"
+        f"{name}.{buffer}" if name else buffer
         for name, module in model.named_modules(remove_duplicate=False)
         if isinstance(module, RotaryPositionalEmbeddings)
+        for buffer, _ in module.named_buffers()
     }
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     names |= {name for name, _ in model.named_buffers(remove_duplicate=False)}

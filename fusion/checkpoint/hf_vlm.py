@@ -37,12 +37,22 @@ from fusion.checkpoint.hf_config import (
     read_hf_config,
 )
 from fusion.checkpoint.hf_llama import HfSpec, KeyLayout, load_hf, save_hf
+from fusion.checkpoint.hf_qwen2_vl import (
+    MODEL_TYPES as QWEN2_VL_MODEL_TYPES,
+)
+from fusion.checkpoint.hf_qwen2_vl import (
+    hf_config_from_qwen2_vl,
+    qwen2_vl_text_kwargs,
+    qwen2_vl_vision_kwargs,
+)
 from fusion.early_fusion import EarlyFusion
 from fusion.encoders.clip import ClipVisionTransformer
+from fusion.encoders.qwen_vision import Qwen2VisionTransformer, Qwen25VisionTransformer
 from fusion.encoders.siglip import SiglipVisionTransformer
 from fusion.encoders.vit_blocks import ACTIVATIONS, VisionEncoderLayer
 from fusion.models.idefics3 import Idefics3ImageEncoder, idefics3
 from fusion.models.llava import FEATURE_STRATEGIES, LlavaImageEncoder, llava
+from fusion.models.qwen2_vl import VISION_TOWERS, qwen2_vl
 
 LLAVA_MODEL_TYPES = ("llava",)
 # Bounds on what a config.json may ask preprocessing for (published towers: 224 to 512 pixels,
@@ -88,8 +98,13 @@ class _Kind:
     vision_types: tuple[str, ...]  # vision_config.model_type
     vision_defaults: Mapping[str, Any]
     layout: KeyLayout
-    encoder: type[LlavaImageEncoder | Idefics3ImageEncoder]
+    encoder: type[nn.Module] | tuple[type[nn.Module], ...]
     builder: Callable[..., EarlyFusion]
+    # our keys of a vision layer, its index in group 1; the vision config's layer count key
+    vision_layers: tuple[str, str] = (
+        r"encoders\.image\.\w+\.encoder\.layers\.(\d{1,9})\.",
+        "num_hidden_layers",
+    )
 
 
 _KINDS = {
@@ -142,6 +157,27 @@ _KINDS = {
         Idefics3ImageEncoder,
         idefics3,
     ),
+    "qwen2_vl": _Kind(
+        "Qwen2-VL",
+        "Qwen2_5_VLForConditionalGeneration",
+        QWEN2_VL_MODEL_TYPES,
+        (),
+        {},
+        # The Hub's layout (also what transformers 5.24 saves) and the in-memory one.
+        KeyLayout(
+            decoder="decoder.",
+            read=(
+                (r"lm_head\.", "decoder.lm_head."),
+                (r"model\.language_model\.", "decoder.model."),
+                (r"(?:model\.)?visual\.", "encoders.image."),
+                (r"model\.", "decoder.model."),
+            ),
+            write=(("decoder.", ""), ("encoders.image.", "visual.")),
+        ),
+        (Qwen2VisionTransformer, Qwen25VisionTransformer),
+        qwen2_vl,
+        (r"encoders\.image\.blocks\.(\d{1,9})\.", "depth"),
+    ),
 }
 
 
@@ -154,6 +190,7 @@ class _Vlm:
     vision: dict[str, Any]  # vision tower keyword arguments
     image_token_id: int
     options: dict[str, Any]  # builder keyword arguments
+    text_prefix: str = "text_config."  # where config.json keeps the text settings
 
     def build(self) -> EarlyFusion:
         builder = _KINDS[self.kind].builder
@@ -162,18 +199,18 @@ class _Vlm:
         )
 
     def hf_spec(self, config_file: Path) -> HfSpec:
+        info = _KINDS[self.kind]
+        pattern, depth = info.vision_layers
         layers = {
-            "text_config.num_hidden_layers": (
+            f"{self.text_prefix}num_hidden_layers": (
                 r"decoder\.layers\.(\d{1,9})\.",
                 self.text["num_layers"],
             ),
-            "vision_config.num_hidden_layers": (
-                r"encoders\.image\.\w+\.encoder\.layers\.(\d{1,9})\.",
-                self.vision["num_hidden_layers"],
-            ),
+            f"vision_config.{depth}": (pattern, self.vision[depth]),
         }
-        layout = _KINDS[self.kind].layout
-        return HfSpec(self.kind, config_file, self.text, self.build, layout, "text_config.", layers)
+        return HfSpec(
+            self.kind, config_file, self.text, self.build, info.layout, self.text_prefix, layers
+        )
 
 
 # ---------------------------------------------------------------------- config reading
@@ -219,6 +256,12 @@ def _read_spec(file: Path, kinds: tuple[str, ...]) -> _Vlm:
 def _spec(config: ConfigReader, kind: str) -> _Vlm:
     """The model ``config`` describes, every value checked."""
     info = _KINDS[kind]
+    if kind == "qwen2_vl":
+        model_type = config.values["model_type"]
+        qwen_text, prefix = qwen2_vl_text_kwargs(config)
+        qwen_vision = qwen2_vl_vision_kwargs(config, model_type)
+        token_id = _token_id(config, ("image_token_id",), 151_655)
+        return _Vlm(kind, qwen_text, qwen_vision, token_id, {"model_type": model_type}, prefix)
     text = llama_kwargs(config.section("text_config", info.what, _LLAMA_DEFAULTS))
     vision_config = config.section("vision_config", info.what, info.vision_defaults)
     vision_config.choice("model_type", info.vision_types[0], info.vision_types)
@@ -428,9 +471,9 @@ def _hf_config(model: object, kind: str) -> dict[str, Any]:
     encoder = model.encoders["image"] if set(model.encoders) == {"image"} else None
     if not isinstance(encoder, info.encoder):
         got = {k: type(v).__name__ for k, v in model.encoders.items()}
-        raise ValueError(
-            f"model: expected one encoder, 'image', a {info.encoder.__name__}; got {got}"
-        )
+        classes = info.encoder if isinstance(info.encoder, tuple) else (info.encoder,)
+        expected = " or ".join(c.__name__ for c in classes)
+        raise ValueError(f"model: expected one encoder, 'image', a {expected}; got {got}")
     image_id, vocab = model.encoder_tokens["image"], model.decoder.vocab_size
     if not 0 <= image_id < vocab:
         raise ValueError(
@@ -439,6 +482,12 @@ def _hf_config(model: object, kind: str) -> dict[str, Any]:
         )
     text = hf_config_from_decoder(model.decoder)
     del text["architectures"]
+    if kind == "qwen2_vl":
+        rope = model.decoder.attentions()[0].pos_embeddings
+        model_type = next(t for t, tower in VISION_TOWERS.items() if type(encoder) is tower)
+        config = hf_config_from_qwen2_vl(text, rope.mrope_section, encoder, image_id, model_type)
+        _check_rebuilds(model, _spec(ConfigReader(config, Path(CONFIG_NAME)), kind))
+        return config
     if isinstance(encoder, LlavaImageEncoder):
         tower: ClipVisionTransformer | SiglipVisionTransformer = encoder.vision_tower
         projector = encoder.multi_modal_projector
@@ -451,6 +500,7 @@ def _hf_config(model: object, kind: str) -> dict[str, Any]:
             "vision_feature_select_strategy": encoder.vision_feature_select_strategy,
         }
     else:
+        encoder = cast(Idefics3ImageEncoder, encoder)
         tower = encoder.vision_model
         if tower.embeddings.position_scheme != "bucketed":
             raise ValueError(
@@ -573,6 +623,21 @@ def save_hf_idefics3(
     ``model.connector.*``, ``lm_head.weight``). As :func:`save_hf_llava` otherwise (arguments,
     round trip and errors; see :func:`hf_config_from_idefics3`)."""
     return _save(model, "idefics3", directory, max_shard_size, overwrite)
+
+
+def save_hf_qwen2_vl(
+    model: EarlyFusion,
+    directory: str | bytes | os.PathLike,
+    *,
+    max_shard_size: int | None = None,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Write a Qwen2-VL or Qwen2.5-VL ``model`` as a Hugging Face directory, in the layout the
+    Hub's checkpoints and transformers 5.24's ``save_pretrained`` write (``model.*``,
+    ``visual.*``, ``lm_head.weight``) with a nested ``text_config``; loaded by
+    ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration``. As
+    :func:`save_hf_llava` otherwise (arguments, round trip and errors)."""
+    return _save(model, "qwen2_vl", directory, max_shard_size, overwrite)
 
 
 def _save(

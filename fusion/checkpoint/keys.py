@@ -27,6 +27,10 @@ _NAMES = (
             ("attn.q_proj.weight", "self_attn.q_proj.weight", "attention.wq.weight"),
             ("attn.k_proj.weight", "self_attn.k_proj.weight", "attention.wk.weight"),
             ("attn.v_proj.weight", "self_attn.v_proj.weight", "attention.wv.weight"),
+            # Qwen2's projection biases (Meta's Llama has none; named alike for symmetry)
+            ("attn.q_proj.bias", "self_attn.q_proj.bias", "attention.wq.bias"),
+            ("attn.k_proj.bias", "self_attn.k_proj.bias", "attention.wk.bias"),
+            ("attn.v_proj.bias", "self_attn.v_proj.bias", "attention.wv.bias"),
             ("attn.output_proj.weight", "self_attn.o_proj.weight", "attention.wo.weight"),
             ("mlp.w1.weight", "mlp.gate_proj.weight", "feed_forward.w1.weight"),
             ("mlp.w2.weight", "mlp.down_proj.weight", "feed_forward.w2.weight"),
@@ -44,7 +48,7 @@ _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer index: digits between dots
 # Older Hugging Face checkpoints saved the rotary inverse frequencies, which are a function of
 # the config (the decoder recomputes them), not weights.
 HF_DERIVED_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-_ROPE_ROWS = re.compile(r"layers\.\d+\.attn\.([qk])_proj\.weight")
+_ROPE_ROWS = re.compile(r"layers\.\d+\.attn\.([qk])_proj\.(?:weight|bias)")
 
 
 def _rename(key: str, table: Mapping[str, str]) -> str:
@@ -77,40 +81,41 @@ def rope_heads(key: str, num_heads: int, num_kv_heads: int) -> int | None:
     return None if match is None else num_heads if match.group(1) == "q" else num_kv_heads
 
 
-def _check_rows(weight: torch.Tensor, num_heads: int) -> tuple[int, int]:
+def _check_rows(weight: torch.Tensor, num_heads: int) -> int:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight: expected a tensor, got {type(weight).__name__}")
     check_positive_int(num_heads, "num_heads")
-    if weight.dim() != 2 or weight.size(0) % (2 * num_heads):
+    if weight.dim() not in (1, 2) or weight.size(0) % (2 * num_heads):
         raise ValueError(
-            f"weight: expected a weight [num_heads * head_dim, d] with num_heads={num_heads} and "
-            f"an even head_dim, got shape {list(weight.shape)}"
+            f"weight: expected a weight [num_heads * head_dim, d] or a bias "
+            f"[num_heads * head_dim] with num_heads={num_heads} and an even head_dim, got "
+            f"shape {list(weight.shape)}"
         )
-    return weight.size(0) // num_heads, weight.size(1)
+    return weight.size(0) // num_heads
 
 
 def rotate_half_to_interleaved(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Reorder the rows of a q/k projection [num_heads * head_dim, d] from Hugging Face's
-    rotate-half layout (per head: all first halves, then all second halves) to Meta's
-    interleaved pairs. A permutation: the values are the same bits.
+    """Reorder the rows of a q/k projection [num_heads * head_dim, d] (or its bias) from
+    Hugging Face's rotate-half layout (per head: all first halves, then all second halves) to
+    Meta's interleaved pairs. A permutation: the values are the same bits.
 
     Raises:
         TypeError: ``weight`` not a tensor or ``num_heads`` not an int.
         ValueError: ``num_heads`` not positive, or ``weight`` not [num_heads * head_dim, d]
             with an even ``head_dim``.
     """
-    head_dim, d = _check_rows(weight, num_heads)
-    # [heads, 2 halves, head_dim / 2, d] -> [heads, head_dim / 2 pairs, 2, d]
-    rows = weight.reshape(num_heads, 2, head_dim // 2, d).transpose(1, 2)
-    return rows.reshape(num_heads * head_dim, d)
+    head_dim = _check_rows(weight, num_heads)
+    # [heads, 2 halves, head_dim / 2, (d)] -> [heads, head_dim / 2 pairs, 2, (d)]
+    rows = weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:]).transpose(1, 2)
+    return rows.reshape(weight.shape)
 
 
 def interleaved_to_rotate_half(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """The inverse of :func:`rotate_half_to_interleaved` (same errors)."""
-    head_dim, d = _check_rows(weight, num_heads)
-    # [heads, head_dim / 2 pairs, 2, d] -> [heads, 2 halves, head_dim / 2, d]
-    rows = weight.reshape(num_heads, head_dim // 2, 2, d).transpose(1, 2)
-    return rows.reshape(num_heads * head_dim, d)
+    head_dim = _check_rows(weight, num_heads)
+    # [heads, head_dim / 2 pairs, 2, (d)] -> [heads, 2 halves, head_dim / 2, (d)]
+    rows = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).transpose(1, 2)
+    return rows.reshape(weight.shape)
 
 
 def _convert(

@@ -18,6 +18,7 @@ class MultiHeadAttention(nn.Module):
         num_heads, num_kv_heads, head_dim: head layout.
         pos_embeddings: rotary embeddings applied to queries and keys (may be shared by layers).
         attn_dropout: dropout probability on attention weights, in training only.
+        qkv_bias: biases on the query, key and value projections (Qwen2), none on the output.
     """
 
     def __init__(
@@ -28,6 +29,7 @@ class MultiHeadAttention(nn.Module):
         head_dim: int,
         pos_embeddings: RotaryPositionalEmbeddings,
         attn_dropout: float = 0.0,
+        qkv_bias: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -38,9 +40,9 @@ class MultiHeadAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.attn_dropout = attn_dropout
-        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False)
+        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.output_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=False)
         self.pos_embeddings = pos_embeddings
         self.kv_cache: KVCache | None = None
@@ -63,7 +65,7 @@ class MultiHeadAttention(nn.Module):
             mask: boolean [b, 1, s, kv_len], True where attention is allowed; None means causal
                 over ``x`` (only valid without a cache). With a cache, attention reads its
                 first ``kv_len`` slots (the whole cache, or the filled part).
-            input_pos: rotary positions, [b, s] or [s].
+            input_pos: rotary positions, [b, s] or [s] (M-RoPE: also [3, b, s]).
 
         Returns:
             [b, s, d]

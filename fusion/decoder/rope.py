@@ -1,4 +1,6 @@
 import math
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -13,15 +15,30 @@ class RotaryPositionalEmbeddings(nn.Module):
     between ``old_context_len / high_freq_factor`` and ``old_context_len / low_freq_factor``
     interpolated smoothly.
 
+    With ``mrope_section`` set this is multimodal RoPE (M-RoPE, Qwen2-VL): positions come as
+    three rows ``[3, b, s]`` (temporal, height, width), and each frequency reads its position
+    from one row: chunked, the first ``mrope_section[0]`` frequencies the temporal row, the
+    next ``mrope_section[1]`` the height row, the rest the width row (Qwen2-VL, Qwen2.5-VL);
+    ``mrope_interleaved`` cycles t, h, w over the first ``3 * min(section)`` frequencies
+    instead and gives the rest to the temporal row (Qwen3-VL). The rotation itself is the
+    1-D one, whose cos/sin table entries are copied, never recomputed, so positions whose three
+    rows are equal (text) rotate bitwise as the 1-D positions do, and ``[b, s]`` or ``[s]``
+    positions are accepted as text.
+
     Args:
         dim: head dimension (even).
         max_seq_len: number of positions precomputed.
         base: rope base (theta).
         scale_factor: llama3 frequency scaling factor, or None for plain RoPE.
         low_freq_factor, high_freq_factor, old_context_len: llama3 scaling band.
+        mrope_section: frequencies per position row (t, h, w), summing to ``dim / 2``; None
+            for 1-D RoPE.
+        mrope_interleaved: the Qwen3-VL assignment of frequencies to rows (see above).
     """
 
     cache: torch.Tensor  # [max_seq_len, dim / 2, 2]: cos and sin per position and pair
+    # M-RoPE only: [dim / 2], the position row (0, 1, 2) each frequency reads
+    frequency_rows: torch.Tensor | None
 
     def __init__(
         self,
@@ -32,10 +49,21 @@ class RotaryPositionalEmbeddings(nn.Module):
         low_freq_factor: float = 1.0,
         high_freq_factor: float = 4.0,
         old_context_len: int = 8192,
+        mrope_section: Sequence[int] | None = None,
+        mrope_interleaved: bool = False,
     ) -> None:
         super().__init__()
         if dim % 2:
             raise ValueError(f"dim: expected an even head dimension, got {dim}")
+        if mrope_section is not None and (
+            len(mrope_section) != 3
+            or not all(isinstance(n, int) and n >= 0 for n in mrope_section)
+            or sum(mrope_section) != dim // 2
+        ):
+            raise ValueError(
+                f"mrope_section: expected three non-negative ints summing to dim / 2 = "
+                f"{dim // 2}, got {mrope_section!r}"
+            )
         self.dim = dim
         self.max_seq_len = max_seq_len
         self.base = base
@@ -43,8 +71,11 @@ class RotaryPositionalEmbeddings(nn.Module):
         self.low_freq_factor = low_freq_factor
         self.high_freq_factor = high_freq_factor
         self.old_context_len = old_context_len
-        # Not in the state dict: it is a pure function of the config, as in torchtune.
+        self.mrope_section = None if mrope_section is None else list(mrope_section)
+        self.mrope_interleaved = mrope_interleaved
+        # Not in the state dict: pure functions of the config, as in torchtune.
         self.register_buffer("cache", self._build_cache(), persistent=False)
+        self.register_buffer("frequency_rows", self._build_frequency_rows(), persistent=False)
 
     def _frequencies(self) -> torch.Tensor:
         theta = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
@@ -65,12 +96,40 @@ class RotaryPositionalEmbeddings(nn.Module):
         angles = torch.outer(positions, self._frequencies())
         return torch.stack([angles.cos(), angles.sin()], dim=-1)  # [max_seq_len, dim / 2, 2]
 
+    def _build_frequency_rows(self) -> torch.Tensor | None:
+        if self.mrope_section is None:
+            return None
+        t, h, w = self.mrope_section
+        if self.mrope_interleaved:
+            rows = [0] * (self.dim // 2)
+            rows[1 : 3 * h : 3] = [1] * h
+            rows[2 : 3 * w : 3] = [2] * w
+        else:
+            rows = [0] * t + [1] * h + [2] * w
+        return torch.tensor(rows, dtype=torch.long)
+
+    @property
+    def is_multimodal(self) -> bool:
+        """Whether this is M-RoPE, taking positions ``[3, b, s]``."""
+        return self.mrope_section is not None
+
     def reset_parameters(self) -> None:
+        """Recompute the buffers (e.g. after ``to_empty``), on the device they are on."""
         self.cache = self._build_cache().to(self.cache.device)
+        if self.frequency_rows is not None:
+            self.frequency_rows = cast(torch.Tensor, self._build_frequency_rows()).to(
+                self.frequency_rows.device
+            )
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` [b, s, n_heads, head_dim] at positions ``input_pos`` [b, s] or [s]."""
-        rope = self.cache[input_pos]  # [b, s, dim / 2, 2] or [s, dim / 2, 2]
+        """Rotate ``x`` [b, s, n_heads, head_dim] at positions ``input_pos`` [b, s] or [s];
+        with M-RoPE also [3, b, s] (or [3, 1, s])."""
+        if input_pos.dim() == 3:  # M-RoPE: each frequency's cos/sin from its own row
+            tables = self.cache[input_pos]  # [3, b, s, dim / 2, 2]
+            rows = cast(torch.Tensor, self.frequency_rows).view(1, 1, 1, -1, 1)
+            rope = tables.gather(0, rows.expand(1, *tables.shape[1:]))[0]  # [b, s, dim / 2, 2]
+        else:
+            rope = self.cache[input_pos]  # [b, s, dim / 2, 2] or [s, dim / 2, 2]
         rope = rope.view(-1, x.size(1), 1, self.dim // 2, 2)
         pairs = x.float().reshape(*x.shape[:-1], self.dim // 2, 2)
         cos, sin = rope[..., 0], rope[..., 1]

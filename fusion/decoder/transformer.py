@@ -41,6 +41,12 @@ class TransformerDecoder(nn.Module):
             logits (index ``len(layers)`` is the input of the final norm), as in torchtune.
     """
 
+    #: M-RoPE decoders with a KV cache: per sample [b], what is added to 1-D positions (text:
+    #: three equal rows) so that they continue after the sample's images, as Hugging Face's
+    #: ``rope_deltas``. Set by whoever computed the 3-D positions of the prompt
+    #: (``EarlyFusion``); zero after ``setup_caches`` and ``reset_caches``, None without caches.
+    mrope_deltas: torch.Tensor | None
+
     def __init__(
         self,
         *,
@@ -67,6 +73,7 @@ class TransformerDecoder(nn.Module):
         #: When positive, logits come back as a list of this many chunks along the sequence
         #: (torchtune's ``set_num_output_chunks``, for chunked cross-entropy).
         self.num_output_chunks = 0
+        self.register_buffer("mrope_deltas", None, persistent=False)
 
     @property
     def output_hidden_states(self) -> list[int]:
@@ -102,6 +109,11 @@ class TransformerDecoder(nn.Module):
                 f"num_output_chunks: expected a non-negative integer, got {num_output_chunks!r}"
             )
         self.num_output_chunks = num_output_chunks
+
+    @property
+    def multimodal_rope(self) -> bool:
+        """Whether the rotary embeddings are M-RoPE, taking positions ``[3, b, s]``."""
+        return self._first_attention().pos_embeddings.is_multimodal
 
     @property
     def device(self) -> torch.device:
@@ -151,6 +163,8 @@ class TransformerDecoder(nn.Module):
             raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
         for attn in self.attentions():
             attn.setup_cache(batch_size, max_len, dtype, self.device)
+        if self.multimodal_rope:
+            self.mrope_deltas = torch.zeros(batch_size, dtype=torch.long, device=self.device)
 
     def caches_are_setup(self) -> bool:
         return self._first_attention().kv_cache is not None
@@ -163,12 +177,15 @@ class TransformerDecoder(nn.Module):
         self._require_caches("reset_caches")
         for attn in self.attentions():
             cast(KVCache, attn.kv_cache).reset()
+        if self.mrope_deltas is not None:
+            self.mrope_deltas.zero_()
 
     def teardown_caches(self) -> None:
         """Free the caches: back to the state before :meth:`setup_caches`."""
         for attn in self.attentions():
             attn.kv_cache = None
             attn.cache_enabled = False
+        self.mrope_deltas = None
 
     @contextmanager
     def caches_disabled(self) -> Iterator[None]:
@@ -219,7 +236,10 @@ class TransformerDecoder(nn.Module):
                 plus these).
             input_pos: positions [b, s], [1, s] or [s] for the rotary embeddings (packed
                 samples, left-padded batches, decoding); [b] for a one-token step. None:
-                ``0..s-1``, or the cache fill onward.
+                ``0..s-1``, or the cache fill onward. M-RoPE decoders also take
+                [3, b, s] or [3, 1, s] (temporal, height, width rows), used as given; 1-D
+                positions are text there (three equal rows), to which an enabled cache adds
+                ``mrope_deltas``.
             input_embeds: floating [b, s, d], used instead of ``tok_embeddings(tokens)``; passed
                 to the first layer as given (under autocast, as the embedding's own output is).
             embed: how to embed ``tokens``: ``embed(tok_embeddings, tokens) -> [b, s, d]``
@@ -256,6 +276,9 @@ class TransformerDecoder(nn.Module):
             input_pos = torch.arange(seq_len, device=device) if slots is None else slots
         else:
             self._validate_input_pos(input_pos, batch_size, seq_len)
+        if slots is not None and self.mrope_deltas is not None and input_pos.dim() < 3:
+            # Text after a cached prompt: continue from where its images left the positions.
+            input_pos = input_pos.reshape(-1, seq_len) + self.mrope_deltas[:, None]
         if mask is not None:
             self._validate_mask(mask, batch_size, seq_len, kv_len)
             mask = mask[:, None]  # [b or 1, 1, s, kv_len]: one mask for every head
@@ -408,8 +431,11 @@ class TransformerDecoder(nn.Module):
     def _validate_input_pos(self, input_pos: torch.Tensor, batch_size: int, seq_len: int) -> None:
         # torchtune's decode step passes one position per sample: [b] for s == 1.
         decode_step = [(batch_size,)] if seq_len == 1 else []
+        three_rows = [(3, batch_size, seq_len), (3, 1, seq_len)] if self.multimodal_rope else []
         shapes = list(
-            dict.fromkeys([(batch_size, seq_len), (1, seq_len), (seq_len,), *decode_step])
+            dict.fromkeys(
+                [(batch_size, seq_len), (1, seq_len), (seq_len,), *decode_step, *three_rows]
+            )
         )
         if (
             not isinstance(input_pos, torch.Tensor)

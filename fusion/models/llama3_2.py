@@ -1,5 +1,7 @@
 """Llama 3.2 builders: the component builder and the 1B / 3B presets."""
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -27,7 +29,7 @@ def llama3_2(
     embed_dim: int,
     max_seq_len: int,
     attn_dropout: float = 0.0,
-    rope_base: int = 500_000,
+    rope_base: float = 500_000,
     intermediate_dim: int | None = None,
     norm_eps: float = 1e-5,
     scale_factor: float | None = 32,
@@ -36,12 +38,18 @@ def llama3_2(
     rope_low_freq_factor: float = 1.0,
     rope_high_freq_factor: float = 4.0,
     rope_old_context_len: int = 8192,
+    qkv_bias: bool = False,
+    mrope_section: Sequence[int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> TransformerDecoder:
     """Build a Llama 3.2 decoder; arguments mean what they mean in torchtune's builder.
 
     ``scale_factor=None`` gives plain (unscaled) RoPE; the keyword-only ``rope_*`` arguments
     set the rest of the llama3 rope-scaling band (Hugging Face's ``rope_scaling``).
-    ``intermediate_dim=None`` uses :func:`scale_hidden_dim_for_mlp`.
+    ``intermediate_dim=None`` uses :func:`scale_hidden_dim_for_mlp`. ``qkv_bias`` gives the
+    query, key and value projections biases and ``mrope_section`` makes the rotary M-RoPE
+    (see :class:`fusion.decoder.RotaryPositionalEmbeddings`): with both, this is Qwen2's text
+    stack (:func:`fusion.models.qwen2`).
 
     Initialisation, for training from scratch: PyTorch's defaults (``nn.Embedding`` N(0, 1),
     ``nn.Linear`` Kaiming-uniform, norms 1), except that a tied embedding (the output
@@ -72,12 +80,14 @@ def llama3_2(
         low_freq_factor=rope_low_freq_factor,
         high_freq_factor=rope_high_freq_factor,
         old_context_len=rope_old_context_len,
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
     )
     hidden_dim = intermediate_dim or scale_hidden_dim_for_mlp(embed_dim)
     layers = [
         TransformerSelfAttentionLayer(
             attn=MultiHeadAttention(
-                embed_dim, num_heads, num_kv_heads, head_dim, rope, attn_dropout
+                embed_dim, num_heads, num_kv_heads, head_dim, rope, attn_dropout, qkv_bias
             ),
             mlp=FeedForward(embed_dim, hidden_dim),
             sa_norm=RMSNorm(embed_dim, eps=norm_eps),

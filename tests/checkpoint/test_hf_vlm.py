@@ -195,9 +195,9 @@ class TestBadInput:
         with pytest.raises(CheckpointError, match=r"expected one of \['idefics3', 'smolvlm'\]"):
             load_hf_idefics3(llava_dir[1])
         config = copy_config(llava_dir[1], tmp_path / "qwen")
-        config["model_type"] = "qwen2_vl"
+        config["model_type"] = "gemma3"
         write_config(tmp_path / "qwen", config)
-        with pytest.raises(CheckpointError, match=r"model_type.*'qwen2_vl'"):
+        with pytest.raises(CheckpointError, match=r"model_type.*'gemma3'"):
             hf_model_kind(tmp_path / "qwen")
 
     @pytest.mark.parametrize(

@@ -1,0 +1,184 @@
+"""Qwen2-VL and Qwen2.5-VL loaded from directories ``transformers`` wrote: logits equal
+transformers' own classes (fp32, 1e-4) with images of odd sizes, text only, left padding and
+packed rows, M-RoPE positions derived as ``get_rope_index`` derives them."""
+
+import pytest
+import torch
+from qwen_helpers import (
+    IMAGE_PAD,
+    MERGE,
+    MODEL_TYPES,
+    PAD,
+    image_prompt,
+    left_pad,
+    mm_token_type_ids,
+    tiny_hf_qwen,
+)
+
+from fusion import EarlyFusion
+from fusion.checkpoint import load_hf_vlm
+from fusion.checkpoint.hf_vlm import hf_model_kind
+from fusion.positions import mrope_positions
+
+ONE_IMAGE = ([(1, 6, 10)], [3, 5])
+TWO_IMAGES = ([(1, 4, 4), (1, 10, 6)], [2, 3, 4])  # odd: h != w, several windows in 10 x 6
+TEXT_ONLY = ([], [9])
+
+
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, EarlyFusion]:
+    hf = tiny_hf_qwen(request.param)
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory)
+    assert hf_model_kind(directory) == "qwen2_vl"
+    return hf, load_hf_vlm(directory).eval()
+
+
+def hf_logits(hf, ids, pixels, grid, attention_mask=None) -> torch.Tensor:
+    images = {"pixel_values": pixels, "image_grid_thw": grid} if len(grid) else {}
+    with torch.no_grad():
+        return hf(
+            input_ids=ids,
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids(ids),
+            **images,
+        ).logits
+
+
+def our_logits(model, ids, pixels, grid, **kwargs) -> torch.Tensor:
+    images = {"image": {"pixel_values": pixels, "image_grid_thw": grid}} if len(grid) else {}
+    with torch.no_grad():
+        return model(ids, encoder_input=images, **kwargs)
+
+
+@pytest.mark.parametrize("case", [ONE_IMAGE, TWO_IMAGES, TEXT_ONLY], ids=["one", "two", "text"])
+def test_logits_match_transformers(pair, case):
+    hf, model = pair
+    ids, pixels, grid = image_prompt(*case)
+    theirs = hf_logits(hf, ids, pixels, grid)
+    assert (our_logits(model, ids, pixels, grid) - theirs).abs().max() <= 1e-4
+    if len(grid):  # the images and their positions matter: far off without either
+        flat = torch.arange(ids.size(1))
+        assert (
+            our_logits(model, ids, pixels, grid, input_pos=flat.expand(3, 1, -1)) - theirs
+        ).abs().max() > 1e-3
+
+
+def test_left_padded_batch_matches_transformers(pair):
+    hf, model = pair
+    samples = [image_prompt(*case, seed=i) for i, case in enumerate([TWO_IMAGES, ONE_IMAGE])]
+    ids, attention = left_pad([s[0] for s in samples])
+    pixels = torch.cat([s[1] for s in samples])
+    grid = torch.cat([s[2] for s in samples])
+    theirs = hf_logits(hf, ids, pixels, grid, attention)
+    # fusion's left padding: pads at position 0, each sample from 0, pads attend to themselves
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    real = attention.bool()
+    causal = torch.ones(ids.size(1), ids.size(1), dtype=torch.bool).tril()
+    mask = causal & (real[:, None, :] | torch.eye(ids.size(1), dtype=torch.bool))
+    ours = our_logits(model, ids, pixels, grid, mask=mask, input_pos=positions)
+    assert (ours - theirs)[real].abs().max() <= 1e-4
+
+
+def test_packed_row_gives_each_sample_its_own_logits(pair):
+    _, model = pair
+    samples = [
+        image_prompt(*case, seed=i) for i, case in enumerate([ONE_IMAGE, TEXT_ONLY, TWO_IMAGES])
+    ]
+    alone = [our_logits(model, *s)[0] for s in samples]
+    ids = torch.cat([s[0] for s in samples], dim=1)
+    positions = torch.cat([torch.arange(s[0].size(1)) for s in samples])[None]
+    sample_of = torch.cat([torch.full((s[0].size(1),), i) for i, s in enumerate(samples)])
+    causal = torch.ones(ids.size(1), ids.size(1), dtype=torch.bool).tril()
+    mask = (causal & (sample_of[:, None] == sample_of[None, :]))[None]
+    packed = our_logits(
+        model,
+        ids,
+        torch.cat([s[1] for s in samples]),
+        torch.cat([s[2] for s in samples]),
+        mask=mask,
+        input_pos=positions,
+    )[0]
+    assert (packed - torch.cat(alone)).abs().max() <= 1e-5
+
+
+def test_positions_equal_get_rope_index(pair):
+    hf, _ = pair
+    samples = [image_prompt(*case, seed=i) for i, case in enumerate([TWO_IMAGES, ONE_IMAGE])]
+    ids, attention = left_pad([s[0] for s in samples])
+    grid = torch.cat([s[2] for s in samples])
+    theirs, deltas = hf.model.get_rope_index(
+        ids, mm_token_type_ids(ids), image_grid_thw=grid, attention_mask=attention
+    )
+    ours, offsets = mrope_positions(
+        ids, (attention.cumsum(1) - 1).clamp(min=0), IMAGE_PAD, grid, MERGE
+    )
+    assert torch.equal(ours, theirs)
+    assert torch.equal(offsets, deltas[:, 0])
+
+
+def test_text_positions_are_bitwise_1d_rope(pair):
+    _, model = pair
+    ids, _, _ = image_prompt(*TEXT_ONLY)
+    flat = torch.arange(ids.size(1))
+    with torch.no_grad():
+        derived = model(ids)
+        one_d = model.decoder(ids, input_pos=flat)
+        three = model.decoder(ids, input_pos=flat.expand(3, 1, -1))
+    assert torch.equal(derived, one_d) and torch.equal(three, one_d)
+    assert PAD not in ids[0].tolist()
+
+
+def test_export_loads_in_transformers_with_equal_logits(pair, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from fusion.checkpoint import export_hf, load_state_dict
+
+    hf, model = pair
+    source = tmp_path / "source"
+    hf.save_pretrained(source)
+    export_hf(model, source, tmp_path / "out")
+    assert set(load_state_dict(tmp_path / "out")) == set(load_state_dict(source))
+    again = AutoModelForImageTextToText.from_pretrained(tmp_path / "out").eval()
+    assert type(again) is type(hf)
+    ids, pixels, grid = image_prompt(*TWO_IMAGES)
+    assert (
+        hf_logits(again, ids, pixels, grid) - our_logits(model, ids, pixels, grid)
+    ).abs().max() <= 1e-4
+    reloaded = load_hf_vlm(tmp_path / "out").eval()
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(reloaded.state_dict().values(), model.state_dict().values(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_in_memory_layout_and_flat_published_config(tmp_path, model_type):
+    """transformers' in-memory key names (``model.visual.*``, ``model.language_model.*``) and
+    a flat config.json as published on the Hub (``rope_scaling`` of type ``mrope``)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hf = tiny_hf_qwen(model_type, seed=1)
+    hf.save_pretrained(tmp_path / "hub")
+    config = json.loads((tmp_path / "hub" / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {k: v for k, v in text.items() if k != "model_type"} | {
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]},
+    }
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "config.json").write_text(json.dumps(config | flat))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    assert any(k.startswith("model.visual.") for k in state)
+    save_file(
+        state | {"lm_head.weight": hf.lm_head.weight.detach().clone()},
+        tmp_path / "flat" / "model.safetensors",
+    )
+    model = load_hf_vlm(tmp_path / "flat").eval()
+    ids, pixels, grid = image_prompt(*ONE_IMAGE)
+    assert (
+        our_logits(model, ids, pixels, grid) - hf_logits(hf, ids, pixels, grid)
+    ).abs().max() <= 1e-4

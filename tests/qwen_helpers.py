@@ -1,0 +1,123 @@
+"""Tiny random Qwen2-VL and Qwen2.5-VL models that ``transformers`` builds in the tests
+(nothing downloaded), and prompts with images of odd sizes, shared by the Qwen tests."""
+
+import torch
+
+from vlm_helpers import randomize
+
+VOCAB = 160
+PAD, EOS = 0, 2
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 150, 151, 152, 153
+PATCH, MERGE, TEMPORAL = 14, 2, 2
+PATCH_WIDTH = 3 * TEMPORAL * PATCH * PATCH  # one flattened patch
+
+TEXT_CONFIG = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    # head_dim 8: 4 frequencies, split over (t, h, w)
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 1, 1]},
+    "pad_token_id": PAD,
+    "bos_token_id": None,
+    "eos_token_id": EOS,
+}
+VISION_CONFIGS = {
+    "qwen2_vl": {
+        "depth": 2,
+        "embed_dim": 16,
+        "hidden_size": 32,
+        "mlp_ratio": 2,
+        "num_heads": 2,
+        "patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": TEMPORAL,
+    },
+    # window 56 pixels = 2 x 2 merged patches: images of more than 4 x 4 patches have several
+    # windows; block 1 attends over the whole image, blocks 0 and 2 within windows.
+    "qwen2_5_vl": {
+        "depth": 3,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_heads": 2,
+        "out_hidden_size": 32,
+        "patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": TEMPORAL,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    },
+}
+MODEL_TYPES = tuple(VISION_CONFIGS)
+
+
+def tiny_hf_qwen(model_type: str = "qwen2_5_vl", seed: int = 0, *, tied: bool = False):
+    """A random ``Qwen2VLForConditionalGeneration`` or ``Qwen2_5_VLForConditionalGeneration``
+    in fp32 eval mode (SDPA attention), weights from :func:`vlm_helpers.randomize`."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    config_class, model_class = {
+        "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
+        "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+    }[model_type]
+    config = config_class(
+        text_config=dict(TEXT_CONFIG),
+        vision_config=dict(VISION_CONFIGS[model_type]),
+        image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32)
+    return randomize(model, seed)
+
+
+def image_prompt(
+    grids: list[tuple[int, int, int]],
+    text_lengths: list[int],
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sample: text runs of ``text_lengths`` (one more than images) around images of patch
+    ``grids`` (t, h, w), each image as ``<|vision_start|>`` + placeholders +
+    ``<|vision_end|>``. Returns (ids [1, s], pixel_values [n_patches, PATCH_WIDTH],
+    image_grid_thw [n, 3])."""
+    assert len(text_lengths) == len(grids) + 1
+    generator = torch.Generator().manual_seed(seed)
+    pieces = []
+    for i, length in enumerate(text_lengths):
+        pieces.append(torch.randint(3, 140, (length,), generator=generator))
+        if i < len(grids):
+            t, h, w = grids[i]
+            rows = t * h * w // MERGE**2
+            pieces.append(torch.tensor([VISION_START, *[IMAGE_PAD] * rows, VISION_END]))
+    patches = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(patches, PATCH_WIDTH, generator=generator)
+    grid = torch.tensor(grids, dtype=torch.long).view(-1, 3)
+    return torch.cat(pieces)[None], pixels, grid
+
+
+def mm_token_type_ids(ids: torch.Tensor) -> torch.Tensor:
+    """What the processor emits for transformers' M-RoPE: 1 at image placeholders."""
+    return (ids == IMAGE_PAD).to(torch.int32)
+
+
+def left_pad(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids [1, s_i] left-padded into [b, max s] with PAD; and the attention mask."""
+    length = max(s.size(1) for s in samples)
+    ids = torch.full((len(samples), length), PAD)
+    mask = torch.zeros(len(samples), length, dtype=torch.long)
+    for i, sample in enumerate(samples):
+        ids[i, length - sample.size(1) :] = sample[0]
+        mask[i, length - sample.size(1) :] = 1
+    return ids, mask
