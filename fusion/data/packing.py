@@ -36,7 +36,9 @@ class Batch:
         input_pos: int64 [b, s] positions restarting at every sample (packed); None for a
             padded batch (0, 1, ... in every row).
         encoder_input: ``{"image": {"pixel_values": float32 [tiles, 3, h, w]}}`` in order of
-            appearance across the batch, or ``{}`` without images.
+            appearance across the batch, or ``{}`` without images; for Qwen2-VL the patches
+            ``[n_patches, d]`` and ``"image_grid_thw"`` [n_images, 3] (on the CPU, where the
+            tower reads it).
         num_tokens: tokens that are not padding.
         num_targets: positions with a target (what the loss averages over).
         num_samples: samples in the batch.
@@ -79,8 +81,12 @@ class Batch:
                 return None
             return tensor.to(device=device, dtype=dtype, non_blocking=non_blocking)
 
+        # Grids stay on the CPU: the vision tower reads them on the host (no synchronisation).
         encoder_input = {
-            name: {key: move(value, pixel_dtype) for key, value in kwargs.items()}
+            name: {
+                key: value if key == "image_grid_thw" else move(value, pixel_dtype)
+                for key, value in kwargs.items()
+            }
             for name, kwargs in self.encoder_input.items()
         }
         return replace(
@@ -219,7 +225,7 @@ def _collate(
     labels = torch.full((batch, seq_len), IGNORE_INDEX, dtype=torch.int64)
     segments = torch.full((batch, seq_len), -1, dtype=torch.int64)  # -1: padding
     positions = torch.zeros(batch, seq_len, dtype=torch.int64)
-    pixels = []
+    pixels, grids = [], []
     for r, row in enumerate(rows):
         start = 0
         for s, sample in enumerate(row):
@@ -235,6 +241,7 @@ def _collate(
             positions[r, start:end] = torch.arange(len(sample))
             if sample.pixel_values.numel():
                 pixels.append(sample.pixel_values)
+                grids.append(sample.image_grid_thw)
             start = end
         positions[r, start:] = torch.arange(seq_len - start)
     mask = input_pos = None
@@ -248,6 +255,8 @@ def _collate(
         if len(shapes) > 1:
             raise ValueError(f"samples: pixel values of different shapes or dtypes {shapes}")
         encoder_input = {encoder: {"pixel_values": torch.cat(pixels)}}
+        if any(len(grid) for grid in grids):
+            encoder_input[encoder]["image_grid_thw"] = torch.cat(grids)
     return Batch(
         tokens=tokens,
         labels=labels,

@@ -75,12 +75,15 @@ class Sample:
             follows it, so packed samples stay apart).
         pixel_values: float32 [tiles, 3, s, s], the images (LLaVA) or tiles (Idefics3) in order
             of their placeholders; ``tiles`` is 0 without images (and for text-only models),
-            and for a sample whose ``images`` are not loaded yet.
+            and for a sample whose ``images`` are not loaded yet. Qwen2-VL: the images'
+            flattened patches [n_patches, 3 * 2 * p * p].
         source: where it comes from (``"file:line"``), for messages.
         truncated: whether :func:`fit_sample` cut its end.
         images: the image files whose pixels :meth:`ConversationEncoder.load_pixels` makes
             (what :func:`encode_conversations` gives); empty when ``pixel_values`` came
             with the sample.
+        image_grid_thw: Qwen2-VL: int64 [n_images, 3], each image's patch grid (t, h, w)
+            (what the vision tower and the M-RoPE positions need); [0, 3] for other models.
     """
 
     tokens: torch.Tensor
@@ -89,6 +92,9 @@ class Sample:
     source: str = ""
     truncated: bool = False
     images: tuple[ImageRef, ...] = ()
+    image_grid_thw: torch.Tensor = field(
+        default_factory=lambda: torch.empty(0, 3, dtype=torch.int64)
+    )
 
     def __post_init__(self) -> None:
         """Raises ValueError: ``tokens`` not integer ids [n] with n >= 1, ``labels`` not
@@ -119,6 +125,16 @@ class Sample:
             pixels.numel() and not pixels.dtype.is_floating_point
         ):
             raise ValueError(f"pixel_values: expected a floating tensor, got {_describe(pixels)}")
+        grids = self.image_grid_thw
+        if (
+            not isinstance(grids, torch.Tensor)
+            or grids.dim() != 2
+            or grids.size(1) != 3
+            or grids.dtype != torch.int64
+        ):
+            raise ValueError(
+                f"image_grid_thw: expected int64 [n_images, 3], got {_describe(grids)}"
+            )
         if not isinstance(self.images, tuple) or not all(
             isinstance(ref, ImageRef) for ref in self.images
         ):

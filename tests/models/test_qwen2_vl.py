@@ -4,6 +4,11 @@ packed rows, M-RoPE positions derived as ``get_rope_index`` derives them."""
 
 import pytest
 import torch
+
+from fusion import EarlyFusion
+from fusion.checkpoint import load_hf_vlm
+from fusion.checkpoint.hf_vlm import hf_model_kind
+from fusion.positions import mrope_positions
 from qwen_helpers import (
     IMAGE_PAD,
     MERGE,
@@ -14,11 +19,6 @@ from qwen_helpers import (
     mm_token_type_ids,
     tiny_hf_qwen,
 )
-
-from fusion import EarlyFusion
-from fusion.checkpoint import load_hf_vlm
-from fusion.checkpoint.hf_vlm import hf_model_kind
-from fusion.positions import mrope_positions
 
 ONE_IMAGE = ([(1, 6, 10)], [3, 5])
 TWO_IMAGES = ([(1, 4, 4), (1, 10, 6)], [2, 3, 4])  # odd: h != w, several windows in 10 x 6
