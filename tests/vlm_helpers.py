@@ -186,3 +186,56 @@ def make_image(height: int, width: int, seed: int = 0, channels: int = 3) -> np.
 def as_tensor(array: np.ndarray) -> torch.Tensor:
     """[h, w, c] uint8 array -> [c, h, w] uint8 tensor."""
     return torch.from_numpy(np.array(array)).permute(2, 0, 1).contiguous()
+
+
+# Qwen2-VL / Qwen2.5-VL: a character tokenizer with Qwen's special tokens, for tiny models of
+# 160 tokens (<|endoftext|> pads, <|im_end|> ends, the vision tokens are 150 to 153).
+QWEN_VOCAB = 160
+QWEN_SPECIAL_IDS = {
+    "<|endoftext|>": 0,
+    "<|im_start|>": 1,
+    "<|im_end|>": 2,
+    "<unk>": 3,
+    "<|vision_start|>": 150,
+    "<|vision_end|>": 151,
+    "<|image_pad|>": 152,
+    "<|video_pad|>": 153,
+}
+QWEN_IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def qwen_char_tokenizer():
+    """A ``tokenizers.Tokenizer``: one token per character of :data:`CHARS` (ids from 4), Qwen's
+    special tokens as added tokens at :data:`QWEN_SPECIAL_IDS`; nothing prepended, as Qwen's
+    tokenizers prepend nothing."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = dict(QWEN_SPECIAL_IDS) | {c: 4 + i for i, c in enumerate(CHARS)}
+    assert max(vocab.values()) < QWEN_VOCAB and len(set(vocab.values())) == len(vocab)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.add_special_tokens([t for t in QWEN_SPECIAL_IDS if t != "<unk>"])
+    return tokenizer
+
+
+def qwen_hf_tokenizer(tokenizer):
+    """The same tokenizer as ``transformers`` wraps it."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+    )
+
+
+def without_torchvision_video(monkeypatch) -> None:
+    """Let ``transformers`` build Qwen2-VL's processors without torchvision: their video
+    processor needs it, images do not use it (it is loaded as None and its class check
+    skipped)."""
+    from transformers.models.auto.video_processing_auto import AutoVideoProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda *a: None)
+    monkeypatch.setattr(AutoVideoProcessor, "from_pretrained", classmethod(lambda *a, **k: None))

@@ -1,4 +1,5 @@
-"""From image files and prompts to token ids and pixels, for LLaVA and Idefics3 / SmolVLM.
+"""From image files and prompts to token ids and pixels, for LLaVA, Idefics3 / SmolVLM,
+Qwen2-VL and Qwen2.5-VL.
 
 Decoding uses Pillow (the ``vision`` extra), imported only by :func:`load_image` and
 :func:`from_pil`, and by the resize where it is installed (Pillow's own ``Image.resize``,
@@ -11,6 +12,10 @@ Face's image processors compute (their Pillow backend), resizing included withou
     inputs = prepare_inputs(directory, "<image>\\nWhat is this?", [load_image("cat.png")])
     tokens = inputs.tokens(pad_id)                 # [b, s], image markers expanded
     encoder_input = inputs.encoder_input()         # {"image": {"pixel_values": ...}}
+
+Qwen2-VL and Qwen2.5-VL mark each image as their chat template does,
+``"<|vision_start|><|image_pad|><|vision_end|>"``, and their ``encoder_input`` also holds the
+images' ``image_grid_thw``.
 """
 
 from fusion.preprocessing.clip import ClipImageProcessor
@@ -31,11 +36,19 @@ from fusion.preprocessing.processor import (
     prepare_inputs,
 )
 from fusion.preprocessing.prompts import expand_markers
+from fusion.preprocessing.qwen2_vl import (
+    PatchedImages,
+    Qwen2VLImageProcessor,
+    qwen2_vl_image_text,
+    smart_resize,
+)
 from fusion.preprocessing.resize import resize
 
 __all__ = [
     "ClipImageProcessor",
     "Idefics3ImageProcessor",
+    "PatchedImages",
+    "Qwen2VLImageProcessor",
     "TiledImage",
     "VisionInputs",
     "VisionLanguageProcessor",
@@ -48,7 +61,9 @@ __all__ = [
     "load_image",
     "normalize",
     "prepare_inputs",
+    "qwen2_vl_image_text",
     "rescale",
     "resize",
+    "smart_resize",
     "to_rgb",
 ]

@@ -33,6 +33,15 @@ class ConfigReader:
             raise self.fail(key, f"expected true or false, got {value!r}")
         return value
 
+    def integer(self, key: str, default: int) -> int:
+        """An integer (its range is checked where it is used)."""
+        value = self.config.get(key, default)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"expected an integer, got {value!r:.200}")
+        return value
+
     def number(self, key: str, default: float) -> float:
         value = self.config.get(key, default)
         if value is None:

@@ -60,11 +60,7 @@ def from_pil(image: Any, name: str = "image", *, contiguous: bool = True) -> tor
     """
     if not is_pil_image(image):
         raise TypeError(f"{name}: expected a Pillow image, got {type(image).__name__}")
-    if image.mode not in DECODABLE_MODES:
-        raise ValueError(
-            f"{name}: Pillow mode {image.mode!r} cannot be taken (16-bit, 32-bit or float "
-            f"pixels would have to be clipped); expected one of {list(DECODABLE_MODES)}"
-        )
+    check_pil_mode(image, name)
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
     if has_alpha:
         image = image.convert("RGBA")
@@ -74,6 +70,16 @@ def from_pil(image: Any, name: str = "image", *, contiguous: bool = True) -> tor
     channels = len(image.getbands())
     pixels = data.view(image.height, image.width, channels).permute(2, 0, 1)
     return pixels.contiguous() if contiguous else pixels
+
+
+def check_pil_mode(image: Any, name: str = "image") -> None:
+    """Raise ``ValueError`` (naming ``name``) unless the Pillow image's mode is one
+    :func:`from_pil` takes: checked before anything is converted."""
+    if image.mode not in DECODABLE_MODES:
+        raise ValueError(
+            f"{name}: Pillow mode {image.mode!r} cannot be taken (16-bit, 32-bit or float "
+            f"pixels would have to be clipped); expected one of {list(DECODABLE_MODES)}"
+        )
 
 
 def default_max_pixels() -> int:

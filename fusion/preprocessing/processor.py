@@ -1,4 +1,5 @@
-"""Prompts and images -> token ids and pixels for a LLaVA or Idefics3 / SmolVLM model."""
+"""Prompts and images -> token ids and pixels for a LLaVA, Idefics3 / SmolVLM, Qwen2-VL or
+Qwen2.5-VL model."""
 
 import dataclasses
 import os
@@ -20,6 +21,19 @@ from fusion.preprocessing.clip import ClipImageProcessor
 from fusion.preprocessing.idefics3 import IMAGE_TOKEN, Idefics3ImageProcessor, idefics3_image_text
 from fusion.preprocessing.images import check_max_pixels, check_pixels, image_size
 from fusion.preprocessing.prompts import check_marker_count, expand_markers
+from fusion.preprocessing.qwen2_vl import (
+    IMAGE_PAD,
+    QWEN2_VL_IMAGE_MARKER,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    Qwen2VLImageProcessor,
+    Qwen2VLLayout,
+    check_against_tower,
+    qwen2_vl_image_text,
+    qwen2_vl_model_type,
+    read_qwen2_vl_layout,
+)
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 PROCESSOR_CONFIG = "processor_config.json"
@@ -32,12 +46,26 @@ MAX_IMAGE_ROWS = 1 << 16
 _WARNED_DEFAULTS: set[str] = set()  # directories whose defaults were announced
 
 Encode = Callable[[str], list[int]]
+ImageProcessor = ClipImageProcessor | Idefics3ImageProcessor | Qwen2VLImageProcessor
+KINDS = {
+    "llava": ClipImageProcessor,
+    "idefics3": Idefics3ImageProcessor,
+    "qwen2_vl": Qwen2VLImageProcessor,
+}
 
 
 def detect_model_kind(directory: str | bytes | os.PathLike) -> str:
-    """``"llama"``, ``"llava"`` or ``"idefics3"``: what a model directory's ``config.json``
-    describes (see :func:`fusion.checkpoint.hf_vlm.hf_model_kind`, whose errors it raises)."""
+    """``"llama"``, ``"llava"``, ``"idefics3"`` or ``"qwen2_vl"`` (Qwen2-VL and Qwen2.5-VL):
+    what a model directory's ``config.json`` describes (see
+    :func:`fusion.checkpoint.hf_vlm.hf_model_kind`, whose errors it raises)."""
+    if _is_qwen2_vl(directory):
+        return "qwen2_vl"
     return hf_model_kind(directory)
+
+
+def _is_qwen2_vl(directory: str | bytes | os.PathLike) -> bool:
+    """Whether ``config.json`` describes a Qwen2-VL or Qwen2.5-VL model (its ``model_type``)."""
+    return qwen2_vl_model_type(read_hf_config(directory)) is not None
 
 
 @dataclass(frozen=True)
@@ -47,11 +75,17 @@ class VisionInputs:
     Attributes:
         ids: the token ids of each prompt, image markers expanded to placeholder ids.
         pixel_values: float32 [n, 3, s, s], the images (LLaVA) or tiles (Idefics3) of all
-            prompts in order; ``n`` is 0 without images.
+            prompts in order; ``n`` is 0 without images. Qwen2-VL: the flattened patches of
+            all images in order, float32 [n_patches, 3 * temporal_patch_size *
+            patch_size**2].
+        image_grid_thw: Qwen2-VL only (None otherwise): int64 [n_images, 3] on the CPU, each
+            image's (temporal, height, width) grid of patches; an image gives
+            ``t * h * w / merge_size**2`` placeholder rows.
     """
 
     ids: list[list[int]]
     pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor | None = None
 
     def tokens(self, pad_id: int, device: str | torch.device | None = None) -> torch.Tensor:
         """The prompts as a left-padded [b, s] int64 batch (see
@@ -63,10 +97,15 @@ class VisionInputs:
     ) -> dict[str, Any]:
         """``encoder_input`` for ``EarlyFusion`` / :func:`fusion.generate`: ``{"image":
         {"pixel_values": ...}}`` (moved to ``device`` / ``dtype`` if given), or ``{}`` without
-        images."""
+        images. Qwen2-VL's also holds ``"image_grid_thw"``, which stays on the CPU: the tower
+        reads the grids as sizes (to split the images and build their positions), and a copy
+        on an accelerator would only be read back."""
         if self.pixel_values.size(0) == 0:
             return {}
-        return {"image": {"pixel_values": self.pixel_values.to(device=device, dtype=dtype)}}
+        pixel_values = self.pixel_values.to(device=device, dtype=dtype)
+        if self.image_grid_thw is None:
+            return {"image": {"pixel_values": pixel_values}}
+        return {"image": {"pixel_values": pixel_values, "image_grid_thw": self.image_grid_thw}}
 
 
 class VisionLanguageProcessor:
@@ -79,54 +118,80 @@ class VisionLanguageProcessor:
     :func:`fusion.preprocessing.idefics3_image_text`), then the prompt is tokenized whole, as
     the processor tokenizes it.
 
+    Qwen2-VL and Qwen2.5-VL (``kind="qwen2_vl"``) mark each image as Qwen's chat template
+    writes it, ``<|vision_start|><|image_pad|><|vision_end|>``, and the ``<|image_pad|>``
+    becomes one per row of that image (``t * h * w / merge_size**2``, see
+    :func:`fusion.preprocessing.qwen2_vl_image_text`); the :class:`VisionInputs` then carry
+    the images' ``image_grid_thw`` too.
+
     Args:
-        kind: ``"llava"`` or ``"idefics3"``.
-        image_processor: a :class:`ClipImageProcessor` (LLaVA) or
-            :class:`Idefics3ImageProcessor`.
-        tokens_per_image: rows per image (LLaVA) or tile (Idefics3).
-        image_size: the side of the square images or tiles the vision tower takes.
-        image_token_id: the placeholder id; the tokenizer must encode ``"<image>"`` as it.
+        kind: ``"llava"``, ``"idefics3"`` or ``"qwen2_vl"``.
+        image_processor: a :class:`ClipImageProcessor` (LLaVA),
+            :class:`Idefics3ImageProcessor` or :class:`Qwen2VLImageProcessor`.
+        tokens_per_image: rows per image (LLaVA) or tile (Idefics3); None for Qwen2-VL,
+            whose rows vary with each image's size (the attribute is then 1: :meth:`plan`
+            counts rows).
+        image_size: the side of the square images or tiles the vision tower takes; None for
+            Qwen2-VL (the attribute is then the side of its patches).
+        image_token_id: the placeholder id; the tokenizer must encode ``"<image>"`` (Qwen2-VL:
+            ``"<|image_pad|>"``) as it.
         encode: text -> ids, special tokens (BOS) added as the model expects.
         max_pixels: the most pixels an image may have, as given or at any step of its
             processing (None: :func:`fusion.preprocessing.images.default_max_pixels`,
-            Pillow's decompression-bomb limit).
+            Pillow's decompression-bomb limit). Not Qwen2-VL's own ``max_pixels`` setting,
+            which its image processor holds.
         max_tiles_per_image: the most tiles one image may be split into (Idefics3).
         max_image_rows: the most placeholder rows the images of one prompt may expand to.
+        vision_start_token_id, vision_end_token_id: Qwen2-VL only (and required there): the
+            ids of ``<|vision_start|>`` and ``<|vision_end|>``, which must enclose each
+            image's placeholders once tokenized.
 
-    The three caps are checked from the images' sizes, before any pixel is processed.
+    The caps are checked from the images' sizes, before any pixel is processed.
 
     Raises:
         TypeError: ``encode`` not callable.
-        ValueError: an unknown ``kind``, an image processor of the other kind, a size or cap
-            that is not a positive integer or a negative ``image_token_id``.
+        ValueError: an unknown ``kind``, an image processor of another kind, a size or cap
+            that is not a positive integer or a negative id, an argument given for a kind
+            that does not take it (or missing where it is needed).
     """
 
     def __init__(
         self,
         kind: str,
-        image_processor: ClipImageProcessor | Idefics3ImageProcessor,
+        image_processor: ImageProcessor,
         *,
-        tokens_per_image: int,
-        image_size: int,
+        tokens_per_image: int | None = None,
+        image_size: int | None = None,
         image_token_id: int,
         encode: Encode,
         max_pixels: int | None = None,
         max_tiles_per_image: int = MAX_TILES_PER_IMAGE,
         max_image_rows: int = MAX_IMAGE_ROWS,
+        vision_start_token_id: int | None = None,
+        vision_end_token_id: int | None = None,
     ) -> None:
-        expected = {"llava": ClipImageProcessor, "idefics3": Idefics3ImageProcessor}
-        if kind not in expected:
-            raise ValueError(f"kind: expected 'llava' or 'idefics3', got {kind!r}")
-        if not isinstance(image_processor, expected[kind]):
+        if kind not in KINDS:
+            raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
+        if not isinstance(image_processor, KINDS[kind]):
             raise ValueError(
-                f"image_processor: expected a {expected[kind].__name__} for {kind}, got "
+                f"image_processor: expected a {KINDS[kind].__name__} for {kind}, got "
                 f"{type(image_processor).__name__}"
             )
         if not callable(encode):
             raise TypeError(f"encode: expected a callable text -> ids, got {type(encode).__name__}")
+        qwen = isinstance(image_processor, Qwen2VLImageProcessor)
+        per_kind = {
+            "tokens_per_image": (tokens_per_image, 1, not qwen),
+            "image_size": (image_size, 1, not qwen),
+            "vision_start_token_id": (vision_start_token_id, 0, qwen),
+            "vision_end_token_id": (vision_end_token_id, 0, qwen),
+        }
+        for name, (given, _, taken) in per_kind.items():
+            if not taken and given is not None:
+                raise ValueError(f"{name}: not taken by {kind} (expected None), got {given!r}")
+        checked = [(name, value, low) for name, (value, low, taken) in per_kind.items() if taken]
         for name, value, low in (
-            ("tokens_per_image", tokens_per_image, 1),
-            ("image_size", image_size, 1),
+            *checked,
             ("image_token_id", image_token_id, 0),
             ("max_tiles_per_image", max_tiles_per_image, 1),
             ("max_image_rows", max_image_rows, 1),
@@ -134,16 +199,24 @@ class VisionLanguageProcessor:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
         self.kind = kind
-        self.image_processor = image_processor
-        self.tokens_per_image = tokens_per_image
-        self.image_size = image_size
-        self.image_token_id = image_token_id
-        self.encode = encode
         self.max_pixels = check_max_pixels(max_pixels)
+        self.image_processor: ImageProcessor
+        # The image processor applies the same pixel cap.
+        if isinstance(image_processor, Qwen2VLImageProcessor):
+            self.image_processor = dataclasses.replace(image_processor, pixel_limit=self.max_pixels)
+            # Qwen2-VL's rows vary per image: plan() counts them one by one.
+            tokens_per_image, image_size = 1, image_processor.patch_size
+        else:
+            self.image_processor = dataclasses.replace(image_processor, max_pixels=self.max_pixels)
+        assert tokens_per_image is not None and image_size is not None  # checked above
+        self.tokens_per_image: int = tokens_per_image
+        self.image_size: int = image_size
+        self.image_token_id = image_token_id
+        self.vision_start_token_id = vision_start_token_id
+        self.vision_end_token_id = vision_end_token_id
+        self.encode = encode
         self.max_tiles_per_image = max_tiles_per_image
         self.max_image_rows = max_image_rows
-        # The image processor applies the same pixel cap.
-        self.image_processor = dataclasses.replace(image_processor, max_pixels=self.max_pixels)
 
     @classmethod
     def for_model(
@@ -194,46 +267,54 @@ class VisionLanguageProcessor:
         """From a model directory, read as ``transformers`` reads it:
 
         - ``config.json``: the model (placeholder id, rows per image or tile, the tower's
-          image size);
+          image size; Qwen2-VL and Qwen2.5-VL: the placeholder, start and end ids and the
+          tower's patch, merge and temporal patch sizes, see
+          :func:`fusion.preprocessing.qwen2_vl.read_qwen2_vl_layout`);
         - the image processor's settings from the first place that holds them, in
           ``transformers``' order: the ``"image_processor"`` object of
           ``processor_config.json`` (what transformers 5's ``save_pretrained`` writes), then
           ``preprocessor_config.json``; with neither, the family's defaults for the tower's
-          image size, said once in a warning naming them;
+          image size (Qwen2-VL: transformers' defaults with the tower's patch sizes), said
+          once in a warning naming them. Qwen2-VL's pixel range is read as transformers
+          5.24 reads it (:meth:`Qwen2VLImageProcessor.from_config`: ``min_pixels`` /
+          ``max_pixels`` over ``size``);
         - the top level of ``processor_config.json`` (``image_seq_len`` of Idefics3 /
           SmolVLM; ``patch_size``, ``num_additional_image_tokens`` and
           ``vision_feature_select_strategy`` of LLaVA), checked against the model;
         - unless ``encode`` is given, ``tokenizer.json`` (read with ``tokenizers``).
 
         Image sizes the settings lead to are checked against the tower (crops or tiles of
-        its image size) before any image is processed. ``max_pixels``,
-        ``max_tiles_per_image`` and ``max_image_rows`` are as for the constructor.
+        its image size; Qwen2-VL: its patch sizes) before any image is processed.
+        ``max_pixels``, ``max_tiles_per_image`` and ``max_image_rows`` are as for the
+        constructor.
 
         Raises:
-            CheckpointError: naming the file and key: a config that describes no LLaVA or
-                Idefics3 model, a processor file that exists but cannot be read, settings that
-                contradict the model (``image_seq_len``, ``patch_size``, a crop or tile size
-                other than the tower's), no ``tokenizer.json`` and no ``encode``.
+            CheckpointError: naming the file and key: a config that describes no LLaVA,
+                Idefics3 or Qwen2-VL model, a processor file that exists but cannot be read,
+                settings that contradict the model (``image_seq_len``, ``patch_size``, a crop
+                or tile size other than the tower's), no ``tokenizer.json`` and no ``encode``.
             ImportError: ``tokenizer.json`` must be read and ``tokenizers`` is missing.
             ValueError: a bad value in the image processor's settings (named with file and
-                key, e.g. a size above 4096); a bad cap.
+                key, e.g. a size above 4096, or Qwen2-VL's ``max_pixels`` above 4096 * 4096);
+                Qwen2-VL patch sizes other than the tower's; a bad cap.
         """
         directory = Path(os.fsdecode(directory))
+        if _is_qwen2_vl(directory):
+            return cls._from_qwen2_vl_directory(
+                directory,
+                encode=encode,
+                max_pixels=max_pixels,
+                max_tiles_per_image=max_tiles_per_image,
+                max_image_rows=max_image_rows,
+            )
         layout: VlmImageLayout = read_hf_vlm_layout(directory)
         found = _image_processor_settings(directory)
         image_processor: ClipImageProcessor | Idefics3ImageProcessor
         family = ClipImageProcessor if layout.kind == "llava" else Idefics3ImageProcessor
         if found is None:
             image_processor = family.for_image_size(layout.image_size)
-            if str(directory.resolve()) not in _WARNED_DEFAULTS:  # once per directory
-                _WARNED_DEFAULTS.add(str(directory.resolve()))
-                warnings.warn(
-                    f"{directory}: no image processor settings (neither {PREPROCESSOR_CONFIG} "
-                    f"nor an 'image_processor' in {PROCESSOR_CONFIG}); using the {layout.kind} "
-                    f"defaults for the tower's {layout.image_size}-pixel images: "
-                    f"{image_processor}",
-                    stacklevel=2,
-                )
+            what = f"the {layout.kind} defaults for the tower's {layout.image_size}-pixel images"
+            _warn_defaults(directory, f"{what}: {image_processor}", stacklevel=2)
         else:
             settings, where = found
             image_processor = family.from_config(settings, where)
@@ -251,19 +332,64 @@ class VisionLanguageProcessor:
             max_image_rows=max_image_rows,
         )
 
+    @classmethod
+    def _from_qwen2_vl_directory(
+        cls,
+        directory: Path,
+        *,
+        encode: Encode | None,
+        max_pixels: int | None,
+        max_tiles_per_image: int,
+        max_image_rows: int,
+    ) -> "VisionLanguageProcessor":
+        """:meth:`from_directory` for Qwen2-VL and Qwen2.5-VL."""
+        layout: Qwen2VLLayout = read_qwen2_vl_layout(directory)
+        found = _image_processor_settings(directory)
+        if found is None:
+            image_processor = Qwen2VLImageProcessor(
+                patch_size=layout.patch_size,
+                merge_size=layout.spatial_merge_size,
+                temporal_patch_size=layout.temporal_patch_size,
+            )
+            what = (
+                f"transformers' Qwen2-VL defaults with the tower's patch sizes: {image_processor}"
+            )
+            _warn_defaults(directory, what, stacklevel=3)
+        else:
+            settings, where = found
+            image_processor = Qwen2VLImageProcessor.from_config(settings, where)
+            check_against_tower(image_processor, layout, where)
+        return cls(
+            "qwen2_vl",
+            image_processor,
+            image_token_id=layout.image_token_id,
+            vision_start_token_id=layout.vision_start_token_id,
+            vision_end_token_id=layout.vision_end_token_id,
+            encode=encode or _tokenizer_encode(directory),
+            max_pixels=max_pixels,
+            max_tiles_per_image=max_tiles_per_image,
+            max_image_rows=max_image_rows,
+        )
+
     def plan(self, prompts: Sequence[str], images: Sequence[object]) -> list[int]:
-        """The tiles each image gives (1 per LLaVA image), from the images' sizes alone,
-        every cap checked: the pixels of each image at every step, the tiles per image and
-        the placeholder rows per prompt.
+        """The tiles each image gives (1 per LLaVA image; Qwen2-VL: its placeholder rows),
+        from the images' sizes alone, every cap checked: the pixels of each image at every
+        step, the tiles per image and the placeholder rows per prompt (Qwen2-VL: the aspect
+        ratio too, and the mode, as :meth:`Qwen2VLImageProcessor.check` does).
 
         Raises:
             TypeError, ValueError: an image that cannot be taken, or a cap exceeded (named by
                 the image's index or the prompt's).
         """
-        counts = [prompt.count(IMAGE_TOKEN) for prompt in prompts]
+        marker = QWEN2_VL_IMAGE_MARKER if self.kind == "qwen2_vl" else IMAGE_TOKEN
+        counts = [prompt.count(marker) for prompt in prompts]
         tiles = []
         for i, image in enumerate(images):
             name = f"images[{i}]"
+            if isinstance(self.image_processor, Qwen2VLImageProcessor):
+                t, h, w = self.image_processor.check(image, name)
+                tiles.append(t * h * w // self.image_processor.merge_size**2)
+                continue
             height, width = image_size(image, name)
             if isinstance(self.image_processor, ClipImageProcessor):
                 sizes, grid = self.image_processor.steps(height, width), 0
@@ -292,7 +418,8 @@ class VisionLanguageProcessor:
         """Expand, tokenize and process.
 
         Args:
-            prompts: one prompt or several; each ``"<image>"`` marks where an image goes.
+            prompts: one prompt or several; each ``"<image>"`` marks where an image goes
+                (Qwen2-VL: each ``"<|vision_start|><|image_pad|><|vision_end|>"``).
             images: the images, in the order of the markers (through the first prompt, then
                 the next...): uint8 tensors [1, 3 or 4, h, w] (L, RGB, RGBA) or Pillow images.
 
@@ -302,14 +429,19 @@ class VisionLanguageProcessor:
                 number of images; an image that cannot be taken (named by its index, e.g. a
                 16-bit or 2-channel one); a cap exceeded (see :meth:`plan`); images processed
                 to a size the vision tower does not take (an image processor at odds with the
-                model); an empty prompt;
+                model); Qwen2-VL: an image's aspect ratio above 200, an ``<|image_pad|>``
+                outside a marker, a ``<|video_pad|>`` (videos are not taken); an empty
+                prompt;
                 placeholder ids in the tokenized prompts that do not match the images' rows
                 (the tokenizer does not encode ``"<image>"`` as the one token
-                ``image_token_id``, or a prompt holds that token itself).
+                ``image_token_id``, or a prompt holds that token itself; Qwen2-VL: each
+                image's run of placeholders not between the start and end ids).
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not isinstance(images, Sequence) or isinstance(images, str | bytes):
             raise TypeError(f"images: expected a sequence of images, got {type(images).__name__}")
+        if self.kind == "qwen2_vl":
+            return self._qwen2_vl(prompts, images)
         check_marker_count(prompts, len(images), IMAGE_TOKEN)
         self.plan(prompts, images)
         pixel_values: torch.Tensor
@@ -317,7 +449,7 @@ class VisionLanguageProcessor:
             pixel_values = self.image_processor(images)
             texts = [IMAGE_TOKEN * self.tokens_per_image] * len(images)
             tiles = len(images)
-        else:
+        elif isinstance(self.image_processor, Idefics3ImageProcessor):
             tiled = self.image_processor(images)
             pixel_values = (
                 torch.cat([t.tiles for t in tiled])
@@ -326,6 +458,8 @@ class VisionLanguageProcessor:
             )
             texts = [idefics3_image_text(t.rows, t.cols, self.tokens_per_image) for t in tiled]
             tiles = pixel_values.size(0)
+        else:  # as __init__ checked
+            raise TypeError(f"image_processor: unexpected {type(self.image_processor).__name__}")
         if images and pixel_values.shape[1:] != (3, self.image_size, self.image_size):
             raise ValueError(
                 f"image_processor: gives images of {list(pixel_values.shape[2:])} pixels, but the "
@@ -347,6 +481,72 @@ class VisionLanguageProcessor:
             )
         return VisionInputs(ids, pixel_values)
 
+    def _qwen2_vl(self, prompts: list[str], images: Sequence[object]) -> VisionInputs:
+        """:meth:`__call__` for Qwen2-VL and Qwen2.5-VL: markers checked, every image planned
+        from its size, then the patches made and the expanded prompts tokenized."""
+        check_marker_count(prompts, len(images), QWEN2_VL_IMAGE_MARKER)
+        for i, prompt in enumerate(prompts):
+            if prompt.count(VIDEO_PAD):
+                raise ValueError(
+                    f"prompts[{i}]: holds {VIDEO_PAD!r}, a video's placeholder; videos are not "
+                    f"taken (mark each image with {QWEN2_VL_IMAGE_MARKER!r})"
+                )
+            if prompt.count(IMAGE_PAD) != prompt.count(QWEN2_VL_IMAGE_MARKER):
+                # transformers would take a lone one for an image too; the model needs each
+                # image's rows between its start and end tokens.
+                raise ValueError(
+                    f"prompts[{i}]: holds {IMAGE_PAD!r} outside the image marker "
+                    f"{QWEN2_VL_IMAGE_MARKER!r}; write the whole marker where each image goes"
+                )
+        rows = self.plan(prompts, images)
+        image_processor = self.image_processor
+        if not isinstance(image_processor, Qwen2VLImageProcessor):  # as __init__ checked
+            raise TypeError(
+                f"image_processor: expected a Qwen2VLImageProcessor, got {image_processor!r}"
+            )
+        patched = image_processor(images)
+        texts = [qwen2_vl_image_text(r) for r in rows]
+        ids = []
+        first = 0
+        for i, text in enumerate(expand_markers(prompts, texts, QWEN2_VL_IMAGE_MARKER)):
+            encoded = [int(t) for t in self.encode(text)]
+            if not encoded:
+                raise ValueError(f"prompts[{i}]: the tokenizer gives no tokens")
+            count = prompts[i].count(QWEN2_VL_IMAGE_MARKER)
+            self._check_runs(encoded, rows[first : first + count], f"prompts[{i}]")
+            first += count
+            ids.append(encoded)
+        return VisionInputs(ids, patched.pixel_values, patched.image_grid_thw)
+
+    def _check_runs(self, ids: list[int], rows: list[int], name: str) -> None:
+        """Raise ``ValueError`` unless ``ids`` hold, in order, one run of placeholder ids per
+        image, of that image's ``rows``, each right after ``vision_start_token_id`` and right
+        before ``vision_end_token_id`` (the tokenizer and ``config.json`` agree on the ids)."""
+        placeholder, start, end = (
+            self.image_token_id,
+            self.vision_start_token_id,
+            self.vision_end_token_id,
+        )
+        runs, bracketed, i = [], True, 0
+        while i < len(ids):
+            if ids[i] != placeholder:
+                i += 1
+                continue
+            first = i
+            while i < len(ids) and ids[i] == placeholder:
+                i += 1
+            runs.append(i - first)
+            bracketed &= first > 0 and ids[first - 1] == start and i < len(ids) and ids[i] == end
+        if runs != rows or not bracketed:
+            raise ValueError(
+                f"{name}: the tokenized prompt holds runs of {runs} placeholder ids "
+                f"({placeholder}){'' if bracketed else ', not all between the start and end ids'}"
+                f", but its images give {rows} rows, each between {start} and {end}; the "
+                f"tokenizer must encode {IMAGE_PAD!r}, {VISION_START!r} and {VISION_END!r} as "
+                "the single tokens config.json names (image_token_id, vision_start_token_id, "
+                "vision_end_token_id), and prompts must not hold them otherwise"
+            )
+
 
 def _tokenizer_encode(directory: Path) -> Encode:
     file = directory / TOKENIZER_FILE
@@ -366,6 +566,18 @@ def _tokenizer_encode(directory: Path) -> Encode:
     except Exception as error:  # tokenizers raises plain Exception
         raise CheckpointError(file, None, f"unreadable tokenizer: {error}") from error
     return lambda text: tokenizer.encode(text).ids
+
+
+def _warn_defaults(directory: Path, what: str, stacklevel: int) -> None:
+    """Say once per directory that it holds no image processor settings, and what is used."""
+    if str(directory.resolve()) in _WARNED_DEFAULTS:
+        return
+    _WARNED_DEFAULTS.add(str(directory.resolve()))
+    warnings.warn(
+        f"{directory}: no image processor settings (neither {PREPROCESSOR_CONFIG} nor an "
+        f"'image_processor' in {PROCESSOR_CONFIG}); using {what}",
+        stacklevel=stacklevel + 1,  # from the caller of from_directory
+    )
 
 
 def _image_processor_settings(directory: Path) -> tuple[dict[str, Any], str] | None:
@@ -461,7 +673,8 @@ def prepare_inputs(
     max_image_rows: int = MAX_IMAGE_ROWS,
 ) -> VisionInputs:
     """``VisionLanguageProcessor.from_directory(directory, ...)(prompts, images)``: what a
-    command line needs to run a LLaVA or Idefics3 directory on image files (decode them with
+    command line needs to run a LLaVA, Idefics3, Qwen2-VL or Qwen2.5-VL directory on image
+    files (decode them with
     :func:`fusion.preprocessing.load_image`, with the same ``max_pixels``). Raises as those
     two do."""
     processor = VisionLanguageProcessor.from_directory(

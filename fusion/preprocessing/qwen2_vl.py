@@ -1,0 +1,521 @@
+"""Qwen2-VL's and Qwen2.5-VL's image processor (smart resize, images cut into patches and
+flattened, still images repeated over the temporal patch), the text each image marker expands
+to, and what ``config.json`` says of the vision tower, in torch.
+
+Both families share one image processor: each image keeps roughly its own size and aspect
+ratio (:func:`smart_resize`), and gives ``t * h * w`` patches of ``3 * temporal_patch_size *
+patch_size**2`` values, concatenated over the images, and ``t * h * w / merge_size**2``
+placeholder rows.
+"""
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fusion.checkpoint import CheckpointError, hf_config, read_hf_config
+from fusion.checkpoint.errors import as_path, short_repr
+from fusion.preprocessing.config import MAX_SIDE, ConfigReader
+from fusion.preprocessing.images import (
+    CLIP_MEAN,
+    CLIP_STD,
+    as_uint8_image,
+    check_pil_mode,
+    check_pixels,
+    default_max_pixels,
+    image_size,
+    is_pil_image,
+    rescale_normalize,
+    to_rgb,
+)
+from fusion.preprocessing.resize import (
+    BICUBIC,
+    FILTER_NAMES,
+    FILTERS,
+    resize,
+    resize_pillow_image,
+    resizes_as_pillow_image,
+)
+
+QWEN2_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+# What Qwen's chat template writes for each image, and what a prompt marks an image with.
+QWEN2_VL_IMAGE_MARKER = VISION_START + IMAGE_PAD + VISION_END
+# smart_resize's own limit: a thinner image would be resized to a sliver of patches.
+MAX_ASPECT_RATIO = 200
+# Bounds on the settings, far above any published model's (patch 14 or 16, merge 2, temporal
+# 2): an image is resized to about MAX_IMAGE_PIXELS pixels at most (4096 x 4096, as the other
+# families' sides; Qwen2-VL's published max_pixels is 12,845,056, whose patches take 308 MB).
+MAX_PATCH_SIZE = 256
+MAX_MERGE_SIZE = 16
+MAX_TEMPORAL_PATCH_SIZE = 8
+MAX_IMAGE_PIXELS = MAX_SIDE * MAX_SIDE
+# transformers' defaults (Qwen2VLImageProcessor; Qwen2VLConfig / Qwen2_5_VLConfig).
+DEFAULT_MIN_PIXELS = 56 * 56
+DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+DEFAULT_TOKEN_IDS = {
+    "image_token_id": 151_655,
+    "vision_start_token_id": 151_652,
+    "vision_end_token_id": 151_653,
+}
+DEFAULT_VISION = {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name}: expected an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = DEFAULT_MIN_PIXELS,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> tuple[int, int]:
+    """The (height, width) Qwen2-VL's image processor resizes a ``height`` x ``width`` image
+    to: both multiples of ``factor`` (``patch_size * merge_size``), about the same aspect
+    ratio, and about ``min_pixels`` to ``max_pixels`` pixels. The arithmetic is transformers'
+    (Python's round-half-even, then a scale by the square root of the pixel ratio when the
+    rounded size falls outside the range), so the sizes are the same; they can leave the range
+    by a sliver of patches (a side never goes below ``factor``).
+
+    Raises:
+        ValueError: an argument that is not a positive integer (named); an aspect ratio above
+            :data:`MAX_ASPECT_RATIO` (200), which transformers refuses too.
+    """
+    for name, value in (
+        ("height", height),
+        ("width", width),
+        ("factor", factor),
+        ("min_pixels", min_pixels),
+        ("max_pixels", max_pixels),
+    ):
+        _check_int(name, value, 1, 2**62)
+    # The same float expressions as transformers, so that the same sizes come out.
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"height, width: {height} x {width} pixels, an aspect ratio of {ratio:.1f}, above "
+            f"Qwen2-VL's limit of {MAX_ASPECT_RATIO} (crop or pad the image first)"
+        )
+    new_height = round(height / factor) * factor
+    new_width = round(width / factor) * factor
+    if new_height * new_width > max_pixels:
+        scale = math.sqrt(height * width / max_pixels)  # shrink: round down, keep >= factor
+        new_height = max(factor, math.floor(height / scale / factor) * factor)
+        new_width = max(factor, math.floor(width / scale / factor) * factor)
+    elif new_height * new_width < min_pixels:
+        scale = math.sqrt(min_pixels / (height * width))  # grow: round up
+        new_height = math.ceil(height * scale / factor) * factor
+        new_width = math.ceil(width * scale / factor) * factor
+    return new_height, new_width
+
+
+def qwen2_vl_image_text(rows: int) -> str:
+    """The text one image marker expands to, as Qwen2-VL's and Qwen2.5-VL's processors write
+    it: ``<|vision_start|>``, ``rows`` times ``<|image_pad|>``, ``<|vision_end|>``.
+
+    Raises:
+        ValueError: ``rows`` not an integer in [1, :data:`MAX_IMAGE_PIXELS`] (no image of the
+            settings' bounds gives more).
+    """
+    _check_int("rows", rows, 1, MAX_IMAGE_PIXELS)
+    return VISION_START + IMAGE_PAD * rows + VISION_END
+
+
+@dataclass(frozen=True)
+class PatchedImages:
+    """Images as Qwen2-VL's vision tower takes them.
+
+    Attributes:
+        pixel_values: float32 [n_patches, 3 * temporal_patch_size * patch_size**2], the patches
+            of all images in order: per image, row-major over its merge_size x merge_size
+            blocks of patches, and within a block row-major (the order the tower's patch
+            merger reads).
+        image_grid_thw: int64 [n_images, 3], each image's (temporal, height, width) grid of
+            patches; its product is the image's patch count.
+    """
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Qwen2VLImageProcessor:
+    """Images -> :class:`PatchedImages` as transformers' ``Qwen2VLImageProcessor`` computes
+    them (its Pillow backend, ``Qwen2VLImageProcessorPil``: the one ``AutoImageProcessor``
+    gives without torchvision), used by Qwen2-VL and Qwen2.5-VL alike.
+
+    Each image is made RGB (alpha over white), resized with ``resample`` to the size
+    :func:`smart_resize` gives (multiples of ``patch_size * merge_size`` holding about
+    ``min_pixels`` to ``max_pixels`` pixels), rescaled and normalised, cut into
+    ``patch_size`` squares, and each square repeated ``temporal_patch_size`` times (a still
+    image is one frame of a video whose frames are the same).
+
+    Build it with :meth:`from_config` from ``preprocessor_config.json``, or directly (every
+    setting is checked; see :data:`MAX_IMAGE_PIXELS` and the other bounds).
+
+    Attributes:
+        pixel_limit: the most pixels an image may hold as given and as resized (None:
+            :func:`fusion.preprocessing.images.default_max_pixels`, Pillow's
+            decompression-bomb limit): a safety cap, not one of transformers' settings
+            (``VisionLanguageProcessor``'s ``max_pixels=`` sets it).
+
+    Raises:
+        ValueError: a setting out of range or inconsistent (named): sizes not integers within
+            their bounds, ``min_pixels`` above ``max_pixels``, ``max_pixels`` below one
+            ``patch_size * merge_size`` square, a resampling filter not taken.
+    """
+
+    min_pixels: int = DEFAULT_MIN_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    resample: int = BICUBIC
+    do_resize: bool = True
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+    do_convert_rgb: bool = True
+    pixel_limit: int | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_int("patch_size", self.patch_size, 1, MAX_PATCH_SIZE)
+        _check_int("merge_size", self.merge_size, 1, MAX_MERGE_SIZE)
+        _check_int("temporal_patch_size", self.temporal_patch_size, 1, MAX_TEMPORAL_PATCH_SIZE)
+        _check_int("max_pixels", self.max_pixels, 1, MAX_IMAGE_PIXELS)
+        _check_int("min_pixels", self.min_pixels, 1, MAX_IMAGE_PIXELS)
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"min_pixels: expected at most max_pixels={self.max_pixels}, got {self.min_pixels}"
+            )
+        if self.factor**2 > self.max_pixels:
+            # smart_resize never goes below one factor x factor square: max_pixels could not
+            # be kept for any image.
+            raise ValueError(
+                f"max_pixels: expected at least (patch_size * merge_size)**2 = {self.factor**2}, "
+                f"got {self.max_pixels}"
+            )
+        if isinstance(self.resample, bool) or self.resample not in FILTERS:
+            names = ", ".join(f"{n} ({FILTER_NAMES[n]})" for n in sorted(FILTERS))
+            raise ValueError(f"resample: expected one of {names}, got {self.resample!r}")
+        if self.pixel_limit is not None:
+            _check_int("pixel_limit", self.pixel_limit, 1, 2**62)
+
+    @property
+    def factor(self) -> int:
+        """``patch_size * merge_size``: the sides of resized images are multiples of it."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """The values of one flattened patch: ``3 * temporal_patch_size * patch_size**2``."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], where: str = "preprocessor_config.json"
+    ) -> "Qwen2VLImageProcessor":
+        """From a ``Qwen2VLImageProcessor`` config, read as transformers 5.24 reads it: the
+        pixel range from ``size`` (``shortest_edge`` is the minimum pixel count,
+        ``longest_edge`` the maximum; transformers' defaults, 3136 and 1003520, only when
+        ``size`` is absent), each overridden by a top-level ``min_pixels`` / ``max_pixels``
+        (the legacy keys, which published Qwen directories hold).
+
+        Raises:
+            TypeError: ``config`` not a mapping.
+            ValueError: naming ``where`` and the key: a value of the wrong type or range; a
+                pixel range given in neither form (e.g. only ``size.min_pixels``, which
+                transformers 5.24 no longer reads); an ``image_processor_type`` of another
+                family.
+        """
+        read = ConfigReader(config, where)
+        kind = config.get("image_processor_type")
+        if kind is not None and not (
+            isinstance(kind, str) and kind.startswith("Qwen2VLImageProcessor")
+        ):
+            raise read.fail(
+                "image_processor_type",
+                f"expected a Qwen2VLImageProcessor (Qwen2-VL, Qwen2.5-VL), got {kind!r}",
+            )
+        size = config.get("size")
+        if size is None:
+            pixels = {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS}
+        elif isinstance(size, Mapping):
+            pixels = {k: size[k] for k in ("shortest_edge", "longest_edge") if k in size}
+        else:
+            raise read.fail("size", f"expected an object, got {short_repr(size)}")
+        for key, edge, what in (
+            ("min_pixels", "shortest_edge", "minimum"),
+            ("max_pixels", "longest_edge", "maximum"),
+        ):
+            source = f"size.{edge}"
+            if config.get(key) is not None:
+                pixels[edge], source = config[key], key  # the legacy key wins, as in transformers
+            if pixels.get(edge) is None:
+                raise read.fail(
+                    source,
+                    f"missing: expected the {what} pixel count as size.{edge} or as {key}, got "
+                    f"size={short_repr(size)}",
+                )
+            value = pixels[edge]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value:
+                raise read.fail(source, f"expected a positive integer, got {short_repr(value)}")
+            if value > MAX_IMAGE_PIXELS:
+                raise read.fail(
+                    source,
+                    f"expected at most {MAX_IMAGE_PIXELS} pixels ({MAX_SIDE} x {MAX_SIDE}), got "
+                    f"{value}",
+                )
+        # Type errors named with the key first; ranges and consistency by the constructor.
+        sizes = {key: read.integer(key, 2) for key in ("temporal_patch_size", "merge_size")}
+        patch_size = read.integer("patch_size", 14)
+        resample = read.resample("resample", BICUBIC)
+        flags = {
+            key: read.flag(key, True)
+            for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
+        }
+        rescale_factor = read.number("rescale_factor", 1 / 255)
+        image_mean = read.triple("image_mean", CLIP_MEAN)
+        image_std = read.triple("image_std", CLIP_STD, positive=True)
+        try:
+            return cls(
+                min_pixels=pixels["shortest_edge"],
+                max_pixels=pixels["longest_edge"],
+                patch_size=patch_size,
+                temporal_patch_size=sizes["temporal_patch_size"],
+                merge_size=sizes["merge_size"],
+                resample=resample,
+                do_resize=flags["do_resize"],
+                do_rescale=flags["do_rescale"],
+                rescale_factor=rescale_factor,
+                do_normalize=flags["do_normalize"],
+                image_mean=image_mean,
+                image_std=image_std,
+                do_convert_rgb=flags["do_convert_rgb"],
+            )
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+
+    def output_size(self, height: int, width: int, name: str = "image") -> tuple[int, int]:
+        """The (height, width) an image of this size is resized to (itself without
+        ``do_resize``): arithmetic only.
+
+        Raises:
+            ValueError: naming ``name``: an aspect ratio above 200; without ``do_resize``,
+                sides that are not multiples of ``patch_size * merge_size``.
+        """
+        if not self.do_resize:
+            if height % self.factor or width % self.factor:
+                raise ValueError(
+                    f"{name}: {height} x {width} pixels with do_resize false: both sides must "
+                    f"be multiples of patch_size * merge_size = {self.factor}"
+                )
+            return height, width
+        try:
+            return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+
+    def grid(self, height: int, width: int, name: str = "image") -> tuple[int, int, int]:
+        """The (temporal, height, width) grid of patches of an image of this size (raises as
+        :meth:`output_size`)."""
+        out_height, out_width = self.output_size(height, width, name)
+        return 1, out_height // self.patch_size, out_width // self.patch_size
+
+    def rows(self, height: int, width: int, name: str = "image") -> int:
+        """The placeholder rows an image of this size gives: ``t * h * w / merge_size**2``
+        (raises as :meth:`output_size`)."""
+        t, h, w = self.grid(height, width, name)
+        return t * h * w // self.merge_size**2
+
+    def check(self, image: object, name: str = "image") -> tuple[int, int, int]:
+        """An image's grid, every check made from its size and type alone (nothing
+        converted or allocated): the type, dtype and mode (see
+        :func:`fusion.preprocessing.as_uint8_image`), 3 channels when ``do_convert_rgb`` is
+        false, the pixel cap as given and as resized, the aspect ratio.
+
+        Raises:
+            TypeError, ValueError: naming ``name``.
+        """
+        if is_pil_image(image):
+            check_pil_mode(image, name)
+        height, width = image_size(image, name)
+        if not self.do_convert_rgb:
+            # transformers then takes the pixels as they are: a grayscale, palette or RGBA
+            # image would give other channels than the tower's three.
+            if is_pil_image(image):
+                mode = image.mode  # type: ignore[attr-defined]
+                fits, got = mode == "RGB", f"Pillow mode {mode!r}"
+            else:
+                channels = as_uint8_image(image, name).size(0)
+                fits, got = channels == 3, f"{channels} channel(s)"
+            if not fits:
+                raise ValueError(
+                    f"{name}: {got} with do_convert_rgb false; expected an RGB image (3 "
+                    "channels), or set do_convert_rgb"
+                )
+        out = self.output_size(height, width, name)
+        check_pixels([(height, width), out], self.pixel_limit or default_max_pixels(), name)
+        return 1, out[0] // self.patch_size, out[1] // self.patch_size
+
+    def __call__(self, images: Sequence[object]) -> PatchedImages:
+        """Images (uint8 tensors [1, 3 or 4, h, w], or Pillow images) -> their patches and
+        grids. Every image is checked (:meth:`check`) before any is processed, and the
+        patches are written into one tensor allocated once.
+
+        Raises:
+            TypeError: ``images`` not a sequence.
+            TypeError, ValueError: an image that cannot be taken (named by its index).
+        """
+        if not isinstance(images, Sequence) or isinstance(images, str | bytes):
+            raise TypeError(f"images: expected a sequence of images, got {type(images).__name__}")
+        grids = [self.check(image, f"images[{i}]") for i, image in enumerate(images)]
+        counts = [t * h * w for t, h, w in grids]
+        pixel_values = torch.empty(sum(counts), self.patch_dim, dtype=torch.float32)
+        start = 0
+        for i, (image, count) in enumerate(zip(images, counts, strict=True)):
+            self._patches(image, f"images[{i}]", pixel_values[start : start + count])
+            start += count
+        grid_thw = torch.tensor(grids, dtype=torch.int64).view(len(grids), 3)
+        return PatchedImages(pixel_values, grid_thw)
+
+    def _patches(self, image: object, name: str, out: torch.Tensor) -> None:
+        """One checked image's patches written into ``out`` [n, patch_dim]."""
+        pixels: torch.Tensor
+        if self.do_resize and resizes_as_pillow_image(image, self.resample):
+            # A decoded RGB image goes to Pillow's resize as it is (no tensor copy first).
+            height, width = image.height, image.width  # type: ignore[attr-defined]
+            pixels = resize_pillow_image(image, self.output_size(height, width), self.resample)
+        else:
+            if is_pil_image(image) and not self.do_convert_rgb:
+                pixels = _rgb_bytes(image)  # checked: mode RGB
+            else:
+                pixels = to_rgb(as_uint8_image(image, name))  # RGB already when not converting
+            if self.do_resize:
+                pixels = resize(pixels, self.output_size(*pixels.shape[1:]), self.resample)
+        factor = self.rescale_factor if self.do_rescale else 1.0
+        mean, std = (self.image_mean, self.image_std) if self.do_normalize else (None, None)
+        # Rescaled (float64 product, rounded to float32) and normalised (float32) as
+        # transformers' Pillow backend computes them, so the values are its bits.
+        values = rescale_normalize(pixels, factor, mean, std)
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        _, height, width = values.shape
+        blocks_h, blocks_w = height // (p * m), width // (p * m)
+        # [3, H, W] -> [block row, block col, row in block, col in block, channel, y, x]: the
+        # merger's 2 x 2 neighbours are consecutive rows; each patch then repeated over time.
+        patches = values.view(3, blocks_h, m, p, blocks_w, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+        target = out.view(blocks_h, blocks_w, m, m, 3, t, p, p)
+        target.copy_(patches.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1))
+
+
+def _rgb_bytes(image: Any) -> torch.Tensor:
+    """A Pillow RGB image's bytes as uint8 [3, h, w], a transparent colour ignored (as
+    transformers reads an image it does not convert; :func:`from_pil` would composite it)."""
+    data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    return data.view(image.height, image.width, 3).permute(2, 0, 1)
+
+
+@dataclass(frozen=True)
+class Qwen2VLLayout:
+    """What preprocessing needs of a Qwen2-VL or Qwen2.5-VL ``config.json``: the placeholder
+    id of image rows, the ids around each image, and the vision tower's patch sizes."""
+
+    model_type: str
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    patch_size: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+
+
+def qwen2_vl_model_type(config: Mapping[str, Any]) -> str | None:
+    """``config``'s ``model_type`` when it is Qwen2-VL's or Qwen2.5-VL's, else None."""
+    model_type = config.get("model_type")
+    return model_type if model_type in QWEN2_VL_MODEL_TYPES else None
+
+
+def read_qwen2_vl_layout(path: str | bytes | os.PathLike) -> Qwen2VLLayout:
+    """The :class:`Qwen2VLLayout` of a Qwen2-VL or Qwen2.5-VL directory (or its
+    ``config.json``), read with the bounded JSON reader. Keys omitted take transformers'
+    defaults (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``: ids 151655, 151652 and 151653; patch
+    14, merge 2, temporal patch 2), the vision keys from ``vision_config``, which may be
+    absent, as it is in configs that leave every vision setting at its default.
+
+    Raises:
+        TypeError, ValueError: ``path`` is not a path.
+        CheckpointError: naming the file and key: ``config.json`` missing or unreadable, a
+            ``model_type`` of another family, an id that is not an integer in [0, 2**31), a
+            vision size that is not an integer within the image processor's bounds (e.g. a
+            list ``patch_size``).
+    """
+    path = as_path(path, "path")
+    file = path / hf_config.CONFIG_NAME if path.is_dir() else path
+    config = read_hf_config(file)
+    model_type = qwen2_vl_model_type(config)
+    if model_type is None:
+        raise CheckpointError(
+            file,
+            "model_type",
+            f"expected one of {list(QWEN2_VL_MODEL_TYPES)}, got "
+            f"{short_repr(config.get('model_type'))}",
+        )
+    read = hf_config.ConfigReader(config, file)
+    ids = {key: read.integer(key, default, low=0) for key, default in DEFAULT_TOKEN_IDS.items()}
+    vision = config.get("vision_config")
+    if vision is None:
+        vision = {}
+    if not isinstance(vision, Mapping):
+        raise read.fail("vision_config", f"expected an object, got {short_repr(vision)}")
+    read_vision = hf_config.ConfigReader(vision, file, "vision_config.")
+    highs = {
+        "patch_size": MAX_PATCH_SIZE,
+        "spatial_merge_size": MAX_MERGE_SIZE,
+        "temporal_patch_size": MAX_TEMPORAL_PATCH_SIZE,
+    }
+    sizes = {}
+    for key, default in DEFAULT_VISION.items():
+        value = read_vision.integer(key, default)
+        if value > highs[key]:
+            raise read_vision.fail(key, f"expected an integer <= {highs[key]}, got {value}")
+        sizes[key] = value
+    return Qwen2VLLayout(model_type, **ids, **sizes)
+
+
+def check_against_tower(
+    processor: Qwen2VLImageProcessor, layout: Qwen2VLLayout, where: str
+) -> None:
+    """Settings whose patches the vision tower cannot take are refused before any image is
+    processed (naming the file and key, and ``config.json``'s).
+
+    Raises:
+        ValueError: ``patch_size``, ``merge_size`` or ``temporal_patch_size`` other than the
+            tower's ``vision_config`` values.
+    """
+    for key, value, tower_key, tower in (
+        ("patch_size", processor.patch_size, "patch_size", layout.patch_size),
+        ("merge_size", processor.merge_size, "spatial_merge_size", layout.spatial_merge_size),
+        (
+            "temporal_patch_size",
+            processor.temporal_patch_size,
+            "temporal_patch_size",
+            layout.temporal_patch_size,
+        ),
+    ):
+        if value != tower:
+            raise ValueError(
+                f"{where}: {key}: {value}, but the vision tower (config.json, "
+                f"vision_config.{tower_key}) takes {tower}"
+            )
