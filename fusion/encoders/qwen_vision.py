@@ -1,27 +1,32 @@
-"""Qwen2-VL's and Qwen2.5-VL's vision towers (patches -> merged rows of the decoder's width), in
-plain PyTorch.
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision towers (patches -> merged rows of the
+decoder's width), in plain PyTorch.
 
-Both take the image processor's flattened patches of any number of images (or videos) of any
+All take the image processor's flattened patches of any number of images (or videos) of any
 size, concatenated, and a grid ``[n_images, 3]`` of each one's (t, h, w) in patches; they return
 one row per ``spatial_merge_size`` x ``spatial_merge_size`` block of patches, images in order:
-what transformers' vision model returns as ``pooler_output``.
+what transformers' vision model returns as ``pooler_output``. Qwen3-VL's also returns, per
+DeepStack layer, rows of the same shape from an intermediate block (``deepstack_features``).
 
 Parameter names are those of the checkpoints' ``visual.`` module without that prefix
 (``patch_embed.proj.weight``, ``blocks.{i}.norm1``, ``blocks.{i}.attn.qkv``,
 ``blocks.{i}.attn.proj``, ``blocks.{i}.mlp...``, ``merger.ln_q``, ``merger.mlp.0``,
-``merger.mlp.2``), so they load by prefix alone. The rotary frequencies are computed in each
-forward, not kept in a buffer: nothing is in the state dict that the checkpoints lack, and a
-tower built on the meta device and materialised with ``to_empty`` needs no re-initialisation.
+``merger.mlp.2``; Qwen3-VL: ``pos_embed``, ``merger.norm``, ``merger.linear_fc1``,
+``merger.linear_fc2``, ``deepstack_merger_list.{j}...``), so they load by prefix alone. The
+rotary frequencies are computed in each forward, not kept in a buffer: nothing is in the state
+dict that the checkpoints lack, and a tower built on the meta device and materialised with
+``to_empty`` needs no re-initialisation.
 
-The merger is the connector to the text decoder. This layer imports nothing above it, so
-marking it for ``EarlyFusion(fusion_trainable=...)`` is the model builder's job
-(``register_fusion_module(tower.merger)``), as for LLaVA's projector.
+The mergers are the connectors to the text decoder. This layer imports nothing above it, so
+marking them for ``EarlyFusion(fusion_trainable=...)`` is the model builder's job
+(``register_fusion_module(tower.merger)``, and each of Qwen3-VL's ``deepstack_merger_list``),
+as for LLaVA's projector.
 
 Grids are read on the host: keep ``image_grid_thw`` on the CPU, as preprocessing gives it (on
 an accelerator, reading it costs one synchronisation). The attention plans built from it are
 copied to the patches' device once per forward.
 """
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -37,6 +42,12 @@ Grid = list[tuple[int, int, int]]
 def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _non_negative(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
     return value
 
 
@@ -77,23 +88,31 @@ class PatchEmbed(nn.Module):
     """Flattened patches ``[n_patches, in_channels * temporal_patch_size * patch_size**2]``
     (channel-major, then time, then rows, then columns) -> ``[n_patches, embed_dim]``.
 
-    The weight is the checkpoints' bias-free ``Conv3d`` kernel (``proj.weight``, shape
-    ``[embed_dim, in_channels, temporal_patch_size, patch_size, patch_size]``). Its kernel equals
+    The weight is the checkpoints' ``Conv3d`` kernel (``proj.weight``, shape
+    ``[embed_dim, in_channels, temporal_patch_size, patch_size, patch_size]``; bias-free in
+    Qwen2-VL and Qwen2.5-VL, with ``proj.bias`` in Qwen3-VL). Its kernel equals
     its stride and each input is exactly one kernel's extent, so the convolution is one matrix
     product with the flattened kernel, and that is how it is computed: the same sums, as one
     plain matrix product rather than a 3-D convolution over volumes of a single kernel's size.
     """
 
     def __init__(
-        self, embed_dim: int, in_channels: int, patch_size: int, temporal_patch_size: int
+        self,
+        embed_dim: int,
+        in_channels: int,
+        patch_size: int,
+        temporal_patch_size: int,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         kernel = (temporal_patch_size, patch_size, patch_size)
-        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+        return F.linear(
+            patches.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias
+        )
 
 
 class PatchMerger(nn.Module):
@@ -144,6 +163,52 @@ class SwiGLU(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Qwen3VisionMLP(nn.Module):
+    """Qwen3-VL's vision MLP: ``linear_fc2(act(linear_fc1(x)))``, both biased."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(hidden_size, intermediate_size)
+        self.linear_fc2 = nn.Linear(intermediate_size, hidden_size)
+        self.act_fn = Activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
+class Qwen3PatchMerger(nn.Module):
+    """Qwen3-VL's merger: ``spatial_merge_size**2`` consecutive patches (one merge block)
+    concatenated, a LayerNorm (``norm``), then ``linear_fc1``, exact GELU, ``linear_fc2`` to the
+    decoder's width.
+
+    The main merger normalises each patch before concatenating (``norm`` over ``context_dim``);
+    the DeepStack mergers normalise the concatenation (``postshuffle_norm=True``: ``norm`` over
+    ``context_dim * spatial_merge_size**2``), as transformers' ``use_postshuffle_norm``.
+
+    Shapes: ``[n_patches, context_dim]`` -> ``[n_patches / spatial_merge_size**2, out_dim]``.
+    """
+
+    def __init__(
+        self, out_dim: int, context_dim: int, spatial_merge_size: int, postshuffle_norm: bool
+    ) -> None:
+        super().__init__()
+        self.merged_dim = context_dim * spatial_merge_size**2
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(self.merged_dim if postshuffle_norm else context_dim, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim)
+        self.act_fn = nn.GELU()
+        self.linear_fc2 = nn.Linear(self.merged_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # reshape with the row count spelled out: with no patches, -1 would be ambiguous.
+        rows = x.shape[0] * x.shape[1] // self.merged_dim
+        if self.postshuffle_norm:
+            x = self.norm(x.reshape(rows, self.merged_dim))
+        else:
+            x = self.norm(x).reshape(rows, self.merged_dim)
+        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Positions and attention plans, computed on the host from the grid.
 
@@ -165,6 +230,39 @@ def merge_block_positions(grid: Grid, spatial_merge_size: int) -> torch.Tensor:
     if not parts:
         return torch.zeros(0, 2, dtype=torch.long)
     return torch.cat(parts)
+
+
+def bilinear_taps(
+    grid: Grid, spatial_merge_size: int, side: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-VL's learned ``side`` x ``side`` position table resampled to each frame's (h, w)
+    grid: for every patch, in the tower's patch order, the 4 table rows that bilinear
+    interpolation with ``align_corners=True`` reads and their weights (``[n_patches, 4]`` long
+    and float32), so that a patch's position embedding is ``sum_k weights[k] * table[taps[k]]``.
+
+    Along an axis of ``n`` patches, patch ``i`` samples the table at ``i * (side - 1) /
+    max(n - 1, 1)`` (the first and last patches at the table's first and last rows), reading
+    the rows below and above that point with weights ``1 - f`` and ``1 - (1 - f)``, ``f`` its
+    fractional part (the hat kernel, in float32, as transformers evaluates it); the row above is
+    clamped to the table. The 4 taps are (low row, low col), (low, high), (high, low), (high,
+    high), weights the products of the axes'. Frames of one video share their positions.
+    """
+    positions = merge_block_positions(grid, spatial_merge_size)  # [n, 2]: row, column
+    sizes = [torch.tensor([[h, w]]).expand(t * h * w, 2) for t, h, w in grid]
+    extents = torch.cat(sizes) if sizes else torch.ones(0, 2, dtype=torch.long)
+    points = positions.float() * (side - 1) / (extents - 1).clamp(min=1)  # [n, 2] float32
+    low = points.floor()
+    below = 1 - (points - low)  # weight of the lower row (column)
+    above = 1 - below
+    low_tap = low.long().clamp(0, side - 1)
+    high_tap = (low_tap + 1).clamp(max=side - 1)
+    rows = torch.stack([low_tap[:, 0], high_tap[:, 0]], dim=1)  # [n, 2]
+    cols = torch.stack([low_tap[:, 1], high_tap[:, 1]], dim=1)
+    row_weights = torch.stack([below[:, 0], above[:, 0]], dim=1)
+    col_weights = torch.stack([below[:, 1], above[:, 1]], dim=1)
+    taps = (rows[:, :, None] * side + cols[:, None, :]).reshape(-1, 4)
+    weights = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(-1, 4)
+    return taps, weights
 
 
 def rotary_angles(
@@ -343,11 +441,10 @@ class QwenVisionBlock(nn.Module):
 
 
 class _QwenVisionTower(nn.Module):
-    """What both towers share: the config, the input checks and the forward."""
+    """What the towers share: the config, the input checks, and the run through the blocks."""
 
     patch_embed: PatchEmbed
     blocks: nn.ModuleList
-    merger: PatchMerger
 
     def __init__(
         self,
@@ -443,28 +540,20 @@ class _QwenVisionTower(nn.Module):
         return grid
 
     def _plans(self, grid: Grid) -> list[AttentionPlan]:
-        """Each block's attention plan (host-side)."""
-        raise NotImplementedError
+        """Each block's attention plan (host-side): by default, every block attends within each
+        frame."""
+        return [frame_plan(grid)] * len(self.blocks)
 
-    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """Patches of images concatenated -> their merged rows, images in order.
+    def _embed(self, pixel_values: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """The blocks' input ``[n_patches, width]``."""
+        return self.patch_embed(pixel_values)
 
-        Args:
-            pixel_values: ``[n_patches, in_channels * temporal_patch_size * patch_size**2]``
-                floating (the image processor's flattened patches); cast to the weights' dtype.
-            image_grid_thw: ``[n_images, 3]`` integer, each image's (t, h, w) in patches; read
-                on the host (keep it on the CPU). No image gives no row.
-
-        Returns:
-            ``[sum(t * h * w) / spatial_merge_size**2, out_dim]`` in the weights' dtype:
-            transformers' ``pooler_output``.
-
-        Raises:
-            TypeError, ValueError: naming the argument, before any computation: patches of
-                another shape or a non-floating dtype; a grid that is not an integer
-                ``[n, 3]`` tensor, has a non-positive entry or an h or w that is not a multiple
-                of ``spatial_merge_size``, or does not account for exactly ``n_patches``.
-        """
+    def _hidden_states(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor, keep: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Checks the inputs, then runs the patches through the blocks: the last block's output
+        ``[n_patches, width]`` and the outputs of the blocks listed in ``keep`` (in block
+        order)."""
         grid = self._check(pixel_values, image_grid_thw)
         device = pixel_values.device
         cos, sin = rotary_angles(
@@ -485,13 +574,46 @@ class _QwenVisionTower(nn.Module):
                 else:
                     steps[id(plan)] = (moved, cos[moved.order], sin[moved.order])
             schedule.append(steps[id(plan)])
-        x = self.patch_embed(pixel_values)
-        for block, (plan, plan_cos, plan_sin) in zip(self.blocks, schedule, strict=True):
+        x = self._embed(pixel_values, grid)
+        kept = []
+        for i, (block, (plan, plan_cos, plan_sin)) in enumerate(
+            zip(self.blocks, schedule, strict=True)
+        ):
             x = block(x, plan_cos, plan_sin, plan)
+            if i in keep:
+                kept.append(x)
+        return x, kept
+
+
+class _PooledQwenVisionTower(_QwenVisionTower):
+    """Qwen2-VL's and Qwen2.5-VL's forward: the merged rows alone."""
+
+    merger: PatchMerger
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Patches of images concatenated -> their merged rows, images in order.
+
+        Args:
+            pixel_values: ``[n_patches, in_channels * temporal_patch_size * patch_size**2]``
+                floating (the image processor's flattened patches); cast to the weights' dtype.
+            image_grid_thw: ``[n_images, 3]`` integer, each image's (t, h, w) in patches; read
+                on the host (keep it on the CPU). No image gives no row.
+
+        Returns:
+            ``[sum(t * h * w) / spatial_merge_size**2, out_dim]`` in the weights' dtype:
+            transformers' ``pooler_output``.
+
+        Raises:
+            TypeError, ValueError: naming the argument, before any computation: patches of
+                another shape or a non-floating dtype; a grid that is not an integer
+                ``[n, 3]`` tensor, has a non-positive entry or an h or w that is not a multiple
+                of ``spatial_merge_size``, or does not account for exactly ``n_patches``.
+        """
+        x, _ = self._hidden_states(pixel_values, image_grid_thw)
         return self.merger(x)
 
 
-class Qwen2VisionTransformer(_QwenVisionTower):
+class Qwen2VisionTransformer(_PooledQwenVisionTower):
     """Qwen2-VL's vision tower: a patch embedding, ``depth`` LayerNorm blocks (every patch
     attends to its own frame) and a LayerNorm :class:`PatchMerger` to ``hidden_size``.
 
@@ -528,8 +650,7 @@ class Qwen2VisionTransformer(_QwenVisionTower):
         _positive("embed_dim", embed_dim)
         _positive("hidden_size", hidden_size)
         _heads("embed_dim", embed_dim, num_heads)
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ValueError(f"depth: expected a non-negative integer, got {depth!r}")
+        _non_negative("depth", depth)
         if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, int | float):
             raise ValueError(f"mlp_ratio: expected a positive number, got {mlp_ratio!r}")
         intermediate = int(embed_dim * mlp_ratio)
@@ -562,11 +683,8 @@ class Qwen2VisionTransformer(_QwenVisionTower):
         )
         self.merger = PatchMerger(hidden_size, embed_dim, spatial_merge_size, norm="layer")
 
-    def _plans(self, grid: Grid) -> list[AttentionPlan]:
-        return [frame_plan(grid)] * self.depth
 
-
-class Qwen25VisionTransformer(_QwenVisionTower):
+class Qwen25VisionTransformer(_PooledQwenVisionTower):
     """Qwen2.5-VL's vision tower: a patch embedding, ``depth`` RMSNorm SwiGLU blocks and an
     RMSNorm :class:`PatchMerger` to ``out_hidden_size``.
 
@@ -613,8 +731,7 @@ class Qwen25VisionTransformer(_QwenVisionTower):
         _positive("intermediate_size", intermediate_size)
         _positive("out_hidden_size", out_hidden_size)
         _heads("hidden_size", hidden_size, num_heads)
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ValueError(f"depth: expected a non-negative integer, got {depth!r}")
+        _non_negative("depth", depth)
         _positive("window_size", window_size)
         _positive("patch_size", patch_size)
         _positive("spatial_merge_size", spatial_merge_size)
@@ -665,3 +782,156 @@ class Qwen25VisionTransformer(_QwenVisionTower):
         full = frame_plan(grid)
         windows = window_plan(grid, self.spatial_merge_size, self.window_blocks)
         return [full if i in self.fullatt_block_indexes else windows for i in range(self.depth)]
+
+
+class Qwen3VisionTransformer(_QwenVisionTower):
+    """Qwen3-VL's vision tower: a biased patch embedding plus a learned position table resampled
+    to each image's grid, ``depth`` LayerNorm blocks (every patch attends to its own frame), a
+    :class:`Qwen3PatchMerger` to ``out_hidden_size``, and one more merger per DeepStack layer.
+
+    The position table ``pos_embed`` (``num_position_embeddings`` = side x side rows) is
+    interpolated bilinearly (``align_corners=True``) to each frame's (h, w) patches, in the
+    tower's merge-block order (:func:`bilinear_taps`), in float32 and cast to the patches'
+    dtype, and added to the patch embedding. After block ``deepstack_visual_indexes[j]`` the
+    hidden states also go through ``deepstack_merger_list[j]`` (norm after the 2 x 2
+    concatenation): rows the decoder adds to its hidden states after its layer ``j``.
+
+    Args:
+        depth, hidden_size, hidden_act, intermediate_size, num_heads, in_channels, patch_size,
+            spatial_merge_size, temporal_patch_size, out_hidden_size, num_position_embeddings,
+            deepstack_visual_indexes: as in a Qwen3-VL vision config (``out_hidden_size`` is the
+            text decoder's width).
+        rope_theta: the rotary base (the config's ``rope_parameters["rope_theta"]``).
+
+    Attributes: the arguments (``deepstack_visual_indexes`` as a tuple), plus ``out_dim``
+    (= ``out_hidden_size``), ``patch_dim``, ``num_grid_per_side`` (the position table's side)
+    and ``deepstack_layers`` (the number of DeepStack mergers).
+
+    Raises:
+        ValueError: a size that is not a positive integer, heads that do not divide
+            ``hidden_size`` into multiples of 4, a ``num_position_embeddings`` that is not a
+            square, DeepStack indices that are not increasing block indices, an unknown
+            activation or ``rope_theta`` not above 1.
+    """
+
+    def __init__(
+        self,
+        *,
+        depth: int,
+        hidden_size: int,
+        hidden_act: str = "gelu_pytorch_tanh",
+        intermediate_size: int,
+        num_heads: int,
+        in_channels: int = 3,
+        patch_size: int = 16,
+        spatial_merge_size: int = 2,
+        temporal_patch_size: int = 2,
+        out_hidden_size: int,
+        num_position_embeddings: int = 2304,
+        deepstack_visual_indexes: Sequence[int] = (8, 16, 24),
+        rope_theta: float = 10000.0,
+    ) -> None:
+        _positive("hidden_size", hidden_size)
+        _positive("intermediate_size", intermediate_size)
+        _positive("out_hidden_size", out_hidden_size)
+        _heads("hidden_size", hidden_size, num_heads)
+        _non_negative("depth", depth)
+        _positive("num_position_embeddings", num_position_embeddings)
+        side = math.isqrt(num_position_embeddings)
+        if side * side != num_position_embeddings:
+            raise ValueError(
+                f"num_position_embeddings: expected a square (the side of the position table "
+                f"squared), got {num_position_embeddings}"
+            )
+        deepstack = tuple(deepstack_visual_indexes)
+        if any(
+            isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < depth
+            for index in deepstack
+        ) or list(deepstack) != sorted(set(deepstack)):
+            raise ValueError(
+                f"deepstack_visual_indexes: expected increasing block indices in [0, "
+                f"depth={depth}), got {list(deepstack)}"
+            )
+        super().__init__(
+            width=hidden_size,
+            out_dim=out_hidden_size,
+            num_heads=num_heads,
+            in_channels=in_channels,
+            patch_size=patch_size,
+            spatial_merge_size=spatial_merge_size,
+            temporal_patch_size=temporal_patch_size,
+            hidden_act=hidden_act,
+            rope_theta=rope_theta,
+        )
+        self.depth = depth
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.out_hidden_size = out_hidden_size
+        self.num_position_embeddings = num_position_embeddings
+        self.num_grid_per_side = side
+        self.deepstack_visual_indexes = deepstack
+        self.deepstack_layers = len(deepstack)
+        # Registered in the checkpoints' order.
+        self.patch_embed = PatchEmbed(
+            hidden_size, in_channels, patch_size, temporal_patch_size, bias=True
+        )
+        self.pos_embed = nn.Embedding(num_position_embeddings, hidden_size)
+        self.blocks = nn.ModuleList(
+            QwenVisionBlock(
+                nn.LayerNorm(hidden_size, eps=1e-6),
+                nn.LayerNorm(hidden_size, eps=1e-6),
+                QwenVisionAttention(hidden_size, num_heads),
+                Qwen3VisionMLP(hidden_size, intermediate_size, hidden_act),
+            )
+            for _ in range(depth)
+        )
+        self.merger = Qwen3PatchMerger(
+            out_hidden_size, hidden_size, spatial_merge_size, postshuffle_norm=False
+        )
+        self.deepstack_merger_list = nn.ModuleList(
+            Qwen3PatchMerger(
+                out_hidden_size, hidden_size, spatial_merge_size, postshuffle_norm=True
+            )
+            for _ in deepstack
+        )
+
+    def _embed(self, pixel_values: torch.Tensor, grid: Grid) -> torch.Tensor:
+        x = self.patch_embed(pixel_values)
+        taps, weights = bilinear_taps(grid, self.spatial_merge_size, self.num_grid_per_side)
+        table = self.pos_embed.weight
+        # In float32 whatever the table's dtype (transformers' float32 weights promote it).
+        positions = F.embedding_bag(
+            taps.to(table.device),
+            table.float(),
+            per_sample_weights=weights.to(table.device),
+            mode="sum",
+        )
+        return x + positions.to(x.dtype)
+
+    def forward(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Patches of images concatenated -> their merged rows and DeepStack rows, images in
+        order.
+
+        Args:
+            pixel_values: ``[n_patches, in_channels * temporal_patch_size * patch_size**2]``
+                floating (the image processor's flattened patches); cast to the weights' dtype.
+            image_grid_thw: ``[n_images, 3]`` integer, each image's (t, h, w) in patches; read
+                on the host (keep it on the CPU). No image gives no row.
+
+        Returns:
+            The rows ``[sum(t * h * w) / spatial_merge_size**2, out_dim]`` (transformers'
+            ``pooler_output``) and a tuple of ``deepstack_layers`` tensors of that shape, in
+            ``deepstack_visual_indexes`` order (transformers' ``deepstack_features``), all in
+            the weights' dtype.
+
+        Raises:
+            TypeError, ValueError: as :class:`Qwen2VisionTransformer`'s forward, before any
+                computation.
+        """
+        x, kept = self._hidden_states(pixel_values, image_grid_thw, self.deepstack_visual_indexes)
+        deepstack = tuple(
+            merger(hidden) for merger, hidden in zip(self.deepstack_merger_list, kept, strict=True)
+        )
+        return self.merger(x), deepstack
