@@ -99,6 +99,11 @@ class EarlyFusion(nn.Module):
             the 1-D ``input_pos`` (or none), that encoder's placeholders and its input's
             ``image_grid_thw``; with an enabled KV cache they are carried on in the decoder's
             ``mrope_deltas``, so that decoding steps fed to the decoder continue them.
+        deepstack: for Qwen3-VL's DeepStack, the name of an encoder that returns ``(rows,
+            layer_rows)``: ``rows`` replace its placeholders as any encoder's, and
+            ``layer_rows[k]`` (each shaped like ``rows``) is added to the output of decoder
+            layer ``k`` at the same placeholders, through the decoder's ``after_layer``
+            (this library's decoder only; no layer is replaced, no key changes).
 
     Raises:
         TypeError: ``decoder`` is none of the kinds above (the message names what was looked
@@ -125,6 +130,7 @@ class EarlyFusion(nn.Module):
         merge_impl: str = "auto",
         eager_checks: bool | None = None,
         mrope: tuple[str, int] | None = None,
+        deepstack: str | None = None,
     ) -> None:
         super().__init__()
         kind = decoder_kind(decoder)
@@ -159,6 +165,12 @@ class EarlyFusion(nn.Module):
                 f"with M-RoPE, got {mrope!r} for a {kind} decoder"
             )
         self.mrope = mrope
+        if deepstack is not None and (kind != FUSION or deepstack not in encoder_tokens):
+            raise ValueError(
+                "deepstack: expected an encoder name of this model over this library's "
+                f"decoder, got {deepstack!r} for a {kind} decoder"
+            )
+        self.deepstack = deepstack
         flags = (decoder_trainable, encoders_trainable, fusion_trainable)
         if any(flag is not None for flag in flags):
             if not isinstance(encoders_trainable, Mapping):
@@ -238,6 +250,7 @@ class EarlyFusion(nn.Module):
         if kind != FUSION:
             _check_foreign_arguments(kind, mask, input_pos, kwargs)
         rows = self.encode(encoder_input or {})
+        layer_rows = self._split_layer_rows(rows)
         if kind == FUSION:
 
             def embed(tok_embeddings: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -256,6 +269,15 @@ class EarlyFusion(nn.Module):
 
             if self.mrope is not None:
                 input_pos = self._mrope_positions(tokens, input_pos, encoder_input)
+            if layer_rows:
+                placeholder = self.encoder_tokens[cast(str, self.deepstack)]
+
+                def after_layer(index: int, hidden: torch.Tensor) -> torch.Tensor:
+                    if index >= len(layer_rows):
+                        return hidden
+                    return add_at_placeholders(hidden, tokens, placeholder, layer_rows[index])
+
+                kwargs = {**kwargs, "after_layer": after_layer}
             return self.decoder(tokens, mask=mask, input_pos=input_pos, embed=embed, **kwargs)
         embedding = embedding_module(self.decoder, kind)
         check_gathered(embedding)
@@ -273,6 +295,23 @@ class EarlyFusion(nn.Module):
         given = {"mask": mask, "input_pos": input_pos}
         kwargs = {**{k: v for k, v in given.items() if v is not None}, **kwargs}
         return self.decoder(None, input_embeds=embeds, **kwargs)
+
+    def _split_layer_rows(self, rows: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """Take the DeepStack encoder's ``(rows, layer_rows)`` apart: its ``rows`` stay in
+        ``rows`` for the merge, its layer rows are returned (checked to be shaped alike)."""
+        name = self.deepstack
+        if name is None or not isinstance(rows.get(name), tuple):
+            return ()
+        main, layer_rows = rows[name]
+        rows[name] = main
+        for k, extra in enumerate(layer_rows):
+            if not isinstance(extra, torch.Tensor) or extra.shape != main.shape:
+                got = list(extra.shape) if isinstance(extra, torch.Tensor) else type(extra)
+                raise ValueError(
+                    f"encoder {name!r}: its layer rows [{k}] must be shaped like its rows "
+                    f"{list(main.shape)}, got {got}"
+                )
+        return tuple(layer_rows)
 
     def _mrope_positions(
         self,
@@ -357,6 +396,21 @@ class EarlyFusion(nn.Module):
     @output_hidden_states.setter
     def output_hidden_states(self, value: list[int]) -> None:
         self.decoder.output_hidden_states = list(value)
+
+
+def add_at_placeholders(
+    hidden: torch.Tensor, tokens: torch.Tensor, placeholder_id: int, rows: torch.Tensor
+) -> torch.Tensor:
+    """``hidden`` [b, s, d] with ``rows`` [n, d] added at the ``n`` placeholders of ``tokens``
+    [b, s], in order across the batch (where the merge puts an encoder's rows, so each row
+    stays in its sample). Sync-free: the ``k``-th placeholder gathers row ``k``; other
+    positions add nothing."""
+    if rows.size(0) == 0:
+        return hidden
+    is_placeholder = tokens == placeholder_id
+    rank = (is_placeholder.flatten().cumsum(0) - 1).clamp(min=0, max=rows.size(0) - 1)
+    added = rows.to(hidden.dtype)[rank].view_as(hidden)
+    return hidden + torch.where(is_placeholder[..., None], added, 0)
 
 
 def _check_foreign_arguments(

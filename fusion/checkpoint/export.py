@@ -169,7 +169,7 @@ def _saver(model: object) -> Callable[[Path, int | None], list[Path]]:
             return partial(_save, save_hf_qwen2_vl, inner)
         got = {name: type(e).__name__ for name, e in inner.encoders.items()}
         raise TypeError(
-            f"model: expected a LLaVA, Idefics3 or Qwen2-VL EarlyFusion (one 'image' encoder, a "
+            f"model: expected a LLaVA, Idefics3 or Qwen-VL EarlyFusion (one 'image' encoder, a "
             f"LlavaImageEncoder, an Idefics3ImageEncoder or a Qwen vision tower), or a text "
             f"decoder; got encoders {got}"
         )

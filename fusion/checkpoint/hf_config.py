@@ -152,8 +152,11 @@ def llama3_2_kwargs_from_hf_config(
     return llama_kwargs(ConfigReader(config, as_path(source, "source")))
 
 
-def llama_kwargs(config: ConfigReader) -> dict[str, Any]:
-    """:func:`llama3_2_kwargs_from_hf_config`, for a config wherever it is found."""
+def llama_kwargs(config: ConfigReader, *, own_head_dim: bool = False) -> dict[str, Any]:
+    """:func:`llama3_2_kwargs_from_hf_config`, for a config wherever it is found.
+
+    ``own_head_dim``: read ``head_dim`` as a size of its own (Qwen3), which then need not be
+    ``hidden_size / num_attention_heads``; it is in the result as ``head_dim``."""
     values = config.values
     model_type = values.get("model_type", "llama")
     if model_type != "llama":
@@ -171,7 +174,9 @@ def llama_kwargs(config: ConfigReader) -> dict[str, Any]:
     num_heads = config.integer("num_attention_heads")
     num_kv_heads = config.integer("num_key_value_heads", num_heads)
     head_dim = hidden_size // num_heads
-    if hidden_size % num_heads:
+    if own_head_dim:
+        head_dim = config.integer("head_dim", None if hidden_size % num_heads else head_dim)
+    elif hidden_size % num_heads:
         raise config.fail(
             "hidden_size",
             f"expected a multiple of num_attention_heads={num_heads}, got {hidden_size}",
@@ -185,7 +190,8 @@ def llama_kwargs(config: ConfigReader) -> dict[str, Any]:
     if head_dim % 2:
         raise config.fail(
             "hidden_size",
-            f"expected an even head dimension (rotary pairs), got {hidden_size} / {num_heads}",
+            "expected an even head dimension (rotary pairs), got "
+            + (str(head_dim) if own_head_dim else f"{hidden_size} / {num_heads}"),
         )
     if num_heads % num_kv_heads:
         raise config.fail(
@@ -225,6 +231,8 @@ def llama_kwargs(config: ConfigReader) -> dict[str, Any]:
         "tie_word_embeddings": config.flag("tie_word_embeddings"),
         "scale_factor": None,
     }
+    if own_head_dim:
+        kwargs["head_dim"] = head_dim
     rope_type = rope_values.get("rope_type", rope_values.get("type", "default"))
     if rope_type == "llama3":
         for key in (
@@ -249,8 +257,12 @@ def llama_kwargs(config: ConfigReader) -> dict[str, Any]:
     return kwargs
 
 
-def hf_config_from_decoder(decoder: TransformerDecoder) -> dict[str, Any]:
+def hf_config_from_decoder(decoder: TransformerDecoder, *, qwen: bool = False) -> dict[str, Any]:
     """A Hugging Face ``LlamaForCausalLM`` config describing ``decoder``.
+
+    ``qwen``: the decoder may also have what Qwen's text stacks add (q/k/v biases, q/k norms,
+    M-RoPE, a ``head_dim`` of its own), which the caller writes into its config; without it
+    such a decoder is refused, as no Llama config describes it.
 
     Written in the legacy form (``rope_theta``, ``rope_scaling``) that every version of
     ``transformers`` reads. ``torch_dtype`` is the embedding table's dtype.
@@ -287,7 +299,15 @@ def hf_config_from_decoder(decoder: TransformerDecoder) -> dict[str, Any]:
 
     if len({signature(layer) for layer in layers}) != 1 or first.sa_norm.eps != decoder.norm.eps:
         raise ValueError("decoder: expected all layers configured alike (heads, MLP, norms, rope)")
-    if attn.num_heads * attn.head_dim != decoder.embed_dim:
+    qwen_parts = {
+        "q/k/v biases": attn.q_proj.bias is not None,
+        "q/k norms": attn.q_norm is not None,
+        "M-RoPE": rope.is_multimodal,
+    }
+    if not qwen and any(qwen_parts.values()):
+        found = [name for name, present in qwen_parts.items() if present]
+        raise ValueError(f"decoder: has {', '.join(found)}, which a Llama config cannot describe")
+    if not qwen and attn.num_heads * attn.head_dim != decoder.embed_dim:
         raise ValueError(
             f"decoder: expected num_heads * head_dim == embed_dim, got {attn.num_heads} * "
             f"{attn.head_dim} != {decoder.embed_dim}"

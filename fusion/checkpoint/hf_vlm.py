@@ -37,13 +37,13 @@ from fusion.checkpoint.hf_config import (
     read_hf_config,
 )
 from fusion.checkpoint.hf_llama import HfSpec, KeyLayout, load_hf, save_hf
-from fusion.checkpoint.hf_qwen2_vl import (
+from fusion.checkpoint.hf_qwen_vl import (
     MODEL_TYPES as QWEN2_VL_MODEL_TYPES,
 )
-from fusion.checkpoint.hf_qwen2_vl import (
-    hf_config_from_qwen2_vl,
-    qwen2_vl_text_kwargs,
-    qwen2_vl_vision_kwargs,
+from fusion.checkpoint.hf_qwen_vl import (
+    hf_config_from_qwen,
+    qwen_text_kwargs,
+    qwen_vision_kwargs,
 )
 from fusion.early_fusion import EarlyFusion
 from fusion.encoders.clip import ClipVisionTransformer
@@ -258,8 +258,8 @@ def _spec(config: ConfigReader, kind: str) -> _Vlm:
     info = _KINDS[kind]
     if kind == "qwen2_vl":
         model_type = config.values["model_type"]
-        qwen_text, prefix = qwen2_vl_text_kwargs(config)
-        qwen_vision = qwen2_vl_vision_kwargs(config, model_type)
+        qwen_text, prefix = qwen_text_kwargs(config, model_type)
+        qwen_vision = qwen_vision_kwargs(config, model_type)
         token_id = _token_id(config, ("image_token_id",), 151_655)
         return _Vlm(kind, qwen_text, qwen_vision, token_id, {"model_type": model_type}, prefix)
     text = llama_kwargs(config.section("text_config", info.what, _LLAMA_DEFAULTS))
@@ -480,12 +480,12 @@ def _hf_config(model: object, kind: str) -> dict[str, Any]:
             f"model: the image placeholder id {image_id} lies outside the vocabulary [0, "
             f"{vocab}); Hugging Face models embed it, so it must lie inside"
         )
-    text = hf_config_from_decoder(model.decoder)
+    text = hf_config_from_decoder(model.decoder, qwen=kind == "qwen2_vl")
     del text["architectures"]
     if kind == "qwen2_vl":
         rope = model.decoder.attentions()[0].pos_embeddings
         model_type = next(t for t, tower in VISION_TOWERS.items() if type(encoder) is tower)
-        config = hf_config_from_qwen2_vl(text, rope.mrope_section, encoder, image_id, model_type)
+        config = hf_config_from_qwen(text, rope, encoder, image_id, model_type)
         _check_rebuilds(model, _spec(ConfigReader(config, Path(CONFIG_NAME)), kind))
         return config
     if isinstance(encoder, LlavaImageEncoder):

@@ -31,6 +31,9 @@ _NAMES = (
             ("attn.q_proj.bias", "self_attn.q_proj.bias", "attention.wq.bias"),
             ("attn.k_proj.bias", "self_attn.k_proj.bias", "attention.wk.bias"),
             ("attn.v_proj.bias", "self_attn.v_proj.bias", "attention.wv.bias"),
+            # Qwen3's per-head query and key norms
+            ("attn.q_norm.scale", "self_attn.q_norm.weight", "attention.q_norm.weight"),
+            ("attn.k_norm.scale", "self_attn.k_norm.weight", "attention.k_norm.weight"),
             ("attn.output_proj.weight", "self_attn.o_proj.weight", "attention.wo.weight"),
             ("mlp.w1.weight", "mlp.gate_proj.weight", "feed_forward.w1.weight"),
             ("mlp.w2.weight", "mlp.down_proj.weight", "feed_forward.w2.weight"),
@@ -48,7 +51,7 @@ _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")  # a layer index: digits between dots
 # Older Hugging Face checkpoints saved the rotary inverse frequencies, which are a function of
 # the config (the decoder recomputes them), not weights.
 HF_DERIVED_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-_ROPE_ROWS = re.compile(r"layers\.\d+\.attn\.([qk])_proj\.(?:weight|bias)")
+_ROPE_ROWS = re.compile(r"layers\.\d+\.attn\.([qk])_(proj\.weight|proj\.bias|norm\.scale)")
 
 
 def _rename(key: str, table: Mapping[str, str]) -> str:
@@ -76,9 +79,14 @@ def fusion_key_to_hf(key: str) -> str:
 
 
 def rope_heads(key: str, num_heads: int, num_kv_heads: int) -> int | None:
-    """The head count of the q/k projection this library's ``key`` names, None for another."""
+    """The head count of the q/k projection this library's ``key`` names (1 for a per-head
+    q/k norm, whose channels are one head's), None for another key."""
     match = _ROPE_ROWS.fullmatch(key)
-    return None if match is None else num_heads if match.group(1) == "q" else num_kv_heads
+    if match is None:
+        return None
+    if match.group(2) == "norm.scale":
+        return 1
+    return num_heads if match.group(1) == "q" else num_kv_heads
 
 
 def _check_rows(weight: torch.Tensor, num_heads: int) -> int:

@@ -19,6 +19,7 @@ class MultiHeadAttention(nn.Module):
         pos_embeddings: rotary embeddings applied to queries and keys (may be shared by layers).
         attn_dropout: dropout probability on attention weights, in training only.
         qkv_bias: biases on the query, key and value projections (Qwen2), none on the output.
+        q_norm, k_norm: norms over each head's query and key, before the rotary (Qwen3).
     """
 
     def __init__(
@@ -30,6 +31,8 @@ class MultiHeadAttention(nn.Module):
         pos_embeddings: RotaryPositionalEmbeddings,
         attn_dropout: float = 0.0,
         qkv_bias: bool = False,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -45,6 +48,8 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.output_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=False)
         self.pos_embeddings = pos_embeddings
+        self.q_norm = q_norm
+        self.k_norm = k_norm
         self.kv_cache: KVCache | None = None
         self.cache_enabled = False
 
@@ -75,6 +80,8 @@ class MultiHeadAttention(nn.Module):
         q = self.q_proj(x).view(b, s, heads, head_dim)  # [b, s, h, hd]
         k = self.k_proj(x).view(b, s, kv_heads, head_dim)  # [b, s, h_kv, hd]
         v = self.v_proj(x).view(b, s, kv_heads, head_dim)  # [b, s, h_kv, hd]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.pos_embeddings(q, input_pos), self.pos_embeddings(k, input_pos)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
         if self.kv_cache is not None and self.cache_enabled:

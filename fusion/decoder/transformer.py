@@ -225,6 +225,7 @@ class TransformerDecoder(nn.Module):
         input_pos: torch.Tensor | None = None,
         input_embeds: torch.Tensor | None = None,
         embed: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+        after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Run the decoder.
 
@@ -247,6 +248,9 @@ class TransformerDecoder(nn.Module):
                 hook on the decoder (e.g. FSDP's unshard when the decoder is its own unit).
                 For wrappers such as ``EarlyFusion``; ``tokens`` may then hold ids outside the
                 vocabulary (``embed`` checks them).
+            after_layer: ``after_layer(i, h) -> h``, called on each layer's output [b, s, d]
+                before the next layer (Qwen3-VL's DeepStack rows are added to the first
+                layers' outputs at the image placeholders this way); None: nothing between.
 
         Returns:
             float32 logits [b, s, vocab_size] (hidden states [b, s, d] when
@@ -304,6 +308,8 @@ class TransformerDecoder(nn.Module):
             if i in self.output_hidden_states:
                 hidden.append(h)
             h = layer(h, mask=mask, input_pos=input_pos)
+            if after_layer is not None:
+                h = after_layer(i, h)
         if len(self.layers) in self.output_hidden_states:
             hidden.append(h)
         h = self.norm(h)

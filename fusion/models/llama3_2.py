@@ -41,6 +41,8 @@ def llama3_2(
     qkv_bias: bool = False,
     mrope_section: Sequence[int] | None = None,
     mrope_interleaved: bool = False,
+    head_dim: int | None = None,
+    qk_norm: bool = False,
 ) -> TransformerDecoder:
     """Build a Llama 3.2 decoder; arguments mean what they mean in torchtune's builder.
 
@@ -49,7 +51,8 @@ def llama3_2(
     ``intermediate_dim=None`` uses :func:`scale_hidden_dim_for_mlp`. ``qkv_bias`` gives the
     query, key and value projections biases and ``mrope_section`` makes the rotary M-RoPE
     (see :class:`fusion.decoder.RotaryPositionalEmbeddings`): with both, this is Qwen2's text
-    stack (:func:`fusion.models.qwen2`).
+    stack (:func:`fusion.models.qwen2`). ``head_dim`` (default ``embed_dim // num_heads``)
+    and ``qk_norm`` (RMSNorm over each head's queries and keys) give Qwen3's.
 
     Initialisation, for training from scratch: PyTorch's defaults (``nn.Embedding`` N(0, 1),
     ``nn.Linear`` Kaiming-uniform, norms 1), except that a tied embedding (the output
@@ -67,11 +70,12 @@ def llama3_2(
     ):
         if value <= 0:
             raise ValueError(f"{name}: expected a positive integer, got {value}")
-    if embed_dim % num_heads:
-        raise ValueError(
-            f"embed_dim: expected a multiple of num_heads={num_heads}, got {embed_dim}"
-        )
-    head_dim = embed_dim // num_heads
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim: expected a multiple of num_heads={num_heads}, got {embed_dim}"
+            )
+        head_dim = embed_dim // num_heads
     rope = RotaryPositionalEmbeddings(
         head_dim,
         max_seq_len,
@@ -87,7 +91,15 @@ def llama3_2(
     layers = [
         TransformerSelfAttentionLayer(
             attn=MultiHeadAttention(
-                embed_dim, num_heads, num_kv_heads, head_dim, rope, attn_dropout, qkv_bias
+                embed_dim,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                rope,
+                attn_dropout,
+                qkv_bias,
+                RMSNorm(head_dim, eps=norm_eps) if qk_norm else None,
+                RMSNorm(head_dim, eps=norm_eps) if qk_norm else None,
             ),
             mlp=FeedForward(embed_dim, hidden_dim),
             sa_norm=RMSNorm(embed_dim, eps=norm_eps),

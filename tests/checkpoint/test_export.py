@@ -180,7 +180,9 @@ def test_refusals_before_anything_is_written(tmp_path, source):
     with pytest.raises(ValueError, match=r"carries LoRA adapters \('layers.0.attn.q_proj', "):
         export_hf(decoder, source, out)
     merge_lora(decoder)
-    with pytest.raises(TypeError, match=r"expected a LLaVA or Idefics3 EarlyFusion .* got "):
+    with pytest.raises(
+        TypeError, match=r"expected a LLaVA, Idefics3 or Qwen-VL EarlyFusion .* got "
+    ):
         export_hf(build_tiny_fusion(), source, out)
     with pytest.raises(TypeError, match=r"model: expected an EarlyFusion .* got Linear"):
         export_hf(torch.nn.Linear(2, 2), source, out)
