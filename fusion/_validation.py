@@ -1,5 +1,6 @@
 """Input checks shared by the modules: eager on CPU, sync-free on accelerators."""
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -63,9 +64,8 @@ def describe(x: torch.Tensor) -> str:
 
 def is_dtensor(x: object) -> bool:
     """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (False where distributed is
-    not built)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(x, DTensor)
+    not built). Never imports it: no DTensor can exist before ``torch.distributed.tensor``
+    is imported, and importing it takes half a second, which a first call must not cost (a
+    Hypothesis test's first example would exceed its default 200 ms deadline)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
