@@ -242,7 +242,11 @@ def _run(
         pad_id = args.pad_id
         _check_ids_in_vocab("--pad-id", [pad_id], vocab)
     else:
-        pad_id = default_pad_id(config, vocab)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            pad_id = default_pad_id(config, vocab)
+        for warning in said:  # a pad id outside the vocabulary: one line
+            print(f"warning: {_one_line(str(warning.message))}", file=sys.stderr)
     check_sampling_args(args.temperature, args.top_k, args.top_p, vocab or sys.maxsize)
     tokens = left_pad(prompts, pad_id)
     max_len = args.max_seq_len or _positive_int_or_none(config.get("max_position_embeddings"))
@@ -423,16 +427,43 @@ def default_pad_id(config: dict[str, Any], vocab: int | None) -> int:
     of its text config. An id outside the vocabulary (SmolVLM's published 128002 with 49280
     tokens: no model can embed it, and generation feeds pad ids back once a sequence ends) is
     treated as unset, and an unset pad id falls back to the first EOS id, as transformers'
-    ``generate`` falls back. A directory that names no pad id at all pads with 0 (any id would
-    do: padding is masked)."""
-    found = False
-    for key in ("generation_pad_token_id", "pad_token_id", "text_pad_token_id"):
+    ``generate`` falls back; a warning (one line) names the key passed over and the id
+    padding with instead. A directory that names no pad id at all pads with 0 (any id would
+    do: padding is masked). Ids beyond int64 never get here: :func:`_generation_config`
+    refuses them, naming the file and key."""
+    skipped: tuple[str, int] | None = None  # the first pad id outside the vocabulary
+    for key in _PAD_KEYS:
         ids = _as_ids(config.get(key))
-        found |= bool(ids)
         if ids and (vocab is None or 0 <= ids[0] < vocab):
+            if skipped is not None:
+                _warn_pad_fallback(skipped, vocab, f"{_PAD_KEYS[key]} {ids[0]}")
             return ids[0]
+        if ids and skipped is None:
+            skipped = (key, ids[0])
+    if skipped is None:
+        return 0
     eos = _as_ids(config.get("eos_token_id"))
-    return eos[0] if found and eos and (vocab is None or eos[0] < vocab) else 0
+    fallback = eos[0] if eos and (vocab is None or eos[0] < vocab) else 0
+    _warn_pad_fallback(skipped, vocab, f"eos_token_id {fallback}" if fallback else "0")
+    return fallback
+
+
+# Where each pad id of _generation_config's merged config comes from, in transformers' order.
+_PAD_KEYS = {
+    "generation_pad_token_id": "generation_config.json pad_token_id",
+    "pad_token_id": "config.json pad_token_id",
+    "text_pad_token_id": "config.json text_config.pad_token_id",
+}
+
+
+def _warn_pad_fallback(skipped: tuple[str, int], vocab: int | None, fallback: str) -> None:
+    """One line: which pad id was passed over, and what pads instead."""
+    key, value = skipped
+    warnings.warn(
+        f"{_PAD_KEYS[key]} {value} lies outside the vocabulary [0, {vocab}): left-padding with "
+        f"{fallback} instead (pass --pad-id to choose)",
+        stacklevel=3,
+    )
 
 
 def _parse_ids(parser: argparse.ArgumentParser, text: str) -> list[int]:
@@ -518,7 +549,7 @@ def _generation_config(directory: Path) -> dict[str, Any]:
                 raise CheckpointError(
                     file,
                     "text_config.pad_token_id",
-                    f"expected an id >= 0 or a list of them, got {_short(value)}",
+                    f"expected an id in [0, 2**63) or a list of them, got {_short(value)}",
                 )
             content = {**{k: text.get(k) for k in _TEXT_KEYS if k != "pad_token_id"}, **content}
             content["text_pad_token_id"] = value
@@ -526,7 +557,9 @@ def _generation_config(directory: Path) -> dict[str, Any]:
             value = content.get(key)
             if value is not None and not _is_ids(value):
                 raise CheckpointError(
-                    file, key, f"expected an id >= 0 or a list of them, got {_short(value)}"
+                    file,
+                    key,
+                    f"expected an id in [0, 2**63) or a list of them, got {_short(value)}",
                 )
         if name == "generation_config.json":
             content["generation_pad_token_id"] = content.get("pad_token_id")
@@ -538,7 +571,9 @@ _TEXT_KEYS = ("vocab_size", "eos_token_id", "pad_token_id", "max_position_embedd
 
 
 def _is_id(value: Any) -> bool:
-    return type(value) is int and value >= 0  # not bool, not float
+    # Not bool, not float; and an int64, as token ids are (10**30 names no token: refused,
+    # not taken for an id outside the vocabulary).
+    return type(value) is int and 0 <= value < 2**63
 
 
 def _is_ids(value: Any) -> bool:

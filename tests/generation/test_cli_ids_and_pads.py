@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from fusion import generate
-from fusion.checkpoint import load_hf_vlm
+from fusion.checkpoint import CheckpointError, load_hf_vlm
 from fusion.generation.cli import _generation_config, default_pad_id, main
 from fusion.preprocessing import load_image, prepare_inputs
 from vlm_helpers import EOS, char_tokenizer, make_image, tiny_hf_idefics3
@@ -47,9 +47,15 @@ def test_pad_id_outside_the_vocabulary_falls_back_as_transformers(smolvlm_dir):
     unset.pad_token_id = None
     hf._prepare_special_tokens(unset, device="cpu")
     config = _generation_config(smolvlm_dir)
-    assert default_pad_id(config, 128) == int(unset._pad_token_tensor) == EOS
+    with pytest.warns(UserWarning) as said:
+        assert default_pad_id(config, 128) == int(unset._pad_token_tensor) == EOS
+    assert [str(w.message) for w in said] == [
+        f"config.json pad_token_id 128002 lies outside the vocabulary [0, 128): left-padding "
+        f"with eos_token_id {EOS} instead (pass --pad-id to choose)"
+    ]
     # In the vocabulary, the first named in transformers' order is taken.
-    assert default_pad_id(config | {"text_pad_token_id": 3}, 128) == 3
+    with pytest.warns(UserWarning, match="with config.json text_config.pad_token_id 3 instead"):
+        assert default_pad_id(config | {"text_pad_token_id": 3}, 128) == 3
     assert default_pad_id(config | {"pad_token_id": 7, "text_pad_token_id": 3}, 128) == 7
     assert default_pad_id(config | {"generation_pad_token_id": 5}, 128) == 5
     assert default_pad_id({}, 128) == 0
@@ -109,10 +115,12 @@ def test_image_errors_name_the_flag_and_the_cap(smolvlm_dir, capsys, monkeypatch
     out = io.StringIO()
     argv = [*base, "--image", str(photo), "--max-pixels", "4000", "--max-new-tokens", "1"]
     assert main(argv, out=out) == 0
-    # The only line on stderr: the image processor defaults, said once, on one line.
-    err = capsys.readouterr().err
-    assert err.count("\n") <= 1 and "DecompressionBomb" not in err
-    assert err == "" or (err.startswith("warning: ") and "idefics3 defaults" in err)
+    # The only lines on stderr: the pad id passed over and the image processor defaults,
+    # each said once, on one line.
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("warning: config.json pad_token_id 128002 lies outside")
+    assert len(lines) <= 2 and not any("DecompressionBomb" in line for line in lines)
+    assert all(line.startswith("warning: ") and "idefics3 defaults" in line for line in lines[1:])
     with pytest.raises(SystemExit):
         main([*base, "--image", str(photo), "--max-pixels", "0"])
     assert "--max-pixels: expected an integer >= 1" in capsys.readouterr().err
@@ -124,3 +132,44 @@ def test_print_ids_is_in_the_help(capsys):
     usage = capsys.readouterr().out
     assert "--print-ids" in usage and "--max-pixels" in usage
     assert torch.tensor(0).item() == 0
+
+
+@pytest.mark.parametrize(
+    ("file", "where", "key"),
+    [
+        ("config.json", (), "pad_token_id"),
+        ("config.json", ("text_config",), "text_config.pad_token_id"),
+        ("generation_config.json", (), "pad_token_id"),
+        ("config.json", (), "eos_token_id"),
+    ],
+)
+def test_an_id_beyond_int64_is_refused_naming_the_file_and_key(
+    smolvlm_dir, tmp_path, capsys, file, where, key
+):
+    import shutil
+
+    directory = tmp_path / "m"
+    shutil.copytree(smolvlm_dir, directory)
+    path = directory / file
+    config = json.loads(path.read_text()) if path.exists() else {}
+    section = config
+    for name in where:
+        section = section[name]
+    section[key.rsplit(".", 1)[-1]] = 10**30  # no token: not an id outside the vocabulary
+    path.write_text(json.dumps(config))
+    with pytest.raises(
+        CheckpointError, match=rf"{file}, key '{key}': expected an id in \[0, 2\*\*63\)"
+    ):
+        _generation_config(directory)
+    err = fail(capsys, "--checkpoint", str(directory), "--prompt-ids", "1,5")
+    assert f"{file}, key '{key}'" in err and "1000000000000000000000000000000" in err
+
+
+def test_the_pad_id_passed_over_is_one_line_on_stderr(smolvlm_dir, capsys):
+    run_ids(smolvlm_dir, "--prompt-ids", "1,5,6")
+    assert capsys.readouterr().err == (
+        "warning: config.json pad_token_id 128002 lies outside the vocabulary [0, 128): "
+        f"left-padding with eos_token_id {EOS} instead (pass --pad-id to choose)\n"
+    )
+    run_ids(smolvlm_dir, "--prompt-ids", "1,5,6", "--pad-id", "0")
+    assert capsys.readouterr().err == ""
