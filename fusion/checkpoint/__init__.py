@@ -5,7 +5,8 @@ and torch files.
   ``llama3_2`` decoder (config, key names and the q/k rotary row permutation).
 - :func:`load_hf_llava`, :func:`load_hf_idefics3` (also SmolVLM), :func:`load_hf_vlm` (any of
   them, Qwen2-VL and Qwen2.5-VL too) and :func:`save_hf_llava` / :func:`save_hf_idefics3` /
-  :func:`save_hf_qwen2_vl`: vision-language directories <-> a ready ``EarlyFusion``.
+  :func:`save_hf_qwen2_vl` / :func:`save_hf_qwen3_vl`: vision-language directories <-> a
+  ready ``EarlyFusion``.
 - :func:`export_hf`: a trained model (LoRA merged) as a Hugging Face directory with the
   source directory's tokenizer, processor, chat-template and generation-config files, written
   whole or not at all.
@@ -34,6 +35,7 @@ from fusion.checkpoint.hf_vlm import (
     save_hf_idefics3,
     save_hf_llava,
     save_hf_qwen2_vl,
+    save_hf_qwen3_vl,
 )
 from fusion.checkpoint.keys import fusion_to_hf, fusion_to_meta, hf_to_fusion, meta_to_fusion
 from fusion.checkpoint.prefix import decoder_state_dict, select_prefix
@@ -56,6 +58,7 @@ __all__ = [
     "save_hf_llama",
     "save_hf_llava",
     "save_hf_qwen2_vl",
+    "save_hf_qwen3_vl",
     "save_state_dict",
     "select_prefix",
 ]

@@ -17,9 +17,15 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from fusion.checkpoint.errors import CheckpointError, as_path, check_positive_int
 from fusion.checkpoint.files import fsync_path
 from fusion.checkpoint.hf_llama import save_hf_llama
-from fusion.checkpoint.hf_vlm import save_hf_idefics3, save_hf_llava, save_hf_qwen2_vl
+from fusion.checkpoint.hf_vlm import (
+    save_hf_idefics3,
+    save_hf_llava,
+    save_hf_qwen2_vl,
+    save_hf_qwen3_vl,
+)
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
+from fusion.encoders.qwen_vision import Qwen3VisionTransformer
 from fusion.models.idefics3 import Idefics3ImageEncoder
 from fusion.models.llava import LlavaImageEncoder
 from fusion.models.qwen2_vl import VISION_TOWERS
@@ -167,6 +173,8 @@ def _saver(model: object) -> Callable[[Path, int | None], list[Path]]:
             return partial(_save, save_hf_idefics3, inner)
         if len(encoders) == 1 and isinstance(encoders[0], tuple(VISION_TOWERS.values())):
             return partial(_save, save_hf_qwen2_vl, inner)
+        if len(encoders) == 1 and isinstance(encoders[0], Qwen3VisionTransformer):
+            return partial(_save, save_hf_qwen3_vl, inner)
         got = {name: type(e).__name__ for name, e in inner.encoders.items()}
         raise TypeError(
             f"model: expected a LLaVA, Idefics3 or Qwen-VL EarlyFusion (one 'image' encoder, a "

@@ -41,18 +41,24 @@ from fusion.checkpoint.hf_qwen_vl import (
     MODEL_TYPES as QWEN2_VL_MODEL_TYPES,
 )
 from fusion.checkpoint.hf_qwen_vl import (
+    QWEN3_MODEL_TYPES,
     hf_config_from_qwen,
     qwen_text_kwargs,
     qwen_vision_kwargs,
 )
 from fusion.early_fusion import EarlyFusion
 from fusion.encoders.clip import ClipVisionTransformer
-from fusion.encoders.qwen_vision import Qwen2VisionTransformer, Qwen25VisionTransformer
+from fusion.encoders.qwen_vision import (
+    Qwen2VisionTransformer,
+    Qwen3VisionTransformer,
+    Qwen25VisionTransformer,
+)
 from fusion.encoders.siglip import SiglipVisionTransformer
 from fusion.encoders.vit_blocks import ACTIVATIONS, VisionEncoderLayer
 from fusion.models.idefics3 import Idefics3ImageEncoder, idefics3
 from fusion.models.llava import FEATURE_STRATEGIES, LlavaImageEncoder, llava
 from fusion.models.qwen2_vl import VISION_TOWERS, qwen2_vl
+from fusion.models.qwen3_vl import qwen3_vl
 
 LLAVA_MODEL_TYPES = ("llava",)
 # Bounds on what a config.json may ask preprocessing for (published towers: 224 to 512 pixels,
@@ -107,6 +113,14 @@ class _Kind:
     )
 
 
+# Both layouts Qwen-VL checkpoints come in: the Hub's Qwen2(.5)-VL names (``model.*``,
+# ``visual.*``) and transformers' in-memory ones (``model.language_model.*``, ``model.visual.*``).
+_QWEN_READ = (
+    (r"lm_head\.", "decoder.lm_head."),
+    (r"model\.language_model\.", "decoder.model."),
+    (r"(?:model\.)?visual\.", "encoders.image."),
+    (r"model\.", "decoder.model."),
+)
 _KINDS = {
     "llava": _Kind(
         "LLaVA",
@@ -166,18 +180,37 @@ _KINDS = {
         # The Hub's layout (also what transformers 5.24 saves) and the in-memory one.
         KeyLayout(
             decoder="decoder.",
-            read=(
-                (r"lm_head\.", "decoder.lm_head."),
-                (r"model\.language_model\.", "decoder.model."),
-                (r"(?:model\.)?visual\.", "encoders.image."),
-                (r"model\.", "decoder.model."),
-            ),
+            read=_QWEN_READ,
             write=(("decoder.", ""), ("encoders.image.", "visual.")),
         ),
         (Qwen2VisionTransformer, Qwen25VisionTransformer),
         qwen2_vl,
         (r"encoders\.image\.blocks\.(\d{1,9})\.", "depth"),
     ),
+    "qwen3_vl": _Kind(
+        "Qwen3-VL",
+        "Qwen3VLForConditionalGeneration",
+        QWEN3_MODEL_TYPES,
+        (),
+        {},
+        # transformers 5.24 and the Hub: the in-memory names (the Hub's layout is read too).
+        KeyLayout(
+            decoder="decoder.",
+            read=_QWEN_READ,
+            write=(
+                ("decoder.model.", "model.language_model."),
+                ("decoder.", ""),
+                ("encoders.image.", "model.visual."),
+            ),
+        ),
+        Qwen3VisionTransformer,
+        qwen3_vl,
+        (r"encoders\.image\.blocks\.(\d{1,9})\.", "depth"),
+    ),
+}
+QWEN_KINDS = ("qwen2_vl", "qwen3_vl")
+_TOWER_MODEL_TYPES: dict[type, str] = {tower: name for name, tower in VISION_TOWERS.items()} | {
+    Qwen3VisionTransformer: "qwen3_vl"
 }
 
 
@@ -256,12 +289,13 @@ def _read_spec(file: Path, kinds: tuple[str, ...]) -> _Vlm:
 def _spec(config: ConfigReader, kind: str) -> _Vlm:
     """The model ``config`` describes, every value checked."""
     info = _KINDS[kind]
-    if kind == "qwen2_vl":
+    if kind in QWEN_KINDS:
         model_type = config.values["model_type"]
         qwen_text, prefix = qwen_text_kwargs(config, model_type)
         qwen_vision = qwen_vision_kwargs(config, model_type)
         token_id = _token_id(config, ("image_token_id",), 151_655)
-        return _Vlm(kind, qwen_text, qwen_vision, token_id, {"model_type": model_type}, prefix)
+        options = {"model_type": model_type} if kind == "qwen2_vl" else {}
+        return _Vlm(kind, qwen_text, qwen_vision, token_id, options, prefix)
     text = llama_kwargs(config.section("text_config", info.what, _LLAMA_DEFAULTS))
     vision_config = config.section("vision_config", info.what, info.vision_defaults)
     vision_config.choice("model_type", info.vision_types[0], info.vision_types)
@@ -480,11 +514,11 @@ def _hf_config(model: object, kind: str) -> dict[str, Any]:
             f"model: the image placeholder id {image_id} lies outside the vocabulary [0, "
             f"{vocab}); Hugging Face models embed it, so it must lie inside"
         )
-    text = hf_config_from_decoder(model.decoder, qwen=kind == "qwen2_vl")
+    text = hf_config_from_decoder(model.decoder, qwen=kind in QWEN_KINDS)
     del text["architectures"]
-    if kind == "qwen2_vl":
+    if kind in QWEN_KINDS:
         rope = model.decoder.attentions()[0].pos_embeddings
-        model_type = next(t for t, tower in VISION_TOWERS.items() if type(encoder) is tower)
+        model_type = _TOWER_MODEL_TYPES[type(encoder)]
         config = hf_config_from_qwen(text, rope, encoder, image_id, model_type)
         _check_rebuilds(model, _spec(ConfigReader(config, Path(CONFIG_NAME)), kind))
         return config
@@ -638,6 +672,19 @@ def save_hf_qwen2_vl(
     ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration``. As
     :func:`save_hf_llava` otherwise (arguments, round trip and errors)."""
     return _save(model, "qwen2_vl", directory, max_shard_size, overwrite)
+
+
+def save_hf_qwen3_vl(
+    model: EarlyFusion,
+    directory: str | bytes | os.PathLike,
+    *,
+    max_shard_size: int | None = None,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Write a Qwen3-VL ``model`` as a Hugging Face directory, in the layout transformers 5.24
+    and the Hub use (``model.language_model.*``, ``model.visual.*``, ``lm_head.weight``);
+    loaded by ``Qwen3VLForConditionalGeneration``. As :func:`save_hf_llava` otherwise."""
+    return _save(model, "qwen3_vl", directory, max_shard_size, overwrite)
 
 
 def _save(
