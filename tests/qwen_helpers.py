@@ -1,6 +1,9 @@
 """Tiny random Qwen2-VL and Qwen2.5-VL models that ``transformers`` builds in the tests
 (nothing downloaded), and prompts with images of odd sizes, shared by the Qwen tests."""
 
+import json
+from pathlib import Path
+
 import torch
 
 from vlm_helpers import randomize
@@ -121,3 +124,57 @@ def left_pad(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         ids[i, length - sample.size(1) :] = sample[0]
         mask[i, length - sample.size(1) :] = 1
     return ids, mask
+
+
+# Qwen2-VL's and Qwen2.5-VL's chat template, as their Hub directories carry it
+# (chat_template.json): a default system prompt, "<|vision_start|><|image_pad|><|vision_end|>"
+# for each image item, "<|im_end|>\n" closing every turn.
+QWEN_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# A small pixel range, so that images give a few to 20 rows (and Qwen2.5-VL several windows).
+QWEN_PIXELS = {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 20}
+
+
+def write_qwen_dir(
+    directory: Path, model_type: str = "qwen2_5_vl", seed: int = 0, *, tied: bool = False
+) -> Path:
+    """A tiny random Qwen2-VL or Qwen2.5-VL directory as the Hub carries one: weights and
+    ``config.json`` by transformers' ``save_pretrained``, the tokenizer of
+    :func:`vlm_helpers.qwen_char_tokenizer`, :data:`QWEN_CHAT_TEMPLATE` in
+    ``chat_template.json`` and a ``preprocessor_config.json`` with the legacy ``min_pixels`` /
+    ``max_pixels`` keys (:data:`QWEN_PIXELS`)."""
+    from vlm_helpers import qwen_char_tokenizer, qwen_hf_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tiny_hf_qwen(model_type, seed, tied=tied).save_pretrained(directory)
+    qwen_hf_tokenizer(qwen_char_tokenizer()).save_pretrained(directory)
+    template = {"chat_template": QWEN_CHAT_TEMPLATE}
+    (directory / "chat_template.json").write_text(json.dumps(template, indent=2))
+    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}[model_type]
+    settings = {
+        **QWEN_PIXELS,
+        "patch_size": PATCH,
+        "temporal_patch_size": TEMPORAL,
+        "merge_size": MERGE,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": processor,
+    }
+    (directory / "preprocessor_config.json").write_text(json.dumps(settings, indent=2))
+    return directory

@@ -3,10 +3,11 @@ chat template and processor give them.
 
 The prompt text is the checkpoint's chat template rendered (:class:`ChatTemplate`); a VLM
 directory's text then goes through :class:`fusion.preprocessing.VisionLanguageProcessor`
-(each ``<image>`` expanded to its placeholders, the images processed), tokenised whole with
-the directory's ``tokenizer.json``. The ids are those of transformers'
-``processor.apply_chat_template(conversation, tokenize=True)`` (special tokens added unless
-the text starts with the BOS token, as there) or, for a text-only directory,
+(each ``<image>`` expanded to its placeholders, Qwen2-VL's
+``<|vision_start|><|image_pad|><|vision_end|>`` to its ``<|image_pad|>`` rows; the images
+processed), tokenised whole with the directory's ``tokenizer.json``. The ids are those of
+transformers' ``processor.apply_chat_template(conversation, tokenize=True)`` (special tokens
+added unless the text starts with the BOS token, as there) or, for a text-only directory,
 ``tokenizer.apply_chat_template(conversation, tokenize=True)`` (never added).
 
 Labels cover the assistant: a token is a target when its characters overlap a span of
@@ -55,7 +56,8 @@ class ImageRef:
     Attributes:
         path: the image file.
         height, width: its size once decoded (EXIF orientation applied).
-        tiles: how many images or tiles the processor makes of it (1 for LLaVA).
+        tiles: how many images or tiles the processor makes of it (1 for LLaVA); Qwen2-VL:
+            its placeholder rows (``t * h * w / merge_size**2``).
     """
 
     path: str
@@ -192,9 +194,10 @@ class ConversationEncoder:
 
     @classmethod
     def from_directory(cls, directory: str | os.PathLike) -> "ConversationEncoder":
-        """For a LLaVA, Idefics3 / SmolVLM or text-only Llama directory: its chat template
-        (:meth:`ChatTemplate.from_directory`), ``tokenizer.json`` and, for a VLM, its
-        processor (:meth:`VisionLanguageProcessor.from_directory`).
+        """For a LLaVA, Idefics3 / SmolVLM, Qwen2-VL / Qwen2.5-VL or text-only Llama
+        directory: its chat template (:meth:`ChatTemplate.from_directory`),
+        ``tokenizer.json`` and, for a VLM, its processor
+        (:meth:`VisionLanguageProcessor.from_directory`).
 
         Raises:
             CheckpointError: no or an unreadable ``tokenizer.json``, a bad ``config.json`` or
@@ -241,8 +244,10 @@ class ConversationEncoder:
             )
         sizes = [image_size(image, f"images[{i}]") for i, image in enumerate(images)]
         tokens, labels, _ = self._tokens_and_labels(messages, sizes)
-        pixel_values = torch.empty(0) if self.processor is None else self._pixels(images)
-        return Sample(tokens, labels, pixel_values, source)
+        if self.processor is None:
+            return Sample(tokens, labels, torch.empty(0), source)
+        pixel_values, grids = self._pixels(images)
+        return Sample(tokens, labels, pixel_values, source, image_grid_thw=grids)
 
     def _tokens_and_labels(
         self, messages: Sequence[dict[str, Any]], sizes: Sequence[tuple[int, int]]
@@ -250,7 +255,8 @@ class ConversationEncoder:
         """Ids, labels and each image's tiles, from the images' (height, width) alone: each
         image marker expands to the placeholder text the processor writes for that size
         (LLaVA: ``tokens_per_image`` image tokens; Idefics3: its grid of tiles,
-        :func:`fusion.preprocessing.idefics3_image_text`), every cap of
+        :func:`fusion.preprocessing.idefics3_image_text`; Qwen2-VL: its rows,
+        :func:`fusion.preprocessing.qwen2_vl_image_text`), every cap of
         :meth:`VisionLanguageProcessor.plan` checked, then the text is tokenized whole."""
         rendered = self.template.render_with_spans(messages)
         text = _mark(rendered.text, rendered.spans)
@@ -261,23 +267,28 @@ class ConversationEncoder:
             self._add_special_tokens = False  # as the tokenizer's apply_chat_template
             ids = self._encode(text)
         else:
-            from fusion.preprocessing import idefics3_image_text
+            from fusion.preprocessing import idefics3_image_text, qwen2_vl_image_text
             from fusion.preprocessing.prompts import check_marker_count, expand_markers
+            from fusion.preprocessing.qwen2_vl import IMAGE_PAD, QWEN2_VL_IMAGE_MARKER
 
             processor = self.processor
+            qwen = processor.kind == "qwen2_vl"
+            marker = QWEN2_VL_IMAGE_MARKER if qwen else IMAGE_MARKER
             # As the processor's apply_chat_template: special tokens unless the text has BOS.
             self._add_special_tokens = not (bos and rendered.text.startswith(bos))
-            check_marker_count([text], len(sizes), IMAGE_MARKER)
+            check_marker_count([text], len(sizes), marker)
             # Stand-ins of each image's size that hold one byte (stride 0): plan reads sizes.
             stand_ins = [torch.zeros((), dtype=torch.uint8).expand(3, h, w) for h, w in sizes]
-            tiles = processor.plan([text], stand_ins)
+            tiles = processor.plan([text], stand_ins)  # Qwen2-VL: rows (tokens_per_image 1)
             per_tile = processor.tokens_per_image
             if processor.kind == "llava":
                 texts = [IMAGE_MARKER * per_tile] * len(sizes)
+            elif qwen:
+                texts = [qwen2_vl_image_text(rows) for rows in tiles]
             else:
                 grids = [processor.image_processor.steps(h, w)[1:] for h, w in sizes]
                 texts = [idefics3_image_text(rows, cols, per_tile) for rows, cols in grids]
-            ids = [int(t) for t in processor.encode(expand_markers([text], texts, IMAGE_MARKER)[0])]
+            ids = [int(t) for t in processor.encode(expand_markers([text], texts, marker)[0])]
             if not ids:
                 raise ValueError("prompts[0]: the tokenizer gives no tokens")
             found = ids.count(processor.image_token_id)
@@ -285,7 +296,8 @@ class ConversationEncoder:
                 raise ValueError(
                     f"prompts: the tokenized prompt holds {found} placeholder ids "
                     f"({processor.image_token_id}), but the images give {sum(tiles) * per_tile} "
-                    f"rows; the tokenizer must encode {IMAGE_MARKER!r} as that single token"
+                    f"rows; the tokenizer must encode {IMAGE_PAD if qwen else IMAGE_MARKER!r} as "
+                    "that single token, and the text must not hold it otherwise"
                 )
         if self._last is None:
             raise RuntimeError(
@@ -308,9 +320,10 @@ class ConversationEncoder:
             raise ValueError("no target token: the assistant's turns tokenize to nothing")
         return tokens, labels, tiles
 
-    def _pixels(self, images: Sequence[object]) -> torch.Tensor:
+    def _pixels(self, images: Sequence[object]) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 [tiles, 3, s, s]: the images processed as the processor processes them
-        (in order, each on its own, tiles concatenated).
+        (in order, each on its own, tiles concatenated), and int64 [0, 3]; Qwen2-VL: the
+        patches [n_patches, d] and each image's grid (t, h, w).
 
         Raises:
             ValueError: an image the image processor cannot take, or sizes the vision tower
@@ -318,6 +331,9 @@ class ConversationEncoder:
         """
         processor = self.processor
         size = processor.image_size
+        if processor.kind == "qwen2_vl":
+            patched = processor.image_processor(images)
+            return patched.pixel_values, patched.image_grid_thw
         if processor.kind == "llava":
             pixels = processor.image_processor(images)
         else:
@@ -328,7 +344,7 @@ class ConversationEncoder:
                 f"image_processor: gives images of {list(pixels.shape[2:])} pixels, but the "
                 f"vision tower takes {size} x {size}"
             )
-        return pixels
+        return pixels, torch.empty(0, 3, dtype=torch.int64)
 
     def check_conversation(self, conversation: Conversation) -> Sample:
         """``conversation`` as a :class:`Sample` whose pixels are made later
@@ -386,13 +402,16 @@ class ConversationEncoder:
                         "was checked: the file changed during the run"
                     )
                 images.append(image)
-            pixels = self._pixels(images)
+            pixels, grids = self._pixels(images)
+            made = pixels.size(0)
+            if grids.numel():  # Qwen2-VL: the rows of its images
+                made = int(grids.prod(1).sum()) // self.processor.image_processor.merge_size**2
             expected = sum(ref.tiles for ref in sample.images)
-            if pixels.size(0) != expected:  # the size decides the tiles; a guard all the same
+            if made != expected:  # the size decides the tiles; a guard all the same
                 raise ValueError(
-                    f"{sample.source}: its images gave {pixels.size(0)} tiles, expected {expected}"
+                    f"{sample.source}: its images gave {made} tiles, expected {expected}"
                 )
-            out.append(replace(sample, pixel_values=pixels))
+            out.append(replace(sample, pixel_values=pixels, image_grid_thw=grids))
         return out
 
     def _encode(self, marked: str) -> list[int]:

@@ -21,7 +21,8 @@ Model = EarlyFusion | TransformerDecoder
 
 def load_base_model(config: FinetuneConfig) -> Model:
     """The model of ``--model`` in float32 on CPU, every parameter frozen: an ``EarlyFusion``
-    for LLaVA / Idefics3 / SmolVLM directories, a ``TransformerDecoder`` for a Llama.
+    for LLaVA / Idefics3 / SmolVLM / Qwen2-VL / Qwen2.5-VL directories, a
+    ``TransformerDecoder`` for a Llama.
 
     Raises:
         TrainingError: naming the file and the problem (no config, an unknown ``model_type``,
@@ -59,7 +60,7 @@ def set_trainable(model: Model, config: FinetuneConfig) -> None:
 
     - ``full``: the decoder and the connector (projector); the vision tower too with
       ``--train-vision``;
-    - ``projector``: the connector alone (LLaVA's stage 1);
+    - ``projector``: the connector alone (LLaVA's stage 1; Qwen2-VL's patch merger);
     - ``lora``: nothing of the base model.
 
     Raises:
