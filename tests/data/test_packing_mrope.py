@@ -1,29 +1,35 @@
-"""Packing with M-RoPE (Qwen2-VL, Qwen2.5-VL): over random sets of samples (text only, one
-image, several images of random sizes, several answered turns), every sample's logits and loss
-in a packed or padded batch equal the sample run alone, and the batch's gradients the sum of
-the samples' (fp32, 1e-5). Planted bugs of the kinds other tools shipped (1-D positions for an
-M-RoPE model, positions that restart only in the text row) make the property fail."""
+"""Packing with M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL with DeepStack): over random sets of
+samples (text only, one image, several images of random sizes, several answered turns), every
+sample's logits and loss in a packed or padded batch equal the sample run alone, and the
+batch's gradients the sum of the samples' (fp32, 1e-5). Planted bugs of the kinds other tools
+shipped make the property fail, and Hypothesis shrinks each to a minimal batch: 1-D positions
+for an M-RoPE model, positions that restart only in the text row, DeepStack rows added one
+position off or into the wrong sample."""
 
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
+import fusion.early_fusion
 from fusion import EarlyFusion, masked_token_loss
 from fusion.data import IGNORE_INDEX, Sample, collate_packed, collate_padded, pack_samples
-from fusion.models import qwen2_vl
+from fusion.early_fusion import add_at_placeholders
+from fusion.models import qwen2_vl, qwen3_vl
 from fusion.positions import mrope_positions
+from qwen3_helpers import VISION_CONFIG as QWEN3_VISION
 from qwen_helpers import (
     IMAGE_PAD,
     MERGE,
     PAD,
-    PATCH_WIDTH,
     VISION_CONFIGS,
     VISION_END,
     VISION_START,
 )
+from qwen_helpers import PATCH_WIDTH as QWEN2_PATCH_WIDTH
 
 TEXT = {
     "vocab_size": 160,
@@ -44,18 +50,30 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-# A bug turns a property into a counterexample found within these many examples.
-BUG_SETTINGS = settings(SETTINGS, max_examples=40, print_blob=False, report_multiple_bugs=False)
+# A bug turns a property into a counterexample found, then shrunk, within these examples.
+BUG_SETTINGS = settings(SETTINGS, max_examples=100, database=None)
+QWEN3_TEXT = TEXT | {
+    "num_layers": 3,
+    "head_dim": 16,
+    "qkv_bias": False,
+    "qk_norm": True,
+    "mrope_section": [4, 2, 2],
+    "mrope_interleaved": True,
+}
+PATCH_WIDTHS = {"qwen2_vl": QWEN2_PATCH_WIDTH, "qwen2_5_vl": QWEN2_PATCH_WIDTH, "qwen3_vl": 1536}
 
 
 def tiny_model(model_type: str = "qwen2_5_vl") -> EarlyFusion:
     torch.manual_seed(0)
-    model = qwen2_vl(
-        text=TEXT,
-        vision=VISION_CONFIGS[model_type],
-        image_token_id=IMAGE_PAD,
-        model_type=model_type,
-    )
+    if model_type == "qwen3_vl":
+        model = qwen3_vl(text=QWEN3_TEXT, vision=QWEN3_VISION, image_token_id=IMAGE_PAD)
+    else:
+        model = qwen2_vl(
+            text=TEXT,
+            vision=VISION_CONFIGS[model_type],
+            image_token_id=IMAGE_PAD,
+            model_type=model_type,
+        )
     with torch.no_grad():  # O(1) weights, so that every position mistake moves the logits
         for param in model.parameters():
             param.normal_(0, 0.2)
@@ -63,9 +81,9 @@ def tiny_model(model_type: str = "qwen2_5_vl") -> EarlyFusion:
 
 
 @st.composite
-def qwen_samples(draw, max_samples: int = 4) -> list[Sample]:
+def qwen_samples(draw, patch_width: int = QWEN2_PATCH_WIDTH, max_samples: int = 4) -> list[Sample]:
     """Random conversations: turns of a prompt with 0-2 images of random grids, then an answer
-    (the targets), 1-2 turns."""
+    (the targets), 1-2 turns; patches of ``patch_width``."""
     out = []
     for index in range(draw(st.integers(1, max_samples))):
         tokens: list[int] = []
@@ -89,7 +107,7 @@ def qwen_samples(draw, max_samples: int = 4) -> list[Sample]:
         labels[-1] = IGNORE_INDEX
         patches = sum(t * h * w for t, h, w in grids)
         generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-        pixels = torch.randn(patches, PATCH_WIDTH, generator=generator) if grids else torch.empty(0)
+        pixels = torch.randn(patches, patch_width, generator=generator) if grids else torch.empty(0)
         grid = torch.tensor(grids, dtype=torch.int64).view(-1, 3)
         out.append(Sample(ids, labels, pixels, f"sample {index}", image_grid_thw=grid))
     return out
@@ -188,45 +206,108 @@ def check_batch_equals_alone(
     model.zero_grad()
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
-def model(request) -> EarlyFusion:
-    return tiny_model(request.param)
+MODEL_TYPES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def model_type(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(model_type) -> EarlyFusion:
+    return tiny_model(model_type)
 
 
 @SETTINGS
-@given(samples=qwen_samples(), share=st.floats(0, 1), packed=st.booleans())
-def test_packed_and_padded_batches_equal_samples_alone(one_thread, model, samples, share, packed):
+@given(data=st.data(), share=st.floats(0, 1), packed=st.booleans())
+def test_packed_and_padded_batches_equal_samples_alone(
+    one_thread, model_type, model, data, share, packed
+):
+    samples = data.draw(qwen_samples(PATCH_WIDTHS[model_type]))
     check_batch_equals_alone(model, samples, share, packed, fusion_positions)
 
 
-@pytest.mark.parametrize("bug", [one_d_positions, restart_text_row_only], ids=lambda f: f.__name__)
-def test_planted_position_bugs_are_caught(one_thread, bug):
-    """The property is not vacuous: each bug class gives a counterexample. (A planted bug
-    that the single-sample reference shares must still break packing isolation.)"""
-    model = tiny_model()
-
-    @BUG_SETTINGS
-    @given(samples=qwen_samples(), share=st.floats(0, 1))
-    def packed_property(samples, share):
-        # The reference is each sample alone as the model computes it (transformers'
-        # logits, tested apart), against what the buggy packing gives it.
-        max_seq_len = row_length(samples, share)
-        rows = pack_samples(samples, max_seq_len)
-        batch = collate_packed(rows, pad_id=PAD, seq_len=max_seq_len)
-        inputs = batch.model_inputs()
-        inputs["input_pos"] = bug(model, inputs)
-        with torch.no_grad():
+def packed_differs(
+    model: EarlyFusion,
+    samples: list[Sample],
+    share: float,
+    positions: Positions = fusion_positions,
+    placement: Callable | None = None,
+) -> bool:
+    """Whether some sample's logits in the packed batch, run with a planted bug (its
+    ``positions``, or ``placement`` in place of the DeepStack rows' placement), differ from
+    its logits alone as the model computes them (transformers' logits, tested apart)."""
+    max_seq_len = row_length(samples, share)
+    rows = pack_samples(samples, max_seq_len)
+    inputs = collate_packed(rows, pad_id=PAD, seq_len=max_seq_len).model_inputs()
+    with torch.no_grad():
+        expected = [[alone(model, sample, fusion_positions) for sample in row] for row in rows]
+        inputs["input_pos"] = positions(model, inputs)
+        right = fusion.early_fusion.add_at_placeholders
+        with mock.patch.object(fusion.early_fusion, "add_at_placeholders", placement or right):
             logits = model(**inputs)
-            for r, row in enumerate(rows):
-                start = 0
-                for sample in row:
-                    own = alone(model, sample, fusion_positions)
-                    mine = logits[r, start : start + len(sample)]
-                    torch.testing.assert_close(mine, own, atol=1e-5, rtol=0)
-                    start += len(sample)
+    for r, row in enumerate(rows):
+        start = 0
+        for sample, own in zip(row, expected[r], strict=True):
+            if not torch.allclose(logits[r, start : start + len(sample)], own, atol=1e-5):
+                return True
+            start += len(sample)
+    return False
 
-    with pytest.raises(AssertionError):
-        packed_property()
+
+def shrunk_counterexample(model: EarlyFusion, patch_width: int, **bug: Callable):
+    """The smallest (samples, share) that the planted bug breaks, as Hypothesis shrinks it."""
+    return find(
+        st.tuples(qwen_samples(patch_width, max_samples=3), st.floats(0, 1)),
+        lambda example: packed_differs(model, *example, **bug),
+        settings=BUG_SETTINGS,
+    )
+
+
+def images_per_sample(samples: list[Sample]) -> list[int]:
+    return [len(s.image_grid_thw) for s in samples]
+
+
+def image_after_another_sample(samples: list[Sample], share: float) -> bool:
+    """Whether a packed row holds an image in a sample that is not the row's first."""
+    rows = pack_samples(samples, row_length(samples, share))
+    return any(len(sample.image_grid_thw) for row in rows for sample in row[1:])
+
+
+@pytest.mark.parametrize("bug", [one_d_positions, restart_text_row_only], ids=lambda f: f.__name__)
+def test_planted_position_bugs_are_caught_and_shrunk(one_thread, bug):
+    samples, share = shrunk_counterexample(tiny_model(), QWEN2_PATCH_WIDTH, positions=bug)
+    if bug is one_d_positions:  # wrong for any image, even in a sample alone in its row
+        assert images_per_sample(samples) == [1]
+    else:  # wrong only for an image after another sample in its row
+        assert len(samples) <= 3 and image_after_another_sample(samples, share)
+
+
+def one_position_off(hidden, tokens, placeholder_id, rows):
+    """Planted DeepStack bug: each row added at the token after its placeholder."""
+    after = torch.roll(tokens, 1, dims=1)
+    after[:, 0] = -1
+    return add_at_placeholders(hidden, after, placeholder_id, rows)
+
+
+def into_the_wrong_sample(hidden, tokens, placeholder_id, rows):
+    """Planted DeepStack bug: placeholders counted per batch row instead of across the batch,
+    so the images of a second row take the first row's rows."""
+    is_placeholder = tokens == placeholder_id
+    rank = (is_placeholder.cumsum(1) - 1).clamp(min=0, max=rows.size(0) - 1)
+    return hidden + torch.where(is_placeholder[..., None], rows.to(hidden.dtype)[rank], 0)
+
+
+@pytest.mark.parametrize("bug", [one_position_off, into_the_wrong_sample], ids=lambda f: f.__name__)
+def test_planted_deepstack_bugs_are_caught_and_shrunk(one_thread, bug):
+    samples, share = shrunk_counterexample(tiny_model("qwen3_vl"), 1536, placement=bug)
+    if bug is one_position_off:
+        assert images_per_sample(samples) == [1]
+    else:  # images in two rows: the later row's take the earlier row's rows
+        rows = pack_samples(samples, row_length(samples, share))
+        with_images = [any(len(s.image_grid_thw) for s in row) for row in rows]
+        assert len(samples) <= 3 and sum(with_images) == 2
 
 
 def test_collate_concatenates_grids_and_keeps_them_on_the_cpu():
@@ -235,7 +316,7 @@ def test_collate_concatenates_grids_and_keeps_them_on_the_cpu():
         ids = torch.tensor([5] + [IMAGE_PAD] * rows + [6, 7])
         labels = torch.full_like(ids, IGNORE_INDEX)
         labels[-2] = 7
-        patches = torch.randn(sum(t * h * w for t, h, w in grids), PATCH_WIDTH)
+        patches = torch.randn(sum(t * h * w for t, h, w in grids), QWEN2_PATCH_WIDTH)
         grid = torch.tensor(grids, dtype=torch.int64).view(-1, 3)
         return Sample(ids, labels, patches if grids else torch.empty(0), image_grid_thw=grid)
 
