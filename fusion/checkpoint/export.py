@@ -2,6 +2,7 @@
 and ``config.json`` from this library's savers, plus the tokenizer, processor, chat-template
 and generation-config files of the directory the model came from."""
 
+import json
 import os
 import shutil
 import stat
@@ -10,12 +11,14 @@ import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from fusion.checkpoint.errors import CheckpointError, as_path, check_positive_int
+from fusion.checkpoint.errors import CheckpointError, as_path, check_positive_int, short_repr
 from fusion.checkpoint.files import fsync_path
+from fusion.checkpoint.hf_config import CONFIG_NAME, read_hf_config
 from fusion.checkpoint.hf_llama import save_hf_llama
 from fusion.checkpoint.hf_vlm import (
     save_hf_idefics3,
@@ -49,6 +52,10 @@ SIDE_FILES = (
     "generation_config.json",
 )
 MAX_SIDE_FILE_BYTES = 128 * 2**20  # tokenizer.json of a large vocabulary is tens of MB
+# Ids that config.json holds besides the model's shapes: the savers write a config from the
+# model alone, so these are carried over from the source's config.json where it has them.
+TOKEN_ID_KEYS = ("vision_start_token_id", "vision_end_token_id", "video_token_id")
+TEXT_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def export_hf(
@@ -71,6 +78,11 @@ def export_hf(
     ``out_dir``. With ``overwrite``, an existing ``out_dir`` is first renamed aside and removed
     once the new one is in place (a crash between the two renames leaves both complete beside
     ``out_dir``, never a partial ``out_dir``).
+
+    The written ``config.json`` describes the model; the source's token ids that the model
+    does not hold (:data:`TOKEN_ID_KEYS`, and the text model's :data:`TEXT_TOKEN_ID_KEYS`)
+    are carried over from its ``config.json``, so that the export preprocesses and generates
+    as the source did.
 
     The source directory is untrusted: only the names in :data:`SIDE_FILES` are read, each a
     regular file (a symbolic link is refused, not followed) of at most
@@ -95,7 +107,8 @@ def export_hf(
             architecture, sharded or meta tensors).
         CheckpointError: ``out_dir`` exists (without ``overwrite``) or is a file;
             ``source_dir`` not a directory; a side file there that is a link, not a regular
-            file, or too large. All before anything is written.
+            file, or too large; a token id in its ``config.json`` that is not one. All before
+            anything is written.
         OSError: the file system failed (``out_dir`` is then as it was).
     """
     out = as_path(out_dir, "out_dir")
@@ -110,6 +123,7 @@ def export_hf(
     if os.path.lexists(out) and not overwrite:
         raise CheckpointError(out, None, "exists; pass overwrite=True to replace it")
     side = _side_files(source) if source is not None else {}
+    ids = _token_ids(source) if source is not None else {}
     parent = out.parent
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", suffix=".tmp", dir=parent))
@@ -117,6 +131,8 @@ def export_hf(
     try:
         os.chmod(staging, 0o755)  # mkdtemp's 0o700 would make the export private
         written = save(staging, max_shard_size)
+        if ids:
+            _add_token_ids(staging / CONFIG_NAME, ids)
         for name, content in side.items():
             with open(staging / name, "xb") as f:  # exclusive: no planted link written through
                 f.write(content)
@@ -193,6 +209,43 @@ def _save(
     saver: Callable[..., list[Path]], model: nn.Module, directory: Path, shard: int | None
 ) -> list[Path]:
     return saver(model, directory, max_shard_size=shard)
+
+
+def _token_ids(source: Path) -> dict[str, dict[str, Any]]:
+    """The token ids of ``source``'s config.json (:data:`TOKEN_ID_KEYS` at the top level,
+    :data:`TEXT_TOKEN_ID_KEYS` of the text model, in ``text_config`` or at the top level),
+    each checked: an id, a list of ids (``eos_token_id``) or null."""
+    file = source / CONFIG_NAME
+    if not os.path.lexists(file):
+        return {}
+    config = read_hf_config(file)
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else config
+    found = {
+        "top": {key: config[key] for key in TOKEN_ID_KEYS if key in config},
+        "text": {key: text[key] for key in TEXT_TOKEN_ID_KEYS if key in text},
+    }
+    for part in found.values():
+        for key, value in part.items():
+            values = value if isinstance(value, list) else [value]
+            if value is not None and not all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31 for v in values
+            ):
+                raise CheckpointError(file, key, f"expected a token id, got {short_repr(value)}")
+    return found
+
+
+def _add_token_ids(config_file: Path, ids: dict[str, dict[str, Any]]) -> None:
+    """Write the source's token ids into the config the saver wrote (``config_file``, in the
+    staging directory), durably."""
+    config = json.loads(config_file.read_text())
+    config |= ids["top"]
+    text = config.get("text_config")
+    (text if isinstance(text, dict) else config).update(ids["text"])
+    with open(config_file, "w") as f:
+        f.write(json.dumps(config, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _side_files(source: Path) -> dict[str, bytes]:

@@ -2,6 +2,8 @@
 transformers' own classes (fp32, 1e-4) with images of odd sizes, text only, left padding and
 packed rows, M-RoPE positions derived as ``get_rope_index`` derives them."""
 
+import json
+
 import pytest
 import torch
 
@@ -145,6 +147,10 @@ def test_export_loads_in_transformers_with_equal_logits(pair, tmp_path):
     assert (
         hf_logits(again, ids, pixels, grid) - our_logits(model, ids, pixels, grid)
     ).abs().max() <= 1e-4
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    # token ids the model does not hold, carried over from the source's config.json
+    assert (config["vision_start_token_id"], config["vision_end_token_id"]) == (150, 151)
+    assert config["text_config"]["pad_token_id"] == PAD
     reloaded = load_hf_vlm(tmp_path / "out").eval()
     assert all(
         torch.equal(a, b)
@@ -156,8 +162,6 @@ def test_export_loads_in_transformers_with_equal_logits(pair, tmp_path):
 def test_in_memory_layout_and_flat_published_config(tmp_path, model_type):
     """transformers' in-memory key names (``model.visual.*``, ``model.language_model.*``) and
     a flat config.json as published on the Hub (``rope_scaling`` of type ``mrope``)."""
-    import json
-
     from safetensors.torch import save_file
 
     hf = tiny_hf_qwen(model_type, seed=1)
@@ -182,3 +186,16 @@ def test_in_memory_layout_and_flat_published_config(tmp_path, model_type):
     assert (
         our_logits(model, ids, pixels, grid) - hf_logits(hf, ids, pixels, grid)
     ).abs().max() <= 1e-4
+
+
+def test_export_refuses_a_hostile_token_id_before_writing(pair, tmp_path):
+    from fusion.checkpoint import CheckpointError, export_hf
+
+    hf, model = pair
+    hf.save_pretrained(tmp_path / "source")
+    config = json.loads((tmp_path / "source" / "config.json").read_text())
+    config["vision_start_token_id"] = 10**30
+    (tmp_path / "source" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"vision_start_token_id.*expected a token id"):
+        export_hf(model, tmp_path / "source", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
