@@ -58,3 +58,36 @@ def tiny_hf_qwen3(seed: int = 0, *, tied: bool = False):
     )
     torch.manual_seed(seed)
     return randomize(Qwen3VLForConditionalGeneration(config).to(torch.float32), seed)
+
+
+# The same text stack as fusion.models.llama3_2 arguments, for models built without transformers.
+FUSION_TEXT = {
+    "vocab_size": VOCAB,
+    "num_layers": 3,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "embed_dim": 32,
+    "head_dim": 16,
+    "max_seq_len": 512,
+    "intermediate_dim": 64,
+    "rope_base": 100.0,  # fast rotations: position mistakes show at once
+    "scale_factor": None,
+    "tie_word_embeddings": False,
+    "qk_norm": True,
+    "mrope_section": [4, 2, 2],
+    "mrope_interleaved": True,
+}
+
+
+def tiny_qwen3_vl(seed: int = 0):
+    """A random Qwen3-VL ``EarlyFusion`` from :func:`fusion.models.qwen3_vl` (its decoder is
+    ``llama3_2(**FUSION_TEXT)`` drawn from the same seed), weights N(0, 0.2) so that every
+    position or placement mistake moves the logits."""
+    from fusion.models import qwen3_vl
+
+    torch.manual_seed(seed)
+    model = qwen3_vl(text=FUSION_TEXT, vision=VISION_CONFIG, image_token_id=IMAGE_PAD)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    return model.eval()

@@ -18,9 +18,9 @@ import fusion.early_fusion
 from fusion import EarlyFusion, masked_token_loss
 from fusion.data import IGNORE_INDEX, Sample, collate_packed, collate_padded, pack_samples
 from fusion.early_fusion import add_at_placeholders
-from fusion.models import qwen2_vl, qwen3_vl
+from fusion.models import qwen2_vl
 from fusion.positions import mrope_positions
-from qwen3_helpers import VISION_CONFIG as QWEN3_VISION
+from qwen3_helpers import tiny_qwen3_vl
 from qwen_helpers import (
     IMAGE_PAD,
     MERGE,
@@ -52,28 +52,19 @@ SETTINGS = settings(
 )
 # A bug turns a property into a counterexample found, then shrunk, within these examples.
 BUG_SETTINGS = settings(SETTINGS, max_examples=100, database=None)
-QWEN3_TEXT = TEXT | {
-    "num_layers": 3,
-    "head_dim": 16,
-    "qkv_bias": False,
-    "qk_norm": True,
-    "mrope_section": [4, 2, 2],
-    "mrope_interleaved": True,
-}
 PATCH_WIDTHS = {"qwen2_vl": QWEN2_PATCH_WIDTH, "qwen2_5_vl": QWEN2_PATCH_WIDTH, "qwen3_vl": 1536}
 
 
 def tiny_model(model_type: str = "qwen2_5_vl") -> EarlyFusion:
-    torch.manual_seed(0)
     if model_type == "qwen3_vl":
-        model = qwen3_vl(text=QWEN3_TEXT, vision=QWEN3_VISION, image_token_id=IMAGE_PAD)
-    else:
-        model = qwen2_vl(
-            text=TEXT,
-            vision=VISION_CONFIGS[model_type],
-            image_token_id=IMAGE_PAD,
-            model_type=model_type,
-        )
+        return tiny_qwen3_vl()
+    torch.manual_seed(0)
+    model = qwen2_vl(
+        text=TEXT,
+        vision=VISION_CONFIGS[model_type],
+        image_token_id=IMAGE_PAD,
+        model_type=model_type,
+    )
     with torch.no_grad():  # O(1) weights, so that every position mistake moves the logits
         for param in model.parameters():
             param.normal_(0, 0.2)

@@ -80,3 +80,21 @@ def test_tree_build_checks_model_count():
     with pytest.raises(ValueError, match=r"models: expected 2 models, got 1"):
         tree.build([build_tiny_fusion()])
     assert isinstance(build_tiny_fusion(), EarlyFusion)
+
+
+@settings(max_examples=10, deadline=None)
+@given(tree=wrapping_trees(n_models=1, max_depth=4))
+def test_deepstack_model_keys_under_any_wrapping(tree):
+    """Qwen3-VL adds its DeepStack rows through the decoder's forward, replacing nothing: its
+    decoder's keys stay a plain Qwen3 decoder's under any wrapping prefix."""
+    from fusion.models import llama3_2
+    from qwen3_helpers import FUSION_TEXT, tiny_qwen3_vl
+
+    model = tiny_qwen3_vl(seed=3)
+    plain = llama3_2(**FUSION_TEXT)
+    plain.load_state_dict(model.decoder.state_dict())
+    root, (prefix,) = tree.build([model])
+    assert find_prefix(root, model) == prefix
+    assert_checkpoint_compatible(root, model, plain)
+    fresh, _ = tree.build([tiny_qwen3_vl(seed=4)])
+    assert_state_dict_round_trip(root, fresh)
