@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fusion._validation import INDEX_DTYPES, describe
+from fusion._validation import INDEX_DTYPES, check_values, describe, host_reads_are_free
 
 
 def mrope_positions(
@@ -47,7 +47,9 @@ def mrope_positions(
 
     Raises:
         TypeError, ValueError: ``input_pos`` or ``image_grid_thw`` of another type, shape or
-            dtype than above.
+            dtype than above; placeholders that are not one unbroken run of ``t * h * w /
+            spatial_merge_size**2`` per image, in a row (checked eagerly on the CPU, as a
+            device-side assertion elsewhere; the count as a whole is the merge's check).
     """
     batch, seq_len = tokens.shape
     device = tokens.device
@@ -80,6 +82,16 @@ def mrope_positions(
     rank = (is_image.flatten().cumsum(0) - 1).clamp(min=0)  # placeholder number, batch-wide
     image = torch.searchsorted(ends, rank, right=True).clamp(max=len(rows) - 1)  # [b * s]
     offset = rank - (ends - rows)[image]  # place within its image
+    # Each image's placeholders in one run: a placeholder follows another exactly when it is
+    # not its image's first (a grid that splits the placeholders otherwise is refused).
+    follows = torch.zeros_like(is_image)
+    follows[:, 1:] = is_image[:, :-1]
+    check_values(
+        (~is_image | (follows == (offset.view(batch, seq_len) > 0))).all(),
+        "tokens: the image placeholders do not match image_grid_thw: each image needs one "
+        f"unbroken run of t * h * w / {spatial_merge_size}**2 placeholders within a row",
+        eager=host_reads_are_free(device),
+    )
     _, height, width = llm_grids[image].unbind(-1)
     within = torch.stack(
         [offset // (height * width), offset // width % height, offset % width]

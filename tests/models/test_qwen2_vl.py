@@ -199,3 +199,16 @@ def test_export_refuses_a_hostile_token_id_before_writing(pair, tmp_path):
     with pytest.raises(CheckpointError, match=r"vision_start_token_id.*expected a token id"):
         export_hf(model, tmp_path / "source", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_grids_that_do_not_match_the_placeholders_are_refused(pair):
+    _, model = pair
+    ids, pixels, grid = image_prompt(*TWO_IMAGES)  # rows 4 and 15
+    swapped = grid.flip(0)  # the same patches and rows in all, split 15 + 4
+    with pytest.raises(ValueError, match="image placeholders do not match image_grid_thw"):
+        our_logits(model, ids, pixels, swapped)
+    with pytest.raises(ValueError, match=r"expected \d+ patches"):
+        our_logits(model, ids, pixels[:-1], grid)
+    more = torch.tensor([[1, 4, 4], [1, 10, 8]])  # 24 rows for 19 placeholders
+    with pytest.raises(ValueError, match=r"placeholder count .* must equal the 24 packed rows"):
+        our_logits(model, ids, torch.randn(16 + 80, pixels.size(1)), more)
