@@ -7,9 +7,7 @@ that runs on the device, ``auto`` (what the default picks for the case), and the
 (output written once plus its source rows read once: 2 x output bytes, forward only), the
 ratio to ``copy`` measured in the same run, the speedup over ``reference``, the peak
 transient memory beyond what the call returns, and whether the contestant synchronises with
-the host. Apart from the timings it lists each contestant's
-first call in the run: for ``compiled`` that builds its C loop (once per process, as on a new
-machine: nothing is cached on disk).
+the host. Apart from the timings it lists each contestant's first call in the run.
 
     python benchmarks/merge_kernels.py                # the default sweep for the device
     python benchmarks/merge_kernels.py --target       # the CPU/GPU target case only
@@ -58,7 +56,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.benchmark import Timer
 
 from fusion.merge import IMPLEMENTATIONS, default_impl, merge_embeddings
-from fusion.merge.compiled import merge_compiled
 from fusion.merge.fused import fused_supported, merge_fused
 from fusion.merge.index import merge_index
 from fusion.merge.placement import Placement, resolve_placements
@@ -206,8 +203,7 @@ def torchtune(inp: Inputs) -> torch.Tensor:
 
 
 def auto_picks(inp: Inputs) -> str:
-    rows = sum(r.size(0) for r in inp.rows.values())
-    return default_impl(inp.tokens.device, inp.embedding, inp.tokens.numel(), encoder_rows=rows)
+    return default_impl(inp.tokens.device, inp.embedding)
 
 
 def contestants(
@@ -219,13 +215,10 @@ def contestants(
         "reference": lambda inp: merge_reference(inp.text_ids, inp.embedding, inp.placements),
         "index": lambda inp: merge_index(inp.text_ids, inp.embedding, inp.placements),
         "fused": lambda inp: merge_fused(inp.text_ids, inp.weight, inp.placements),
-        "compiled": lambda inp: merge_compiled(inp.text_ids, inp.weight, inp.placements),
     }
     for name in (*IMPLEMENTATIONS, "auto"):
         if name == "fused" and not fused_supported(device, dtype):
             continue  # Triton runs on CPU only through its interpreter: not worth timing
-        if name == "compiled" and device.type != "cpu":
-            continue  # CPU only; on CUDA the single pass is `fused`
 
         def public(inp: Inputs, name: str = name) -> torch.Tensor:
             return merge_embeddings(
@@ -462,8 +455,8 @@ def run_case(case: Case, args, device: torch.device, found: dict) -> list[dict]:
                 **dataclasses.asdict(case),
                 "impl": name,
                 "median_ms": seconds * 1e3,
-                # The first call of this contestant in this case; for `compiled` (and `auto`
-                # when it picks it) the first in the run includes building its C loop.
+                # The first call of this contestant in this case (the first in the run
+                # includes one-time work, e.g. the fused kernel's compilation).
                 "first_call_ms": first[name] * 1e3,
                 "auto_picks": auto_picks(inp),
                 "round_ms": [t * 1e3 for t in times[name]],
@@ -635,9 +628,9 @@ def table(results: list[dict]) -> str:
 
 
 def first_calls(results: list[dict]) -> str:
-    """Apart from the timings: the first call of each contestant in the run (for `compiled`,
-    and `auto` where it picks it first, building its C loop) against its median call."""
-    lines = ["first call in the run (for compiled, building its loop), vs its median:"]
+    """Apart from the timings: the first call of each contestant in the run (one-time work such
+    as compiling the fused kernel) against its median call."""
+    lines = ["first call in the run, vs its median:"]
     seen = set()
     for r in results:
         if r["impl"] in seen or r["impl"] == "copy":
@@ -772,10 +765,8 @@ def main(argv: list[str] | None = None) -> dict:
     settings = {
         k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()
     }
-    largest = max(todo, key=lambda c: (c.tokens * c.dim, c.tokens), default=None)
-    tokens = args.target_case[0] if args.target_case else (largest.tokens if largest else None)
-    # What auto picks in the target case (else the largest case); per case in `auto_picks`.
-    settings["default_impl"] = default_impl(device, torch.nn.Embedding(1, 1, dtype=dtype), tokens)
+    # What auto picks for a plain table on the device; per case in `auto_picks`.
+    settings["default_impl"] = default_impl(device, torch.nn.Embedding(1, 1, dtype=dtype))
     targets = evaluate_targets(results, device, args.dtype)
     report = {"machine": info, "settings": settings, "results": results, "targets": targets}
     args.out.mkdir(parents=True, exist_ok=True)

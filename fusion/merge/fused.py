@@ -1,26 +1,19 @@
 """Fused merge: one Triton kernel writes every output row once, from the table or an encoder.
 
-Each output row is read from exactly one place, the embedding table for text tokens or an
-encoder's rows for placeholders, and written once: the bytes moved are the floor (output
-written once, its source rows read once). Per output row the kernel reads a text id and a
-source row (``-1`` for text), built from :meth:`Placement.destinations` in O(tokens) with no
-host synchronisation and no data-dependent shape, so the merge can be captured in a CUDA
-graph (``benchmarks/gpu_check.py`` checks both on a GPU).
-
-The kernel moves raw bits (floats viewed as same-width integers), so it is bitwise exact for
-every dtype. It runs compiled on CUDA and, for tests, on CPU under Triton's interpreter
-(``TRITON_INTERPRET=1``, read when the kernel is first used in that mode). Triton is an
-optional extra (``triton``: ``pip install 'triton>=3.3'``). The backward pass uses the same ATen ops
-as the reference (:func:`fusion.merge.sources.merge_backward`), so gradients are bitwise equal
-to it.
+The bytes moved are the floor (each output row written once, its source row read once), with
+no host synchronisation and no data-dependent shape, so CUDA graphs can capture it
+(``benchmarks/gpu_check.py``). Rows move as raw bits (same-width integer views), exact for every
+dtype; the backward uses the reference's ATen ops. On CPU it runs only under Triton's
+interpreter, for tests (``TRITON_INTERPRET=1``). Triton is the optional extra ``triton``.
 """
 
+import contextlib
+import functools
 import os
 
 import torch
 
 from fusion.merge.placement import Placement, match_text
-from fusion.merge.sources import merge_backward, row_sources
 
 try:
     import triton
@@ -33,20 +26,15 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _interpreting() -> bool:
-    """Whether Triton runs kernels on its interpreter: ``TRITON_INTERPRET`` read as Triton
-    reads it, straight from the environment so that ``torch.compile`` can trace the check."""
+    """``TRITON_INTERPRET`` read as Triton reads it, from the environment (traceable)."""
     flag = os.environ.get("TRITON_INTERPRET", "0").lower()
     return triton is not None and flag in ("1", "true", "on")
 
 
 def check_fused(device: torch.device, dtype: torch.dtype) -> None:
-    """Raise unless ``impl="fused"`` can run on ``device`` and ``dtype``.
-
-    Raises:
-        ImportError: Triton is not installed.
-        ValueError: ``device`` is neither CUDA nor CPU under Triton's interpreter, or the
-            element size is not 1, 2, 4 or 8 bytes.
-    """
+    """Raise unless ``impl="fused"`` can run on ``device`` and ``dtype``: ImportError without
+    Triton, ValueError off CUDA (but for CPU under Triton's interpreter) or for elements of
+    other than 1, 2, 4 or 8 bytes."""
     if triton is None:
         raise ImportError(
             "impl: 'fused' needs Triton, which is not installed (pip install 'triton>=3.3'); "
@@ -90,11 +78,8 @@ if triton is not None:
         BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        """out[i] = rows_e[source[i] - offset_e] where source[i] >= 0, else weight[ids[i]].
-
-        A program covers ``BLOCK_R`` output rows x ``BLOCK_D`` columns. Masked loads touch no
-        memory, so every output element is read from one source only and stored once.
-        """
+        """out[i] = rows_e[source[i] - offset_e] where source[i] >= 0, else weight[ids[i]], by
+        programs of ``BLOCK_R`` rows x ``BLOCK_D`` columns (masked loads touch no memory)."""
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         row_ok = r < n
@@ -114,23 +99,16 @@ if triton is not None:
         tl.store(out_ptrs, values, mask=row_ok[:, None] & col_ok)
 
 
-_KERNELS: dict[bool, object] = {}
-
-
-def _kernel():
-    """The jitted kernel for the current mode (compiled or interpreted), built on first use."""
-    interpret = _interpreting()
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = triton.jit(_merge_rows_kernel)
-    return _KERNELS[interpret]
+@functools.cache
+def _kernel(interpret: bool):
+    """The kernel jitted for a mode (Triton reads ``TRITON_INTERPRET`` when it jits)."""
+    return triton.jit(_merge_rows_kernel)
 
 
 def launch_config(dim: int, itemsize: int) -> tuple[int, int, int]:
-    """``(BLOCK_R, BLOCK_D, num_warps)``: 4 KiB row chunks, 16 KiB per program, 4 warps.
-
-    A copy-like kernel saturates bandwidth with 16-byte vectors and a few KiB in flight per
-    program; small ``dim`` packs more rows into a program instead.
-    """
+    """``(BLOCK_R, BLOCK_D, num_warps)``: 4 KiB row chunks, 16 KiB per program, 4 warps (a
+    copy-like kernel saturates bandwidth with a few KiB in flight per program; small ``dim``
+    packs more rows into a program instead)."""
     block_d = min(triton.next_power_of_2(max(dim, 1)), 4096 // itemsize)
     block_r = min(64, max(1, 16384 // (block_d * itemsize)))
     return block_r, block_d, 4
@@ -150,15 +128,11 @@ def launch(
         return
     bits = _BITS[weight.element_size()]
     block_r, block_d, num_warps = config or launch_config(dim, weight.element_size())
-    offsets, counts, used, start = [], [], [], 0
-    for r in rows:
-        if r.size(0):  # encoders without rows have nothing to read
-            offsets.append(start)
-            counts.append(r.size(0))
-            used.append(r.view(bits))
-        start += r.size(0)
+    used = [r.view(bits) for r in rows if r.size(0)]  # encoders without rows: nothing to read
+    counts = [r.size(0) for r in used]
+    offsets = [sum(counts[:e]) for e in range(len(used))]
     grid = (triton.cdiv(n, block_r), triton.cdiv(dim, block_d))
-    _kernel()[grid](
+    _kernel(_interpreting())[grid](
         out.view(bits),
         weight.view(bits),
         text_ids,
@@ -187,25 +161,14 @@ def merge_rows(
     rows: list[torch.Tensor],
     destinations: list[torch.Tensor],
 ) -> torch.Tensor:
-    """The fused merge as an operator (opaque to ``torch.compile``, differentiable).
-
-    Args:
-        text_ids: [n] ids into ``weight`` (0 at placeholders).
-        weight: [vocab, d].
-        source: [n] row of the encoders' rows concatenated in order, -1 for text tokens.
-        rows: per encoder [n_rows, d], any strides.
-        destinations: per encoder [n_rows], the output row of each row (n = dropped);
-            used by the backward pass only.
-
-    Returns:
-        [n, d], contiguous, in ``weight``'s dtype.
-    """
+    """The fused merge as an operator (opaque to ``torch.compile``, differentiable): [n, d]
+    from ``text_ids`` [n] into ``weight`` [vocab, d], or where ``source`` [n] is not -1, from
+    that row of the encoders' ``rows`` concatenated in order. ``destinations``: per encoder,
+    the output row of each row (n: dropped), for the backward pass."""
     check_fused(weight.device, weight.dtype)
     out = weight.new_empty(text_ids.numel(), weight.size(1))
-    if weight.device.type == "cuda":
-        with torch.cuda.device(weight.device):  # Triton launches on the current device
-            launch(out, weight, text_ids, source, rows)
-    else:
+    cuda = weight.device.type == "cuda"  # Triton launches on the current device
+    with torch.cuda.device(weight.device) if cuda else contextlib.nullcontext():
         launch(out, weight, text_ids, source, rows)
     return out
 
@@ -222,16 +185,24 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad: torch.Tensor):
+    """What the reference's ``F.embedding`` and ``masked_scatter`` pass back, bit for bit:
+    the table's gradient from the output's with placeholder rows zeroed, each row's gradient
+    from its output row (zeros for padding rows, which land on the spill row ``n``)."""
     text_ids, source, *destinations = ctx.saved_tensors
-    grad_weight, grad_rows = merge_backward(
-        grad,
-        text_ids,
-        source,
-        destinations,
-        ctx.vocab,
-        table_grad=ctx.needs_input_grad[1],
-        rows_grad=ctx.needs_input_grad[3],
-    )
+    n = text_ids.numel()
+    grad_weight = grad_rows = None
+    if ctx.needs_input_grad[1]:
+        text_grad = grad.masked_fill((source >= 0)[:, None], 0)
+        grad_weight = torch.ops.aten.embedding_dense_backward(
+            text_grad, text_ids, ctx.vocab, -1, False
+        )
+    if ctx.needs_input_grad[3]:
+        grad_rows = [
+            grad.new_zeros(dest.numel(), grad.size(1))
+            if n == 0
+            else grad.index_select(0, dest.clamp(max=n - 1)).masked_fill_((dest == n)[:, None], 0)
+            for dest in destinations
+        ]
     return None, grad_weight, None, grad_rows, [None] * len(destinations)
 
 
@@ -241,11 +212,16 @@ merge_rows.register_autograd(_backward, setup_context=_setup_context)
 def merge_fused(
     text_ids: torch.Tensor, weight: torch.Tensor, placements: list[Placement]
 ) -> torch.Tensor:
-    """Merge by one Triton kernel; ``text_ids`` [b, s] -> embeddings [b, s, d]."""
+    """Merge by one Triton kernel; ``text_ids`` [b, s] -> embeddings [b, s, d]. Padding rows'
+    destinations are the spill slot ``b * s`` of ``source``, which no output row reads."""
     placements = match_text(placements, weight)
     batch, seq_len = text_ids.shape
-    source, destinations = row_sources(text_ids, placements)
-    out = merge_rows(
-        text_ids.reshape(-1), weight, source, [p.rows for p in placements], destinations
-    )
+    n = text_ids.numel()
+    source = torch.full((n + 1,), -1, dtype=torch.int64, device=text_ids.device)
+    destinations, start = [p.destinations() for p in placements], 0
+    for p, dest in zip(placements, destinations, strict=True):
+        source.index_copy_(0, dest, torch.arange(start, start + p.rows.size(0), device=dest.device))
+        start += p.rows.size(0)
+    rows = [p.rows for p in placements]
+    out = merge_rows(text_ids.reshape(-1), weight, source[:n], rows, destinations)
     return out.view(batch, seq_len, weight.size(1))

@@ -12,11 +12,8 @@ from fusion.merge.layouts import EncoderRows, Padded, as_layout
 
 @dataclass(frozen=True)
 class Placement:
-    """One encoder's rows and placeholders, validated against the tokens.
-
-    ``rows`` is 2-D: ``[n_rows, d]`` for packed rows, ``[b * width, d]`` for padded ones
-    (``width`` is None for packed rows). ``is_placeholder`` is ``[b, s]``.
-    """
+    """One encoder's rows, 2-D (``[n_rows, d]`` packed, ``width`` None; ``[b * width, d]``
+    padded), and its placeholders ``is_placeholder`` [b, s], validated against the tokens."""
 
     name: str
     token_id: int
@@ -25,16 +22,12 @@ class Placement:
     is_placeholder: torch.Tensor
 
     def destinations(self, *, spill_column: bool = False) -> torch.Tensor:
-        """Output row of each of ``rows``, in the flat ``[b * s]`` output, or with
-        ``spill_column`` in the flat ``[b * (s + 1)]`` output whose last column is dropped.
-
-        Row ``r`` goes to the ``r``-th placeholder (per sample when padded), found by a
-        binary search in the running placeholder count: O(tokens) metadata, no host
-        synchronisation and no data-dependent shapes. Padding rows (and, if counts were not
-        checked on the host, missing placeholders) go to a spill row that the implementations
-        allocate and drop, so they need no filtering: row ``b * s`` of the flat output, or
-        their sample's spill column.
-        """
+        """Output row of each of ``rows`` in the flat ``[b * s]`` output (with ``spill_column``:
+        ``[b * (s + 1)]``, its last column dropped). Row ``r`` goes to the ``r``-th placeholder
+        (per sample when padded), found by a binary search in the running placeholder count:
+        O(tokens), no host synchronisation, no data-dependent shape. Padding rows (and missing
+        placeholders when counts were not checked on the host) go to a spill row that the
+        implementations allocate and drop: row ``b * s``, or their sample's spill column."""
         batch, seq_len = self.is_placeholder.shape
         stride = seq_len + spill_column
         device = self.rows.device
@@ -65,14 +58,9 @@ def resolve_placements(
     vocab_size: int | None,
     eager_checks: bool | None,
 ) -> tuple[list[Placement], torch.Tensor]:
-    """Validate the inputs of a merge (``tokens`` already checked to be ids [b, s]) and return
-    the placements and the text ids.
-
-    Text ids are ``tokens`` with every placeholder replaced by 0, so out-of-vocabulary
-    placeholder ids never reach the embedding; with ``vocab_size``, the remaining ids must lie
-    in ``[0, vocab_size)``. Rows are checked against each other and the tokens here; their
-    width and dtype against the text embeddings by :func:`match_text`.
-    """
+    """The placements and the text ids: ``tokens`` (ids [b, s]) with placeholders as 0, so
+    placeholder ids never reach the embedding, checked to lie in ``[0, vocab_size)``. Rows are
+    checked against the tokens here, against the text embeddings by :func:`match_text`."""
     if not isinstance(encoder_rows, Mapping):
         raise TypeError(
             f"encoder_rows: expected a mapping of encoder name -> rows, got "
@@ -85,7 +73,6 @@ def resolve_placements(
             f"encoder_rows: names {unknown} have no placeholder id in encoder_tokens "
             f"(known: {sorted(encoder_tokens)})"
         )
-
     eager = host_reads_are_free(tokens.device) if eager_checks is None else eager_checks
     eager = eager and not torch.compiler.is_compiling()
     placements = []
@@ -94,10 +81,7 @@ def resolve_placements(
         is_placeholder = tokens == token_id
         any_placeholder |= is_placeholder
         if name in encoder_rows:
-            layout = as_layout(encoder_rows[name], f"encoder {name!r} rows")
-            rows = _check_rows(name, layout.rows, tokens, isinstance(layout, Padded))
-            width = rows.size(1) if isinstance(layout, Padded) else None
-            rows = rows.reshape(-1, rows.size(-1))
+            rows, width = _checked_rows(name, encoder_rows[name], tokens)
         else:  # no rows: its placeholders must not appear
             rows, width = tokens.new_empty(0, 0, dtype=torch.float32), None
         placement = Placement(name, token_id, rows, width, is_placeholder)
@@ -110,8 +94,8 @@ def resolve_placements(
 
 
 class PlaceholderIds(Mapping[str, int]):
-    """Encoder name -> placeholder id, checked once when built (:func:`check_encoder_tokens`)
-    and read-only after, so a model that merges on every forward does not check them again."""
+    """Encoder name -> placeholder id, read-only and checked once when built, so a model that
+    merges on every forward does not check them again."""
 
     def __init__(self, encoder_tokens: Mapping[str, int]) -> None:
         check_encoder_tokens(encoder_tokens)
@@ -178,8 +162,13 @@ def match_text(placements: list[Placement], text: torch.Tensor) -> list[Placemen
     return matched
 
 
-def _check_rows(name: str, rows: torch.Tensor, tokens: torch.Tensor, padded: bool) -> torch.Tensor:
+def _checked_rows(
+    name: str, given: EncoderRows, tokens: torch.Tensor
+) -> tuple[torch.Tensor, int | None]:
+    """An encoder's rows checked against the tokens, as [n_rows, d], and the padded width."""
     what = f"encoder {name!r} rows"
+    layout = as_layout(given, what)
+    rows, padded = layout.rows, isinstance(layout, Padded)
     if padded:
         expected = f"padded rows [{tokens.size(0)}, max_tokens, d]"
         ok = rows.dim() == 3 and rows.size(0) == tokens.size(0)
@@ -194,7 +183,7 @@ def _check_rows(name: str, rows: torch.Tensor, tokens: torch.Tensor, padded: boo
         raise ValueError(
             f"{what}: expected device {tokens.device} (the tokens'), got {rows.device}"
         )
-    return rows
+    return rows.reshape(-1, rows.size(-1)), rows.size(1) if padded else None
 
 
 def _check_counts(p: Placement, eager: bool) -> None:

@@ -39,7 +39,7 @@ def test_merge_kernels_quick(tmp_path):
     results = report["results"]
     cases = {(r["tokens"], r["dim"], r["fraction"], r["mode"]) for r in results}
     assert cases == {(256, 64, f, m) for f in (0.0, 0.5) for m in ("fwd", "fwd+bwd")}
-    impls = {"copy", "reference", "index", "compiled", "auto", "index_table"}
+    impls = {"copy", "reference", "index", "auto", "index_table"}
     impls |= {"bool_index", "torchtune"}
     for case in cases:
         rows = {
@@ -57,7 +57,7 @@ def test_merge_kernels_quick(tmp_path):
             assert r["ratio_to_copy"] == pytest.approx(statistics.median(a / b for a, b in paired))
         # Sync-free implementations; the baselines' boolean indexing and masked_select are not.
         assert not rows["index"]["synchronises"] and not rows["reference"]["synchronises"]
-        assert not rows["compiled"]["synchronises"] and rows["auto"]["auto_picks"] == "index"
+        assert not rows["auto"]["synchronises"] and rows["auto"]["auto_picks"] == "index"
         assert "aten.masked_select.default" in rows["torchtune"]["sync_ops"]
         assert rows["bool_index"]["synchronises"]
         if case[3] == "fwd":

@@ -184,13 +184,12 @@ def test_same_errors_as_reference_on_count_mismatch(impl, case, data, eager_chec
 
 
 def test_default_rule():
-    """On CPU ``index`` for small outputs (``compiled`` from COMPILED_MIN_BYTES: see
-    tests/merge/test_compiled.py); on CUDA ``fused`` where Triton is."""
+    """On CPU ``index``; on CUDA ``fused`` where Triton is."""
     table = torch.zeros(4, 2)
-    assert default_impl(torch.device("cpu"), table, 1) == "index"
-    assert default_impl(torch.device("cpu"), table.bfloat16(), 1) == "index"
+    assert default_impl(torch.device("cpu"), table) == "index"
+    assert default_impl(torch.device("cpu"), table.bfloat16()) == "index"
     with implementation("fused"):  # the interpreter is for tests; auto never picks it
-        assert default_impl(torch.device("cpu"), table, 1) == "index"
+        assert default_impl(torch.device("cpu"), table) == "index"
     expected = "index" if triton is None else "fused"
     cuda = torch.device("cuda")
     assert default_impl(cuda, table.bfloat16()) == expected
@@ -224,16 +223,27 @@ def _with_hook() -> torch.nn.Embedding:
     ],
 )
 def test_anything_but_a_plain_table_is_called_not_read(embedding):
-    """The fused kernel and the compiled merge read the table itself: ``auto`` never picks
-    them, and asking for them fails, unless reading the table is provably what calling the
-    embedding does."""
+    """The fused kernel reads the table itself: ``auto`` never picks it, and asking for it
+    fails, unless reading the table is provably what calling the embedding does."""
     assert embedding_table(embedding) is None
     assert default_impl(torch.device("cuda"), embedding) == "index"
     assert default_impl(torch.device("cpu"), embedding) == "index"
     tokens = torch.tensor([[1, 2]])
-    for impl in ("fused", "compiled"):
-        with pytest.raises(ValueError, match=f"impl: '{impl}' reads the embedding table directly"):
-            merge_embeddings(tokens, embedding, {}, {"image": 5}, impl=impl)
+    with pytest.raises(ValueError, match="impl: 'fused' reads the embedding table directly"):
+        merge_embeddings(tokens, embedding, {}, {"image": 5}, impl="fused")
+
+
+def test_the_removed_compiled_impl_is_refused_by_name():
+    """``impl="compiled"`` (removed) raises the unknown-impl error, naming the accepted impls
+    and what ``auto`` does instead, before any other check."""
+    match = (
+        r"impl: expected 'auto' or one of \['reference', 'index', 'fused'\], got 'compiled' "
+        r"\('compiled' was removed: 'auto' merges with 'index' on CPU\)"
+    )
+    with pytest.raises(ValueError, match=match):
+        merge_embeddings(*_tiny_merge_args(), impl="compiled")
+    with pytest.raises(ValueError, match=r"got 'magic'$"):
+        merge_embeddings(*_tiny_merge_args(), impl="magic")
 
 
 def test_plain_tables_may_be_read():

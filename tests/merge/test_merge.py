@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from fusion.merge import IMPLEMENTATIONS, Packed, Padded, merge_embeddings
 from fusion.testing import MergeCase, merge_inputs
 
-# "fused" runs on CPU only under Triton's interpreter, and "fused" and "compiled" read tables
-# only; tests/merge/test_differential.py checks both bitwise against "reference", which these
-# tests check against the loop.
-IMPLS = sorted(set(IMPLEMENTATIONS) - {"fused", "compiled"})
+# "fused" runs on CPU only under Triton's interpreter and reads tables only;
+# tests/merge/test_differential.py checks it bitwise against "reference", which these tests
+# check against the loop.
+IMPLS = sorted(set(IMPLEMENTATIONS) - {"fused"})
 
 
 def loop_merge(case: MergeCase) -> torch.Tensor:
