@@ -7,7 +7,7 @@ directory from the shell.
 """
 
 from fusion.generation.autoregressive import generate, generate_stream
-from fusion.generation.padding import left_pad
 from fusion.generation.sampling import check_sampling_args, sample_next_token
+from fusion.padding import left_pad
 
 __all__ = ["check_sampling_args", "generate", "generate_stream", "left_pad", "sample_next_token"]

@@ -10,24 +10,18 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fusion._validation import check_values, host_reads_are_free
-from fusion.decoder import TransformerDecoder
-from fusion.decoder_kinds import FUSION, HUGGING_FACE, embedding_module, vocab_size
-from fusion.early_fusion import EarlyFusion
-from fusion.generation import foreign
-from fusion.generation._checks import (
+from fusion._arguments import (
     INTEGER_DTYPES,
     as_id,
     as_positive_int,
     same_device,
     show,
 )
-from fusion.generation.padding import (
-    leading_pad_counts,
-    pad_left_to,
-    prefill_mask,
-    prompt_positions,
-)
+from fusion._validation import check_values, host_reads_are_free
+from fusion.decoder import TransformerDecoder
+from fusion.decoder_kinds import FUSION, HUGGING_FACE, embedding_module, vocab_size
+from fusion.early_fusion import EarlyFusion
+from fusion.generation import foreign
 from fusion.generation.sampling import check_generator, draw, sampling_args
 from fusion.generation.steps import (
     EAGER,
@@ -38,6 +32,12 @@ from fusion.generation.steps import (
     first_cache,
     mark_static,
     settle,
+)
+from fusion.padding import (
+    leading_pad_counts,
+    pad_left_to,
+    prefill_mask,
+    prompt_positions,
 )
 
 
@@ -68,20 +68,7 @@ def generate(
         the step at which the last one did, whatever ``stop_check_interval``. After its stop
         token, a sample's slots hold ``pad_id``.
     """
-    plan = _prepare(
-        model,
-        tokens,
-        encoder_input=encoder_input,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_tokens=stop_tokens,
-        pad_id=pad_id,
-        generator=generator,
-        compile=compile,
-        stop_check_interval=stop_check_interval,
-    )
+    plan = _prepare(**locals())  # the arguments, as given
     new = torch.stack(list(_run(plan)), dim=1)
     if plan.stop_tokens:
         # The host looked for the end only every few steps: drop the steps after it (one
@@ -110,123 +97,94 @@ def generate_stream(
 ) -> Generator[torch.Tensor, None, None]:
     """Like :func:`generate`, but yield each step's new tokens [b] (int64) as they come.
 
-    All arguments are checked when this is called; the model runs as the iterator advances.
+    All arguments are checked when this is called, before anything is allocated; the model
+    runs as the iterator advances.
 
     Args:
-        model: a decoder, or an ``EarlyFusion`` (whose decoding steps bypass the merge: a
-            generated id is always embedded as text) over any decoder it takes. Over a
-            Hugging Face causal LM, the model's own cache is used: a ``DynamicCache`` made for
-            the call, passed as ``cache`` (``past_key_values`` in older transformers) with a
-            2-D ``attention_mask`` and ``position_ids``, as ``transformers``' ``generate``
-            does (greedy tokens equal its
-            ``generate(inputs_embeds=..., attention_mask=...)`` on the same merged
-            embeddings). Over a torchtune-style decoder, its ``setup_caches`` /
-            ``reset_caches`` caches, with the masks and positions this library's decoder
-            takes; set up here, they are torn down after where it has ``teardown_caches``.
-            Both are eager only (``compile`` must be False).
-        tokens: prompts [b, s], integer ids, on the model's device, left-padded with
-            ``pad_id``: a sample's leading ``pad_id`` tokens are padding (see
-            :func:`fusion.generation.left_pad`), so no prompt may begin with ``pad_id``.
-            Each sample gets rotary positions from 0 at its first real token.
+        model: a decoder, or an ``EarlyFusion`` over any decoder it takes (its decoding steps
+            bypass the merge: a generated id is always embedded as text). A Hugging Face causal
+            LM runs through its own cache, as ``transformers``' ``generate`` does: a
+            ``DynamicCache`` made for the call, passed as ``cache`` (``past_key_values`` in
+            older transformers) with a 2-D ``attention_mask`` and ``position_ids`` (greedy
+            tokens equal its ``generate(inputs_embeds=..., attention_mask=...)`` on the same
+            merged embeddings). A torchtune-style decoder runs through its ``setup_caches`` /
+            ``reset_caches`` caches with this library's masks and positions; set up here, they
+            are torn down after where it has ``teardown_caches``. Both are eager only.
+        tokens: prompts [b, s] of integer ids on the model's device, left-padded with
+            ``pad_id`` (see :func:`fusion.generation.left_pad`): a sample's leading ``pad_id``
+            tokens are padding, so no prompt may begin with ``pad_id``. Each sample's rotary
+            positions start at 0 at its first real token.
         encoder_input: for ``EarlyFusion`` only, as in ``EarlyFusion.forward``; used at prefill.
         max_new_tokens: >= 1.
         temperature, top_k, top_p: see :func:`fusion.generation.sample_next_token`;
             ``temperature=0`` is greedy.
-        stop_tokens: ids that end a sample (the stop token is kept). Whether a sample has
-            stopped is tracked on the device; the host looks whether all have every
-            ``stop_check_interval`` steps (one synchronisation each time), so the stream may
-            run up to ``stop_check_interval - 1`` steps past the last stop, yielding
-            ``pad_id`` for every sample (:func:`generate` drops those steps). 1 looks at
-            every step. Without stop tokens nothing is looked at.
+        stop_tokens: ids that end a sample (the stop token is kept). Tracked on the device; the
+            host looks whether all samples have stopped every ``stop_check_interval`` steps
+            (one synchronisation each; 1 looks at every step, and without stop tokens nothing
+            is looked at), so the stream may run up to ``stop_check_interval - 1`` steps past
+            the last stop, yielding ``pad_id`` for every sample (:func:`generate` drops them).
         pad_id: the padding id, inside the vocabulary and not a placeholder id.
         generator: randomness for sampling, on the model's device.
-        compile: False runs the model eagerly. True compiles the prefill and the decoding step
-            with ``torch.compile(fullgraph=True)``: inductor, static shapes, CUDA graphs on
-            CUDA (``mode="reduce-overhead"``). A mapping passes ``backend``, ``mode``,
-            ``options``, ``dynamic`` or ``recompile_limit`` to ``torch.compile``. Prompts are
-            left-padded to a bucket length (a power of two from 16 to 256, a multiple of 256
-            above) and caches this call sets up get a bucketed length too, so that nearby
-            prompt lengths share graphs; each new batch size, bucket or dtype compiles once,
-            then steps, calls and prompts of the same buckets never recompile. A greedy step
-            (``temperature=0``) is one graph, sampling draws outside it. An ``EarlyFusion``'s
-            prefill (encoders and merge) runs eagerly, its decoding steps compiled. Greedy
-            tokens equal eager ones, up to the last-bit differences of fused kernels. On
-            CUDA, set the caches up once (``setup_caches``) and reuse them across calls:
-            caches set up per call get a new address, which re-records the CUDA graphs.
+        compile: False runs eagerly. True compiles the prefill and the decoding step with
+            ``torch.compile(fullgraph=True)``: inductor, static shapes, CUDA graphs on CUDA
+            (``mode="reduce-overhead"``); a mapping passes ``backend``, ``mode``, ``options``,
+            ``dynamic`` or ``recompile_limit``. Prompts are left-padded to a bucket length (a
+            power of two from 16 to 256, a multiple of 256 above), and caches set up here get
+            a bucketed length too: each new batch size, bucket or dtype compiles once, then
+            steps, calls and prompts of the same buckets never recompile. A greedy step is one
+            graph; sampling draws outside it. An ``EarlyFusion``'s prefill (encoders, merge)
+            runs eagerly, its steps compiled. Greedy tokens equal eager ones, up to the
+            last-bit differences of fused kernels. On CUDA, set the caches up once and reuse
+            them: caches set up per call get a new address, which re-records the CUDA graphs.
         stop_check_interval: see ``stop_tokens``; an integer >= 1.
 
-    The KV cache: if the model has none, one of exactly ``s + max_new_tokens - 1`` slots
-    (eager; bucketed when compiled) is set up for this call and removed when the iterator
-    ends: exhausted, closed, garbage-collected or stopped by an error. If the model has
-    caches set up (for the same batch size and the model's dtype), they are reset and used,
-    and left set up. A model has one cache, so it runs one stream at a time: from its first
-    ``next()`` until it ends, the stream holds the model, and another
+    The KV cache: a model without caches gets one of exactly ``s + max_new_tokens - 1`` slots
+    (eager; bucketed when compiled) for this call, removed when the iterator ends (exhausted,
+    closed, garbage-collected or stopped by an error). Caches set up on the model (for this
+    batch size and the model's dtype) are reset, used and left set up. A model has one cache,
+    so from its first ``next()`` until it ends a stream holds the model: another
     ``generate``/``generate_stream`` on it (or on an ``EarlyFusion`` sharing its decoder)
-    raises ``RuntimeError`` before doing anything. Gradients are off while the model runs;
-    the model's train/eval mode is left as it is (call ``model.eval()`` first, or dropout
-    applies). A ``torch.compile`` wrapper of a model is called as it is when ``compile`` is
-    False; with ``compile`` set, the module it wraps is compiled as above instead.
-
-    Nothing in a decoding step reads a value on the host: the cache slot is the cache's fill
-    level (a device tensor), positions and masks are computed on the device, and arguments
-    are checked once, when this is called.
+    raises ``RuntimeError`` before doing anything. Gradients are off while the model runs; its
+    train/eval mode is left as it is (call ``model.eval()`` first, or dropout applies). A
+    ``torch.compile`` wrapper is called as it is when ``compile`` is False; with ``compile``
+    set, the module it wraps is compiled as above instead. Nothing in a decoding step reads a
+    value on the host: the cache slot is the cache's fill level (a device tensor), positions
+    and masks are computed on the device.
 
     Ids (``tokens``, ``stop_tokens``, ``pad_id``) may be of any integer dtype or type (Python,
-    NumPy, 0-dim tensors); numbers may be Python or NumPy scalars. Bools and floats are never
+    NumPy, 0-dim tensors); numbers may be Python or NumPy scalars; bools and floats are never
     taken for integers.
 
     Raises:
         TypeError: ``model`` is neither a ``TransformerDecoder`` nor an ``EarlyFusion``.
-        ValueError (other decoders): a Hugging Face base model without an output layer; a
-            torchtune-style decoder without ``setup_caches``, ``caches_are_setup`` and
-            ``reset_caches``; ``compile`` set.
         RuntimeError: another stream on this model is in progress.
-        ValueError: ``tokens`` not non-empty integer [b, s] on the model's device, or (on the
-            CPU) holding ids outside the vocabulary that are not placeholders of encoders given
-            input; a sample that is all padding; the prompt plus ``max_new_tokens`` longer than
-            the cache (or the decoder's ``max_seq_len``); ``max_new_tokens`` not an integer
-            >= 1; ``temperature``, ``top_k``, ``top_p`` invalid (see
+        ValueError: a Hugging Face base model without an output layer; a torchtune-style
+            decoder without ``setup_caches``, ``caches_are_setup`` and ``reset_caches``, or
+            with ``compile`` set; ``tokens`` not non-empty integer [b, s] on the model's
+            device, or (on the CPU) holding ids outside the vocabulary that are not
+            placeholders of encoders given input; a sample that is all padding; the prompt
+            plus ``max_new_tokens`` longer than the cache (or the decoder's ``max_seq_len``);
+            ``max_new_tokens`` or ``stop_check_interval`` not an integer >= 1;
+            ``temperature``, ``top_k``, ``top_p`` invalid (see
             :func:`fusion.generation.check_sampling_args`); stop tokens or ``pad_id`` not ids
             of the vocabulary; ``pad_id`` a placeholder id; ``generator`` not a generator on
             the model's device; ``encoder_input`` not a mapping, given to a model without
             encoders, or with unknown encoder names; a model on the meta device; caches set
             up for another batch size or dtype, or disabled; ``compile`` not a bool or a
-            mapping of the options above, or options ``torch.compile`` refuses;
-            ``stop_check_interval`` not an integer >= 1.
+            mapping of the options above, or options ``torch.compile`` refuses.
     """
-    return _run(
-        _prepare(
-            model,
-            tokens,
-            encoder_input=encoder_input,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_tokens=stop_tokens,
-            pad_id=pad_id,
-            generator=generator,
-            compile=compile,
-            stop_check_interval=stop_check_interval,
-        )
-    )
+    return _run(_prepare(**locals()))
 
 
-class _Model(NamedTuple):
-    """What generation calls (``call``: a ``torch.compile`` wrapper stays one), the module it
-    wraps (``inner``), whose attributes are read and set, and the kind of its decoder (see
-    :mod:`fusion.decoder_kinds`)."""
+class _Plan(NamedTuple):
+    """A generation's checked arguments; ``call`` is what generation calls (a
+    ``torch.compile`` wrapper stays one), ``inner`` the module it is, whose attributes are read
+    and set, ``decoder`` its decoder, of ``kind`` (see :mod:`fusion.decoder_kinds`)."""
 
     call: nn.Module
     inner: TransformerDecoder | EarlyFusion
     kind: str
-
-
-class _Plan(NamedTuple):
-    """A generation's checked arguments."""
-
-    model: _Model
-    decoder: Any  # a TransformerDecoder, or another library's decoder (model.kind)
+    decoder: Any  # a TransformerDecoder, or another library's decoder
     tokens: torch.Tensor  # int64 [b, s]
     pad_counts: torch.Tensor  # [b]
     encoder_input: Mapping[str, Any] | None
@@ -242,7 +200,6 @@ class _Plan(NamedTuple):
 def _prepare(
     model: Any,
     tokens: Any,
-    *,
     encoder_input: Any,
     max_new_tokens: Any,
     temperature: Any,
@@ -255,52 +212,53 @@ def _prepare(
     stop_check_interval: Any,
 ) -> _Plan:
     """Every argument checked, before anything is allocated or run."""
-    model, decoder = _unwrap(model)
-    kind = model.kind
+    call, inner, kind, decoder = _unwrap(model)
     if kind != FUSION:
         foreign.check_decoder(decoder, kind)
     _refuse_if_busy(decoder)
-    _check_model(decoder, kind)
+    if _weights(decoder, kind).device.type == "meta":
+        raise ValueError(
+            "model: its weights are on the meta device (no data); load or materialise them first"
+        )
     max_new_tokens = as_positive_int(max_new_tokens, "max_new_tokens")
     stop_check_interval = as_positive_int(stop_check_interval, "stop_check_interval")
-    vocab = _vocab_size(decoder, kind)
+    vocab = vocab_size(decoder, kind, embedding_module(decoder, kind))
+    if vocab is None:
+        raise ValueError(
+            f"model: the vocabulary size of its decoder {type(decoder).__name__} is unknown "
+            "(no num_embeddings on its embedding, no vocab_size): ids cannot be checked"
+        )
     pad_id = as_id(pad_id, "pad_id", vocab)
     stop_tokens = _checked_stop_tokens(stop_tokens, vocab)
-    if isinstance(model.inner, EarlyFusion) and pad_id in model.inner.encoder_tokens.values():
+    if isinstance(inner, EarlyFusion) and pad_id in inner.encoder_tokens.values():
         raise ValueError(
-            f"pad_id: {pad_id} is a placeholder id of the encoders {model.inner.encoder_tokens}"
+            f"pad_id: {pad_id} is a placeholder id of the encoders {inner.encoder_tokens}"
         )
     sampling = sampling_args(temperature, top_k, top_p, vocab)
-    tokens = _checked_tokens(model, decoder, tokens, encoder_input, vocab)
+    tokens = _checked_tokens(inner, decoder, kind, tokens, encoder_input, vocab)
     check_generator(generator, tokens.device)
     options = compile_options(compile, tokens.device)
     if kind == FUSION:
         _check_caches(decoder, tokens.size(0), tokens.size(1), max_new_tokens)
+    elif options is not None:
+        raise ValueError(
+            f"compile: compiled generation needs this library's TransformerDecoder; this "
+            f"EarlyFusion holds a {kind} decoder ({type(decoder).__name__}): pass compile=False"
+        )
     else:
-        if options is not None:
-            raise ValueError(
-                f"compile: compiled generation needs this library's TransformerDecoder; this "
-                f"EarlyFusion holds a {kind} decoder ({type(decoder).__name__}): pass "
-                "compile=False"
-            )
-        foreign.check_capacity(decoder, kind, tokens.size(1), max_new_tokens)
+        capacity, what = foreign.capacity(decoder, kind)
+        _check_capacity(tokens.size(1), max_new_tokens, capacity, what)
     pad_counts = leading_pad_counts(tokens, pad_id)
-    _check_not_all_padding(pad_counts, tokens.size(1), pad_id)
+    check_values(
+        (pad_counts < tokens.size(1)).all(),
+        f"tokens: a prompt is all padding (pad_id={pad_id}); each needs a real token",
+        eager=host_reads_are_free(pad_counts.device),
+    )
     steps = EAGER if options is None else compiled_steps(options)
     return _Plan(
-        model,
-        decoder,
-        tokens,
-        pad_counts,
-        encoder_input,
-        max_new_tokens,
-        sampling,
-        stop_tokens,
-        pad_id,
-        generator,
-        steps,
-        stop_check_interval,
-    )
+        call, inner, kind, decoder, tokens, pad_counts, encoder_input, max_new_tokens, sampling,
+        stop_tokens, pad_id, generator, steps, stop_check_interval,
+    )  # fmt: skip
 
 
 # Decoders with a live stream: their KV caches are in use. One cache per decoder, so at most
@@ -311,163 +269,71 @@ _LIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
 
 
-_BUSY = (
-    "model: another generation on this model is in progress (a generate_stream iterator "
-    "that is neither exhausted nor closed): both would use its one KV cache; finish or "
-    "close() that iterator first, or use another model instance"
-)
-
-
-def _refuse_if_busy(decoder: nn.Module) -> None:
+def _refuse_if_busy(decoder: nn.Module, *, claim: bool = False) -> None:
     with _LIVE_LOCK:
         if decoder in _LIVE:
-            raise RuntimeError(_BUSY)
-
-
-def _claim(decoder: nn.Module) -> None:
-    with _LIVE_LOCK:
-        if decoder in _LIVE:
-            raise RuntimeError(_BUSY)
-        _LIVE.add(decoder)
-
-
-def _release(decoder: nn.Module) -> None:
-    with _LIVE_LOCK:
-        _LIVE.discard(decoder)
+            raise RuntimeError(
+                "model: another generation on this model is in progress (a generate_stream "
+                "iterator that is neither exhausted nor closed): both would use its one KV "
+                "cache; finish or close() that iterator first, or use another model instance"
+            )
+        if claim:
+            _LIVE.add(decoder)
 
 
 def _run(plan: _Plan) -> Generator[torch.Tensor, None, None]:
-    if plan.model.kind != FUSION:
-        return _run_foreign(plan)
-    return _run_fusion(plan)
-
-
-def _run_foreign(plan: _Plan) -> Generator[torch.Tensor, None, None]:
-    """Eager generation over a Hugging Face or torchtune-style decoder inside an
-    ``EarlyFusion`` (see :mod:`fusion.generation.foreign`)."""
-    decoder, kind = plan.decoder, plan.model.kind
-    held = kind != HUGGING_FACE  # a torchtune-style decoder has one cache
+    """The decoding loop, the same for every kind of decoder (each has its own session)."""
+    decoder, kind = plan.decoder, plan.kind
+    held = kind != HUGGING_FACE  # a Hugging Face decoder gets a cache per call
+    # Claimed when the stream starts (its first next()), not when it is created: a generator
+    # that never starts never runs its finally block, so it could never give the model back.
     if held:
-        _claim(decoder)
-    extra = {} if plan.encoder_input is None else {"encoder_input": plan.encoder_input}
-    steps: foreign.HuggingFaceSteps | foreign.TorchtuneSteps | None = None
+        _refuse_if_busy(decoder, claim=True)
+    session: _FusionSession | foreign.HuggingFaceSteps | foreign.TorchtuneSteps | None = None
+    fused = None  # a fusion decoder's greedy step: one graph when compiled, its choice included
     try:
-        if kind == HUGGING_FACE:
-            steps = foreign.HuggingFaceSteps(
-                plan.model.call, decoder, plan.tokens, plan.pad_counts, extra
+        extra = {} if plan.encoder_input is None else {"encoder_input": plan.encoder_input}
+        if kind == FUSION:
+            session = _FusionSession(plan, extra)
+            fused = session.greedy_step if plan.sampling[0] == 0 else None
+        elif kind == HUGGING_FACE:
+            session = foreign.HuggingFaceSteps(
+                plan.call, decoder, plan.tokens, plan.pad_counts, extra
             )
         else:
-            dtype = _weights(decoder, kind).dtype
-            steps = foreign.TorchtuneSteps(
-                plan.model.call, decoder, plan.tokens, plan.pad_counts, extra,
-                plan.max_new_tokens, dtype,
+            session = foreign.TorchtuneSteps(
+                plan.call, decoder, plan.tokens, plan.pad_counts, extra,
+                plan.max_new_tokens, _weights(decoder, kind).dtype,
             )  # fmt: skip
         device = plan.tokens.device
-        stop = torch.tensor(plan.stop_tokens or [-1], dtype=torch.long, device=device)
+        # Stop ids padded with -1 (never an id) to a multiple of 8: one graph for 0 to 8 ids.
+        stop = torch.full((-(-len(plan.stop_tokens) // 8) * 8 or 8,), -1, device=device)
+        stop[: len(plan.stop_tokens)] = torch.tensor(plan.stop_tokens, dtype=torch.long)
         done = torch.zeros(len(plan.tokens), dtype=torch.bool, device=device)
         with torch.no_grad():
-            logits = steps.prefill()
+            logits = session.prefill()
         token, done = settle(_choose(logits, plan), done, stop, plan.pad_id)
         for step in range(plan.max_new_tokens):
             yield token
             if step == plan.max_new_tokens - 1:
                 return
-            if plan.stop_tokens and (step + 1) % plan.stop_check_interval == 0 and bool(done.all()):
-                return
-            with torch.no_grad():
-                logits = steps.step(token)
-            token, done = settle(_choose(logits, plan), done, stop, plan.pad_id)
-    finally:
-        try:
-            if steps is not None:
-                steps.close()
-        finally:
-            if held:
-                _release(decoder)
-
-
-def _run_fusion(plan: _Plan) -> Generator[torch.Tensor, None, None]:
-    model, decoder, steps = plan.model, plan.decoder, plan.steps
-    batch_size, seq_len = plan.tokens.shape
-    max_new = plan.max_new_tokens
-    # Claimed when the stream starts (its first next()), not when it is created: a generator
-    # that never starts never runs its finally block, so it could never give the model back.
-    _claim(decoder)
-    created = False
-    try:
-        own_caches = decoder.caches_are_setup()
-        if own_caches:
-            # Checked again: the caches may have changed since generate_stream() was called.
-            _check_caches(decoder, batch_size, seq_len, max_new)
-        capacity = first_cache(decoder).max_seq_len if own_caches else decoder.max_seq_len
-        # Compiled: an EarlyFusion's prefill runs eagerly (encoders), a decoder's compiled.
-        compiled_prefill = steps.compiled and isinstance(model.inner, TransformerDecoder)
-        prompt_len = bucket(seq_len, capacity - max_new + 1) if compiled_prefill else seq_len
-        needed = prompt_len + max_new - 1  # the last new token is never fed back
-        if own_caches:
-            decoder.reset_caches()
-        else:
-            created = True  # before setup: a setup that fails half-way is torn down too
-            length = bucket(needed, capacity) if steps.compiled else needed
-            decoder.setup_caches(
-                batch_size, _weights(decoder, FUSION).dtype, decoder_max_seq_len=length
-            )
-        cache_len = first_cache(decoder).max_seq_len
-        tokens, pad_counts = pad_left_to(plan.tokens, plan.pad_counts, prompt_len, plan.pad_id)
-        graphs = steps.compiled and tokens.device.type == "cuda"
-        if graphs:
-            mark_static(decoder)
-        extra = {} if plan.encoder_input is None else {"encoder_input": plan.encoder_input}
-        with _hidden_only(decoder), torch.no_grad():
-            prefill = steps.prefill if compiled_prefill else EAGER.prefill
-            call = decoder if compiled_prefill else model.call
-            _new_graph_step(graphs)
-            logits = prefill(
-                call,
-                decoder,
-                tokens,
-                prefill_mask(pad_counts, prompt_len, cache_len),
-                prompt_positions(pad_counts, prompt_len),
-                extra,
-            )
-        # Decoding steps feed generated ids, always text: an EarlyFusion's merge is bypassed;
-        # compiled, the module itself is compiled (not a torch.compile wrapper around it).
-        step_call = (
-            decoder
-            if steps.compiled or not isinstance(model.inner, TransformerDecoder)
-            else model.call
-        )
-        greedy = plan.sampling[0] == 0
-        device = tokens.device
-        # Stop ids padded with -1 (never an id) to a multiple of 8: one graph for 0 to 8 ids.
-        stop = torch.full((-(-len(plan.stop_tokens) // 8) * 8 or 8,), -1, device=device)
-        stop[: len(plan.stop_tokens)] = torch.tensor(plan.stop_tokens, dtype=torch.long)
-        done = torch.zeros(batch_size, dtype=torch.bool, device=device)
-        token, done = settle(_choose(logits, plan), done, stop, plan.pad_id)
-        for step in range(max_new):
-            yield token
-            if step == max_new - 1:
-                return
             # The only host look of the loop: whether every sample has stopped, every few steps.
             if plan.stop_tokens and (step + 1) % plan.stop_check_interval == 0 and bool(done.all()):
                 return
-            with _hidden_only(decoder), torch.no_grad():
-                _new_graph_step(graphs)
-                if greedy:
-                    token, done = steps.greedy_step(
-                        step_call, decoder, token, pad_counts, done, stop, plan.pad_id
-                    )
+            with torch.no_grad():
+                if fused is not None:
+                    token, done = fused(token, done, stop)
                 else:
-                    logits = steps.step_logits(step_call, decoder, token, pad_counts)
+                    logits = session.step(token)
                     token, done = settle(_choose(logits, plan), done, stop, plan.pad_id)
-            if graphs:  # a CUDA graph's outputs are overwritten by its next replay
-                token, done = token.clone(), done.clone()
     finally:  # also on close(), garbage collection and errors: nothing of ours stays behind
         try:
-            if created:
-                decoder.teardown_caches()
+            if session is not None:
+                session.close()
         finally:
-            _release(decoder)
+            if held:
+                with _LIVE_LOCK:
+                    _LIVE.discard(decoder)
 
 
 def _choose(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -475,29 +341,90 @@ def _choose(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
     return draw(logits, temperature, top_k, top_p, plan.generator)
 
 
-def _new_graph_step(graphs: bool) -> None:
-    """Before each compiled call with CUDA graphs: the previous replay's outputs may be
-    overwritten (those still needed were cloned)."""
-    if graphs:
-        torch.compiler.cudagraph_mark_step_begin()
+class _FusionSession:
+    """Prefill and decoding steps through this library's decoder and its KV caches: set up at
+    the prefill (bucketed when compiled) and torn down in :meth:`close`, unless the model has
+    its own, which are then reset and kept."""
+
+    def __init__(self, plan: _Plan, extra: Mapping[str, Any]) -> None:
+        self.plan, self.extra, self.decoder, self.steps = plan, extra, plan.decoder, plan.steps
+        decoder_only = isinstance(plan.inner, TransformerDecoder)
+        # Compiled: an EarlyFusion's prefill runs eagerly (encoders), a decoder's compiled.
+        self.compiled_prefill = self.steps.compiled and decoder_only
+        # Decoding steps feed generated ids, always text: an EarlyFusion's merge is bypassed;
+        # compiled, the module itself is compiled (not a torch.compile wrapper around it).
+        self.step_call = plan.call if decoder_only and not self.steps.compiled else plan.decoder
+        self.graphs = self.steps.compiled and plan.tokens.device.type == "cuda"
+        self.pad_counts = plan.pad_counts
+        self.created = False
+
+    def prefill(self) -> torch.Tensor:
+        plan, decoder = self.plan, self.decoder
+        batch_size, seq_len = plan.tokens.shape
+        max_new = plan.max_new_tokens
+        own_caches = decoder.caches_are_setup()
+        if own_caches:
+            # Checked again: the caches may have changed since generate_stream() was called.
+            _check_caches(decoder, batch_size, seq_len, max_new)
+        capacity = first_cache(decoder).max_seq_len if own_caches else decoder.max_seq_len
+        prompt_len = bucket(seq_len, capacity - max_new + 1) if self.compiled_prefill else seq_len
+        if own_caches:
+            decoder.reset_caches()
+        else:
+            self.created = True  # before setup: a setup that fails half-way is torn down too
+            needed = prompt_len + max_new - 1  # the last new token is never fed back
+            length = bucket(needed, capacity) if self.steps.compiled else needed
+            dtype = _weights(decoder, FUSION).dtype
+            decoder.setup_caches(batch_size, dtype, decoder_max_seq_len=length)
+        if self.graphs:
+            mark_static(decoder)
+        tokens, self.pad_counts = pad_left_to(plan.tokens, plan.pad_counts, prompt_len, plan.pad_id)
+        mask = prefill_mask(self.pad_counts, prompt_len, first_cache(decoder).max_seq_len)
+        positions = prompt_positions(self.pad_counts, prompt_len)
+        prefill, call = (
+            (self.steps.prefill, decoder) if self.compiled_prefill else (EAGER.prefill, plan.call)
+        )
+        with self._one_call():
+            return prefill(call, decoder, tokens, mask, positions, self.extra)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        with self._one_call():
+            return self.steps.step_logits(self.step_call, self.decoder, token, self.pad_counts)
+
+    def greedy_step(
+        self, token: torch.Tensor, done: torch.Tensor, stop: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._one_call():
+            token, done = self.steps.greedy_step(
+                self.step_call, self.decoder, token, self.pad_counts, done, stop, self.plan.pad_id
+            )
+        # A CUDA graph's outputs are overwritten by its next replay.
+        return (token.clone(), done.clone()) if self.graphs else (token, done)
+
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """For one call, the decoder returns final hidden states (the caller projects only the
+        last slot) and no intermediate ones; its settings are restored after, so that the
+        user's own calls between two steps of a stream get what they set. With CUDA graphs,
+        the previous replay's outputs may be overwritten (those still needed were cloned)."""
+        decoder = self.decoder
+        saved = decoder.skip_output_layer, decoder.output_hidden_states
+        decoder.skip_output_layer, decoder.output_hidden_states = True, []
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        try:
+            yield
+        finally:
+            decoder.skip_output_layer, decoder.output_hidden_states = saved
+
+    def close(self) -> None:
+        if self.created:
+            self.decoder.teardown_caches()
 
 
-@contextlib.contextmanager
-def _hidden_only(decoder: TransformerDecoder) -> Iterator[None]:
-    """The decoder returns final hidden states (the caller projects only the last slot), and no
-    intermediate ones, for the duration of one call; its settings are restored after, so that
-    the user's own calls between two steps of a stream get what they set."""
-    saved = decoder.skip_output_layer, decoder.output_hidden_states
-    decoder.skip_output_layer, decoder.output_hidden_states = True, []
-    try:
-        yield
-    finally:
-        decoder.skip_output_layer, decoder.output_hidden_states = saved
-
-
-def _unwrap(model: Any) -> tuple[_Model, Any]:
-    """The model to call, the module it is, and its decoder; a ``torch.compile`` wrapper
-    (``OptimizedModule``) is looked through but still called."""
+def _unwrap(model: Any) -> tuple[nn.Module, TransformerDecoder | EarlyFusion, str, Any]:
+    """What to call, the module it is, its decoder's kind and its decoder: a ``torch.compile``
+    wrapper (``OptimizedModule``) is looked through but still called."""
     inner = model
     # No instance can exist unless torch._dynamo was imported: do not import it here.
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
@@ -505,9 +432,9 @@ def _unwrap(model: Any) -> tuple[_Model, Any]:
     if compiled is not None and isinstance(model, compiled):
         inner = model._orig_mod
     if isinstance(inner, EarlyFusion):
-        return _Model(model, inner, inner.decoder_kind), inner.decoder
+        return model, inner, inner.decoder_kind, inner.decoder
     if isinstance(inner, TransformerDecoder):
-        return _Model(model, inner, FUSION), inner
+        return model, inner, FUSION, inner
     raise TypeError(
         f"model: expected a TransformerDecoder or an EarlyFusion (or one wrapped by "
         f"torch.compile; a Hugging Face or torchtune-style decoder goes inside an EarlyFusion, "
@@ -522,28 +449,12 @@ def _weights(decoder: Any, kind: str) -> torch.Tensor:
     return weight if isinstance(weight, torch.Tensor) else next(decoder.parameters())
 
 
-def _vocab_size(decoder: Any, kind: str) -> int:
-    count = vocab_size(decoder, kind, embedding_module(decoder, kind))
-    if count is None:
-        raise ValueError(
-            f"model: the vocabulary size of its decoder {type(decoder).__name__} is unknown "
-            "(no num_embeddings on its embedding, no vocab_size): ids cannot be checked"
-        )
-    return count
-
-
-def _check_model(decoder: Any, kind: str) -> None:
-    if _weights(decoder, kind).device.type == "meta":
-        raise ValueError(
-            "model: its weights are on the meta device (no data); load or materialise them first"
-        )
-
-
 def _checked_tokens(
-    model: _Model,
+    inner: TransformerDecoder | EarlyFusion,
     decoder: Any,
+    kind: str,
     tokens: Any,
-    encoder_input: Mapping[str, Any] | None,
+    encoder_input: Any,
     vocab: int,
 ) -> torch.Tensor:
     """``tokens`` as int64 after the checks (any integer dtype is accepted: ids are widened,
@@ -560,12 +471,11 @@ def _checked_tokens(
             else type(tokens).__name__
         )
         raise ValueError(f"tokens: expected non-empty integer ids [b, s], got {given}")
-    device = _weights(decoder, model.kind).device
+    device = _weights(decoder, kind).device
     if not same_device(tokens.device, device):
         raise ValueError(
             f"tokens: expected them on the model's device {device}, got {tokens.device}"
         )
-    inner = model.inner
     placeholders: Mapping[str, int] = {}
     if isinstance(inner, EarlyFusion):
         if encoder_input is not None and not isinstance(encoder_input, Mapping):
@@ -631,7 +541,6 @@ def _check_caches(
     decoder: TransformerDecoder, batch_size: int, seq_len: int, max_new_tokens: int
 ) -> None:
     """The model's own caches, if set up, can hold this call; else the decoder can."""
-    needed = seq_len + max_new_tokens - 1  # the last new token is never fed back
     if decoder.caches_are_setup():
         cache = first_cache(decoder)
         if not decoder.caches_are_enabled():
@@ -647,19 +556,17 @@ def _check_caches(
                 f"model: its KV caches are set up with dtype {cache.k_cache.dtype}, but the "
                 f"model computes in {dtype}; set them up again with {dtype} or remove them"
             )
-        capacity, what = cache.max_seq_len, "the KV cache's length"
+        _check_capacity(seq_len, max_new_tokens, cache.max_seq_len, "the KV cache's length")
     else:
-        capacity, what = decoder.max_seq_len, "the decoder's max_seq_len"
-    if needed > capacity:
+        _check_capacity(seq_len, max_new_tokens, decoder.max_seq_len, "the decoder's max_seq_len")
+
+
+def _check_capacity(seq_len: int, max_new_tokens: int, capacity: int | None, what: str) -> None:
+    """Prompts of ``seq_len`` plus ``max_new_tokens`` fit in ``capacity`` slots (None: no
+    limit); the last new token is never fed back."""
+    needed = seq_len + max_new_tokens - 1
+    if capacity is not None and needed > capacity:
         raise ValueError(
             f"tokens: prompts of length {seq_len} plus max_new_tokens={max_new_tokens} need "
             f"{needed} cache positions, more than {what} ({capacity})"
         )
-
-
-def _check_not_all_padding(pad_counts: torch.Tensor, seq_len: int, pad_id: int) -> None:
-    check_values(
-        (pad_counts < seq_len).all(),
-        f"tokens: a prompt is all padding (pad_id={pad_id}); each needs a real token",
-        eager=host_reads_are_free(pad_counts.device),
-    )

@@ -23,12 +23,12 @@ from typing import Any, NoReturn, TextIO, cast
 
 import torch
 
+from fusion._arguments import as_device
 from fusion._io import NotRegularFile, open_regular
 from fusion.checkpoint import CheckpointError, load_hf_llama, load_hf_vlm
-from fusion.generation._checks import as_device
 from fusion.generation.autoregressive import generate_stream
-from fusion.generation.padding import left_pad
 from fusion.generation.sampling import check_sampling_args
+from fusion.padding import left_pad
 from fusion.preprocessing import detect_model_kind, load_image, prepare_inputs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

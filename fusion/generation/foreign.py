@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fusion.decoder_kinds import HUGGING_FACE
-from fusion.generation.padding import prefill_mask, prompt_positions, step_mask
+from fusion.padding import prefill_mask, prompt_positions, step_mask
 
 # What a torchtune-style decoder needs to generate, as torchtune's own generation calls it.
 CACHE_METHODS = ("setup_caches", "caches_are_setup", "reset_caches")
@@ -53,21 +53,16 @@ def check_decoder(decoder: nn.Module, kind: str) -> None:
         )
 
 
-def check_capacity(decoder: Any, kind: str, seq_len: int, max_new_tokens: int) -> None:
-    """The prompt plus the new tokens fit the torchtune-style decoder's cache (set up: its
-    ``decoder_max_cache_seq_len``) or its ``max_seq_len``, where it states them."""
+def capacity(decoder: Any, kind: str) -> tuple[int | None, str]:
+    """The most cache positions a generation may use and what sets it, where the decoder
+    states one: a torchtune-style decoder's cache length (set up) or its ``max_seq_len``; a
+    Hugging Face ``DynamicCache`` grows as needed (None)."""
     if kind == HUGGING_FACE:
-        return  # a DynamicCache grows as needed
-    needed = seq_len + max_new_tokens - 1
-    capacity: int | None = _cache_len(decoder) if decoder.caches_are_setup() else None
-    what = "the KV cache's length"
-    if capacity is None:
-        capacity, what = getattr(decoder, "max_seq_len", None), "the decoder's max_seq_len"
-    if isinstance(capacity, int) and needed > capacity:
-        raise ValueError(
-            f"tokens: prompts of length {seq_len} plus max_new_tokens={max_new_tokens} need "
-            f"{needed} cache positions, more than {what} ({capacity})"
-        )
+        return None, "the cache"
+    if decoder.caches_are_setup():
+        return _cache_len(decoder), "the KV cache's length"
+    length = getattr(decoder, "max_seq_len", None)
+    return (length if isinstance(length, int) else None), "the decoder's max_seq_len"
 
 
 def _cache_len(decoder: nn.Module) -> int:

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from fusion.generation._checks import as_finite_float, as_int, same_device, show
+from fusion._arguments import as_finite_float, as_int, same_device, show
 
 
 def check_sampling_args(

@@ -7,20 +7,17 @@ never recompiles while decoding, reads nothing on the host, and can be captured 
 graph (``mode="reduce-overhead"``). Eager and compiled generation run the same functions.
 """
 
-import contextlib
 import inspect
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
+from fusion._arguments import as_positive_int, show
 from fusion.decoder import KVCache, TransformerDecoder
-from fusion.generation._checks import as_positive_int, show
-from fusion.generation.padding import step_mask
+from fusion.padding import step_mask
 
 
 def prefill_logits(
@@ -35,7 +32,7 @@ def prefill_logits(
     hidden states); float32 logits [b, vocab] of the last slot only: the output projection of
     the other slots (a [b, s, vocab] tensor) is never computed."""
     hidden = call(tokens, mask=mask, input_pos=input_pos, **extra)
-    return _last_slot_logits(decoder, hidden)
+    return last_slot_logits(decoder, hidden)
 
 
 def step_logits(
@@ -48,152 +45,31 @@ def step_logits(
     cache = first_cache(decoder)
     slot = cache.fill  # a device tensor: no value read on the host, none baked into a graph
     mask = step_mask(pad_counts, slot, cache.max_seq_len)
-    with _decoding_ops_as_reductions():
-        hidden = call(token[:, None], mask=mask, input_pos=(slot - pad_counts)[:, None])
-    return _last_slot_logits(decoder, hidden)
+    hidden = call(token[:, None], mask=mask, input_pos=(slot - pad_counts)[:, None])
+    return last_slot_logits(decoder, hidden)
 
 
-def _last_slot_logits(decoder: TransformerDecoder, hidden: torch.Tensor) -> torch.Tensor:
-    """Float32 logits [b, vocab] of the last slot of ``hidden`` [b, s, d]: a few rows through
-    the largest matrix of all, as reductions when compiled, through oneDNN when eager."""
-    mode: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-    if torch.compiler.is_compiling():
-        mode = _DecodingOpsAsReductions()
-    elif _ONEDNN_LINEAR is not None and hidden.device.type == "cpu":
-        mode = _Float32LinearsInOneDNN()
-    with mode:
-        return decoder.unembed(hidden[:, -1])
+def last_slot_logits(decoder: TransformerDecoder, hidden: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [b, vocab] of the last slot of ``hidden`` [b, s, d]: ``decoder.unembed``,
+    except for one sample through a tied output on the CPU under ``torch.compile``, where the
+    product is written as a multiply and a sum, which inductor compiles into one pass over the
+    table (products of float32 or upcast values, summed in float32).
 
-
-FEW_ROWS = 16  # measured, float32: up to here the multiply-and-sum beats BLAS (1.3x at 16 rows)
-
-
-class _DecodingOpsAsReductions(TorchFunctionMode):
-    """Bias-free linear layers of one row (float32: up to ``FEW_ROWS``) and one-query attention
-    on CPU, as multiplies and sums (not under autocast, whose casts they would skip).
-
-    For a few rows, a linear layer costs reading its weight. On CPU, BLAS reads a ``[out, in]``
-    weight at a fifth to a third of the memory bandwidth for 1 to 8 rows (measured, 32000 x 512
-    fp32: 6.5 ms for one row, 11 ms for eight, against 2.0 ms for ``weight.sum()``), while
-    inductor compiles the multiply-and-sum into one pass over the weight (2.0 ms for one row,
-    4.4 ms for eight). One query's attention is an external call that inductor cannot fuse
-    (about 45 us a layer in a decoding step on two cores); as multiplies, a softmax and sums it
-    joins the kernels around it. Used only while compiling; the sums' order differs from
-    BLAS' and SDPA's in the last bits.
+    Measured (2026-12-01, the 32000 x 512 float32 table of ``benchmarks/generation.py``, one
+    thread): BLAS reads the ``[vocab, d]`` table at about half the memory bandwidth for one
+    row: 5.5-6.4 ms against 3.6 ms for the compiled sum and 3.0 ms for ``weight.sum()``; whole
+    compiled generations (B=1, 32 + 64 tokens) 1.26x as fast, same tokens.
     """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            rows = x.shape[:-1].numel()
-            cpu = x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-            # float32: a few rows; other dtypes: one (bf16 BLAS is faster from 4 rows)
-            few = rows == 1 or (1 < rows <= FEW_ROWS and weight.dtype == torch.float32)
-            if bias is None and cpu and few:
-                flat = x.reshape(rows, -1)
-                if rows > 1:
-                    # Pin the rows' layout to [rows, in]: left free, inductor may store them as
-                    # [in, rows] and reduce each output in a parallel region of its own.
-                    flat = flat.contiguous()
-                    flat = flat.as_strided(flat.shape, (flat.size(1), 1))
-                out = (weight[:, None, :] * flat).sum(-1)  # [out, rows]: weights read once
-                return out.t().reshape(*x.shape[:-1], weight.size(0))
-        elif func is F.scaled_dot_product_attention:
-            out = _one_query_attention(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
-
-
-def _one_query_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor | None:
-    """``scaled_dot_product_attention`` of one query per head on CPU ``q`` [b, h, 1, hd] over
-    ``k``, ``v`` [b, h_kv, L, hd] with a boolean mask, as plain ops, in float32 (as SDPA
-    accumulates); None for any other case (the caller then calls SDPA itself)."""
-    if not (
-        q.device.type == "cpu"
-        and q.dim() == k.dim() == v.dim() == 4
-        and q.size(2) == 1
-        and isinstance(attn_mask, torch.Tensor)
-        and attn_mask.dtype == torch.bool
-        and attn_mask.dim() == 4
-        and dropout_p == 0.0
-        and not is_causal
-        and k.size(1) > 0
-        and (q.size(1) == k.size(1) or (enable_gqa and q.size(1) % k.size(1) == 0))
+    last = hidden[:, -1]
+    weight = getattr(decoder.tok_embeddings, "weight", None) if decoder.output is None else None
+    if (
+        torch.compiler.is_compiling()
+        and isinstance(weight, torch.Tensor)
+        and last.size(0) == 1
+        and last.device.type == "cpu"
     ):
-        return None
-    b, heads, _, head_dim = q.shape
-    kv_heads, length = k.size(1), k.size(2)
-    group = heads // kv_heads  # GQA: consecutive query heads share a key/value head
-    scale = head_dim**-0.5 if scale is None else scale
-    queries = q.float().reshape(b, kv_heads, group, 1, head_dim)
-    scores = (queries * k.float()[:, :, None]).sum(-1) * scale  # [b, h_kv, g, L]
-    mask = attn_mask.expand(b, heads, 1, length).reshape(b, kv_heads, group, length)
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    weights = weights.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # as SDPA: no slot, zeros
-    out = (weights[..., None] * v.float()[:, :, None]).sum(-2)  # [b, h_kv, g, hd]
-    return out.reshape(b, heads, 1, head_dim).to(q.dtype)
-
-
-# Private, but what inductor's own CPU linear fusions call; absent from builds without oneDNN.
-# x86 with AVX2 or AVX-512 only, where oneDNN has its own kernels (measured on AVX-512).
-_ONEDNN_LINEAR: Callable[..., torch.Tensor] | None = (
-    getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-    if torch.backends.mkldnn.is_available()
-    and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    else None
-)
-
-
-class _Float32LinearsInOneDNN(TorchFunctionMode):
-    """Float32 linear layers of plain CPU tensors through oneDNN instead of BLAS, without
-    autograd and outside autocast; anything else (other dtypes and devices, tensor subclasses
-    such as DTensor, gradients) goes to ``F.linear`` unchanged.
-
-    For the output projection, eager: on the AMD EPYC this was measured on, MKL reads a
-    32000 x 512 weight at a third of the memory bandwidth for one row (6.0 ms against 3.0 ms
-    through oneDNN), and oneDNN was faster for every output shape and row count tried (1.1x to
-    3.7x; 8000 to 32000 x 128 to 512, 1 to 512 rows). Used for that one matrix only: with the
-    layers' smaller ones too, whole generations were no faster. bfloat16 keeps ``F.linear``
-    (generation 0.85x as fast through this op)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and not torch.is_grad_enabled():
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if not torch.is_autocast_enabled("cpu") and all(
-                _plain_cpu_float32(t) for t in (x, weight, bias) if t is not None
-            ):
-                assert _ONEDNN_LINEAR is not None  # entered only when there is one
-                return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-        return func(*args, **kwargs)
-
-
-def _plain_cpu_float32(tensor: Any) -> bool:
-    return (
-        type(tensor) in (torch.Tensor, nn.Parameter)
-        and tensor.device.type == "cpu"
-        and tensor.dtype == torch.float32
-        and tensor.layout == torch.strided
-    )
-
-
-def _decoding_ops_as_reductions() -> contextlib.AbstractContextManager[object]:
-    """:class:`_DecodingOpsAsReductions` while ``torch.compile`` traces; eagerly, nothing (the
-    plain ops run one by one would be slower than BLAS and SDPA)."""
-    return _DecodingOpsAsReductions() if torch.compiler.is_compiling() else contextlib.nullcontext()
+        return (weight.float() * last.float()).sum(-1)[None]
+    return decoder.unembed(last)
 
 
 def settle(

@@ -11,13 +11,12 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 from fusion import EarlyFusion, generate
 from fusion.generation import generate_stream, left_pad
-from fusion.generation.steps import FEW_ROWS, _one_query_attention, bucket
+from fusion.generation.steps import bucket
 from helpers import EMBED_DIM, VOCAB, lively_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15], [7, 0, 9, 0]]
@@ -298,102 +297,3 @@ def test_cuda_graphs_greedy_equals_eager_and_steps_never_synchronise():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(torch.stack([first, *rest], 1), expected[:, -NEW:])
-
-
-def _recorded_graphs(
-    batch: int, dtype: torch.dtype = torch.float32
-) -> tuple[torch.nn.Module, list[torch.fx.GraphModule]]:
-    """Greedy generation of ``batch`` prompts compiled with a backend that records its graphs
-    (the prefill, the step); in float32 the tokens are checked against eager ones."""
-    graphs: list[torch.fx.GraphModule] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    decoder = lively_decoder().to(dtype)
-    tokens = left_pad((PROMPTS * 5)[:batch], pad_id=0)
-    compiled = greedy(decoder, tokens, compile={"backend": record})
-    if dtype == torch.float32:
-        assert torch.equal(compiled, greedy(decoder, tokens))
-    assert len(graphs) == 2
-    return decoder, graphs
-
-
-def _calls(gm: torch.fx.GraphModule, target) -> int:
-    return sum(n.target is target for n in gm.graph.nodes)
-
-
-@pytest.mark.parametrize("batch", [1, 4])
-def test_decoding_ops_compile_to_reductions_on_cpu(batch):
-    """A few rows on CPU: every linear layer and attention of the decoding step is traced as
-    multiplies and sums (inductor fuses them into one pass over the weights; BLAS reads a
-    few-row weight at a fifth to a third of the bandwidth, SDPA is a call it cannot fuse), the
-    prefill keeps its matrix products and SDPA but projects its last rows as a reduction, and
-    the tokens stay the eager ones."""
-    decoder, (prefill, step) = _recorded_graphs(batch)
-    layers = len(decoder.layers)
-    assert _calls(prefill, torch._C._nn.linear) == 7 * layers  # not the output projection
-    assert _calls(prefill, torch._C._nn.scaled_dot_product_attention) == layers
-    assert _calls(step, torch._C._nn.linear) == 0
-    assert _calls(step, torch._C._nn.scaled_dot_product_attention) == 0
-    sums = sum(n.target is torch.Tensor.sum or n.target == "sum" for n in step.graph.nodes)
-    assert sums >= 9 * layers + 1  # 7 projections and attention's 2 per layer, the output
-
-
-@pytest.mark.parametrize(("batch", "dtype"), [(FEW_ROWS + 1, torch.float32), (4, torch.bfloat16)])
-def test_more_rows_keep_their_matrix_products(batch, dtype):
-    """Above ``FEW_ROWS`` rows in float32, and above one row in bfloat16, BLAS is as fast or
-    faster: the step keeps its linear layers (attention still becomes plain ops)."""
-    decoder, (_, step) = _recorded_graphs(batch, dtype)
-    assert _calls(step, torch._C._nn.linear) == 7 * len(decoder.layers) + 1
-    assert _calls(step, torch._C._nn.scaled_dot_product_attention) == 0
-
-
-def test_one_bfloat16_row_is_a_reduction():
-    """One row is a reduction in every dtype (bf16 BLAS reads one row at 1.7x its time)."""
-    _, (_, step) = _recorded_graphs(1, torch.bfloat16)
-    assert _calls(step, torch._C._nn.linear) == 0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)])
-@pytest.mark.parametrize("mask_shape", [(3, 1, 1, 9), (3, "h", 1, 9), (1, 1, 1, 9)])
-def test_one_query_attention_matches_sdpa(dtype, heads, mask_shape):
-    """The plain-ops attention of a decoding step equals SDPA (fp32 to rounding, bf16 to one
-    unit in the last place), GQA and broadcast masks included; a row with no allowed slot
-    gives zeros, as SDPA does; any scale."""
-    num_heads, kv_heads = heads
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(3, num_heads, 1, 8, generator=gen).to(dtype)
-    k = torch.randn(3, kv_heads, 9, 8, generator=gen).to(dtype)
-    v = torch.randn(3, kv_heads, 9, 8, generator=gen).to(dtype)
-    shape = [num_heads if size == "h" else size for size in mask_shape]
-    mask = torch.rand(*shape, generator=gen) > 0.4
-    mask[-1] = False  # the last sample (or every sample, broadcast) may attend to nothing
-    for scale in (None, 0.3):
-        expected = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != kv_heads
-        )
-        got = _one_query_attention(q, k, v, mask, scale=scale, enable_gqa=num_heads != kv_heads)
-        assert got is not None and got.dtype == dtype and got.shape == expected.shape
-        tolerance = 1e-6 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
-        assert torch.equal(got[-1], torch.zeros_like(got[-1]))
-
-
-def test_one_query_attention_leaves_other_cases_to_sdpa():
-    q, kv = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
-    mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
-    assert _one_query_attention(q, kv, kv, mask) is not None
-    others = [
-        ((torch.randn(1, 2, 2, 8), kv, kv, torch.ones(1, 1, 2, 5, dtype=torch.bool)), {}),
-        ((q, kv, kv), {}),  # no mask
-        ((q, kv, kv, mask.float()), {}),  # additive mask
-        ((q, kv, kv, mask), {"dropout_p": 0.1}),
-        ((q, kv, kv, mask), {"is_causal": True}),
-        ((torch.randn(1, 4, 1, 8), kv, kv, mask), {}),  # GQA heads without enable_gqa
-        ((q.to("meta"), kv.to("meta"), kv.to("meta"), mask.to("meta")), {}),
-    ]
-    for args, kwargs in others:
-        assert _one_query_attention(*args, **kwargs) is None

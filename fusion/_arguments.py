@@ -1,8 +1,9 @@
-"""Argument checks shared by the generation entry points: each error names the argument.
+"""Argument checks of the public entry points (generation, padding): each error names the
+argument.
 
-Numbers are accepted as Python numbers, NumPy scalars or (for ids) 0-dim integer tensors, and
-converted to plain Python values before use; bools are refused wherever a number is expected,
-and floats wherever an integer is.
+Numbers are taken as Python numbers, NumPy scalars or (for ids) 0-dim integer tensors and
+returned as plain Python values; bools are refused wherever a number is expected, and floats
+wherever an integer is.
 """
 
 import math
@@ -11,6 +12,11 @@ import operator
 from typing import Any
 
 import torch
+
+INTEGER_DTYPES = frozenset(
+    {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+    | {torch.uint16, torch.uint32, torch.uint64}
+)
 
 
 def show(value: Any) -> str:
@@ -29,7 +35,7 @@ def as_int(value: Any, name: str) -> int:
         ValueError: a bool, a float, or anything else that is not an integer.
     """
     if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or not _is_integer_dtype(value.dtype) or value.device.type == "meta":
+        if value.dim() != 0 or value.dtype not in INTEGER_DTYPES or value.device.type == "meta":
             raise ValueError(
                 f"{name}: expected an integer, got a tensor of shape {list(value.shape)}, "
                 f"dtype {value.dtype} on {value.device}"
@@ -75,14 +81,13 @@ def as_device(value: Any, name: str) -> torch.device:
         ValueError: not a device string or ``torch.device``, or a device this machine lacks
             (``cuda:7`` on a machine with fewer GPUs, or without CUDA).
     """
+    expected = f"{name}: expected a device such as 'cpu' or 'cuda:0', got {show(value)}"
     if not isinstance(value, str | torch.device):
-        raise ValueError(f"{name}: expected a device such as 'cpu' or 'cuda:0', got {show(value)}")
+        raise ValueError(expected)
     try:
         device = torch.device(value)
     except (RuntimeError, ValueError) as error:
-        raise ValueError(
-            f"{name}: expected a device such as 'cpu' or 'cuda:0', got {show(value)}"
-        ) from error
+        raise ValueError(expected) from error
     try:
         torch.empty(0, device=device)
     except Exception as error:  # torch raises RuntimeError or AssertionError, by backend
@@ -93,16 +98,4 @@ def as_device(value: Any, name: str) -> torch.device:
 
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Whether two devices are the same, with an accelerator's missing index read as 0."""
-    if a.type != b.type:
-        return False
-    return a.type == "cpu" or (a.index or 0) == (b.index or 0)
-
-
-INTEGER_DTYPES = frozenset(
-    {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-    | {torch.uint16, torch.uint32, torch.uint64}
-)
-
-
-def _is_integer_dtype(dtype: torch.dtype) -> bool:
-    return dtype in INTEGER_DTYPES
+    return a.type == b.type and (a.type == "cpu" or (a.index or 0) == (b.index or 0))

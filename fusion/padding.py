@@ -1,4 +1,5 @@
-"""Left-padded prompt batches: building them, and their positions and attention masks.
+"""Left-padded prompt batches: building them, and their positions and attention masks (below
+both preprocessing, which builds batches, and generation, which runs them).
 
 A batch of prompts of different lengths is right-aligned: sample ``i`` has ``pad_counts[i]``
 pad slots on the left. Each sample's rotary positions start at 0 at its first real token, and
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fusion.generation._checks import INTEGER_DTYPES, as_device, as_int, show
+from fusion._arguments import INTEGER_DTYPES, as_device, as_int, show
 
 
 def left_pad(
