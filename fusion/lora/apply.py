@@ -30,6 +30,11 @@ from fusion.decoder import TransformerDecoder
 
 ADAPTER_CHILDREN = ("lora_a", "lora_b", "lora_dropout")
 DEFAULT_TARGETS = ("q_proj", "v_proj")
+# Hugging Face's names of the decoder's layers that this library names otherwise (q_proj,
+# k_proj and v_proj are the same in both).
+HF_LAYER_NAMES = {"o_proj": "output_proj", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# peft's name for every linear layer of the language model but its output layer.
+ALL_LINEAR = "all-linear"
 
 
 def _lora_hook(
@@ -146,22 +151,54 @@ def _check_hyperparameters(rank: object, alpha: object, dropout: object) -> None
         raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout!r}")
 
 
+def _output_layers(model: nn.Module) -> set[int]:
+    """ids of the output layers (``output``) of the decoders in ``model``."""
+    return {
+        id(module.output)
+        for module in model.modules()
+        if isinstance(module, TransformerDecoder) and module.output is not None
+    }
+
+
 def _matches(model: nn.Module, patterns: tuple[str, ...]) -> Iterator[tuple[str, str, nn.Module]]:
     """(pattern, qualified name, module) for every module a pattern matches (see
     :func:`apply_lora` for the rules); adapter modules are never candidates."""
     scopes = _decoder_scopes(model)
     adapters = _adapter_modules(model)
+    outputs = _output_layers(model)
     for name, module in model.named_modules(remove_duplicate=False):
         if not name or id(module) in adapters:
             continue
         in_decoder = any(name.startswith(scope) for scope in scopes)
+        last = name.rsplit(".", 1)[-1]
         for pattern in patterns:
-            if "." in pattern:
+            if pattern == ALL_LINEAR:
+                hit = in_decoder and isinstance(module, nn.Linear) and id(module) not in outputs
+            elif "." in pattern:
                 hit = fnmatchcase(name, pattern)
             else:
-                hit = in_decoder and fnmatchcase(name.rsplit(".", 1)[-1], pattern)
+                hit = in_decoder and (
+                    fnmatchcase(last, pattern) or last == HF_LAYER_NAMES.get(pattern)
+                )
             if hit:
                 yield pattern, name, module
+
+
+def _valid_names(model: nn.Module) -> str:
+    """The names a pattern without a dot may take for ``model``, for errors."""
+    scopes = _decoder_scopes(model)
+    adapters = _adapter_modules(model)
+    ours = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear
+        and id(module) not in adapters
+        and any(name.startswith(scope) for scope in scopes)
+    }
+    theirs = {alias: name for alias, name in HF_LAYER_NAMES.items() if name in ours}
+    named = [f"{alias} ({name})" for alias, name in theirs.items()]
+    rest = sorted(ours - set(theirs.values()))
+    return ", ".join([*rest, *named, ALL_LINEAR]) if ours else "none (no decoder)"
 
 
 def apply_lora(
@@ -185,6 +222,11 @@ def apply_lora(
     ``"decoder.layers.0.*"``, ``"encoders.image.connector.*"``. Layers of the decoder:
     ``attn.q_proj``, ``attn.k_proj``, ``attn.v_proj``, ``attn.output_proj``, ``mlp.w1``,
     ``mlp.w2``, ``mlp.w3``, and ``output`` when untied.
+
+    Hugging Face's names of the decoder's layers work too (:data:`HF_LAYER_NAMES`):
+    ``o_proj`` is ``output_proj``, ``gate_proj`` ``w1``, ``up_proj`` ``w3`` and ``down_proj``
+    ``w2``. ``"all-linear"`` is peft's: every ``nn.Linear`` of the decoder except its output
+    layer (the language model's only: unlike peft's, never the vision tower or connector).
 
     Args:
         model: any module holding the layers (a decoder, an ``EarlyFusion``, a container).
@@ -241,9 +283,10 @@ def apply_lora(
             if type(m) is nn.Linear and id(m) not in _adapter_modules(model)
         ]
         raise ValueError(
-            f"targets: {missing[0]!r} matches no nn.Linear of the model (a name without a dot "
-            f"matches layer names inside the decoder, e.g. 'q_proj'; one with a dot the whole "
-            f"name). Linear layers: {available[:8]}{' ...' if len(available) > 8 else ''}"
+            f"targets: {missing[0]!r} matches no nn.Linear of the model. A name without a dot "
+            f"names layers of the decoder: {_valid_names(model)}; one with a dot is matched "
+            f"against the whole name, e.g. 'encoders.image.*'. Linear layers: "
+            f"{available[:8]}{' ...' if len(available) > 8 else ''}"
         )
     if freeze_base:  # everything but adapters, those of earlier calls included
         adapters = {

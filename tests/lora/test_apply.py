@@ -178,3 +178,41 @@ def test_deepcopy_and_meta_device():
         meta = build_tiny_decoder()
     apply_lora(meta, rank=2)
     assert all(p.is_meta for p in meta.parameters())
+
+
+def test_hugging_face_names_and_all_linear_choose_the_decoder_layers():
+    """o_proj, gate_proj, up_proj, down_proj are output_proj, w1, w3, w2 (ours stay valid);
+    all-linear is every linear layer of the decoder but its output layer, as peft's, and never
+    the encoders' (peft's would take them too)."""
+    theirs = apply_lora(build_tiny_fusion(), ("q_proj", "o_proj", "gate_proj", "up_proj"))
+    ours = apply_lora(build_tiny_fusion(), ("q_proj", "output_proj", "w1", "w3"))
+    assert list(theirs) == list(ours)
+    assert list(apply_lora(build_tiny_fusion(), "down_proj")) == [
+        f"decoder.layers.{i}.mlp.w2" for i in (0, 1)
+    ]
+    decoder = build_tiny_decoder(tie_word_embeddings=False)
+    everything = apply_lora(decoder, "all-linear")
+    names = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.output_proj", "mlp.w1", "mlp.w2")
+    assert sorted(everything) == sorted(
+        f"layers.{i}.{n}" for i in (0, 1) for n in (*names, "mlp.w3")
+    )
+    assert "output" not in everything  # the output layer only when named: "output"
+    assert list(apply_lora(decoder, "output")) == ["output"]
+    model = build_tiny_fusion()
+    chosen = apply_lora(model, ("all-linear", "encoders.image.proj"))
+    assert "encoders.image.proj" in chosen and len(chosen) == 2 * 7 + 1
+    assert not any(name.startswith("encoders.audio") for name in chosen)
+
+
+def test_an_unknown_name_lists_the_valid_ones():
+    model = build_tiny_fusion()
+    with pytest.raises(ValueError, match=r"targets: 'gate' matches no nn\.Linear") as error:
+        apply_lora(model, ("q_proj", "gate"))
+    message = str(error.value)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj (output_proj)", "gate_proj (w1)"):
+        assert name in message
+    assert "up_proj (w3)" in message and "down_proj (w2)" in message and "all-linear" in message
+    assert not lora_linears(model)  # nothing changed
+    untied = build_tiny_decoder(tie_word_embeddings=False)
+    with pytest.raises(ValueError, match=r"layers of the decoder: k_proj, output, q_proj"):
+        apply_lora(untied, "lm_head")
