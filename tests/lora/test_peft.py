@@ -597,3 +597,20 @@ def test_a_failed_write_leaves_the_old_adapter_whole(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         save_peft_adapter(decoder, tmp_path / "a", overwrite=True)
     assert {p.name: p.read_bytes() for p in (tmp_path / "a").iterdir()} == old
+
+
+def test_a_torch_file_adapter_is_read_with_weights_only(llava_adapter, tmp_path):
+    """peft's ``safe_serialization=False`` writes ``adapter_model.bin``: read with
+    ``torch.load(weights_only=True)`` when there is no safetensors file."""
+    base, adapter = llava_adapter
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "adapter_config.json").write_bytes(
+        (adapter / "adapter_config.json").read_bytes()
+    )
+    torch.save(
+        load_file(adapter / "adapter_model.safetensors"), tmp_path / "a" / "adapter_model.bin"
+    )
+    from_bin, from_safetensors = base.ours(), base.ours()
+    load_peft_adapter(from_bin, tmp_path / "a")
+    load_peft_adapter(from_safetensors, adapter)
+    assert torch.equal(our_logits(from_bin, "llava"), our_logits(from_safetensors, "llava"))
