@@ -1,5 +1,9 @@
 """Tiny random Qwen3-VL models that ``transformers`` builds in the tests (nothing downloaded):
-a head_dim of its own, q/k norms, interleaved M-RoPE and two DeepStack layers."""
+a head_dim of its own, q/k norms, interleaved M-RoPE and two DeepStack layers; and model
+directories as the Hub carries them."""
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -91,3 +95,95 @@ def tiny_qwen3_vl(seed: int = 0):
         for param in model.parameters():
             param.normal_(0, 0.2)
     return model.eval()
+
+
+# Qwen3-VL-Instruct's chat template as its Hub directories carry it (chat_template.json), less
+# the tool-calling branches (tools, tool_calls, tool turns), which no test renders: no default
+# system prompt, a first system message rendered before the loop, images marked
+# "<|vision_start|><|image_pad|><|vision_end|>" as in Qwen2-VL's, "<|im_end|>\n" closing
+# every turn, whitespace trimmed by the "-" of each tag.
+QWEN3_CHAT_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].content is string %}
+        {{- messages[0].content }}
+    {%- else %}
+        {%- for content in messages[0].content %}
+            {%- if 'text' in content %}
+                {{- content.text }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+    {{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- for message in messages %}
+    {%- if message.role == "user" %}
+        {{- '<|im_start|>' + message.role + '\\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content in message.content %}
+                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+                    <|vision_start|><|image_pad|><|vision_end|>
+                {%- elif content.type == 'video' or 'video' in content %}
+                    {%- set video_count.value = video_count.value + 1 %}
+                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
+                    <|vision_start|><|video_pad|><|vision_end|>
+                {%- elif 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content_item in message.content %}
+                {%- if 'text' in content_item %}
+                    {{- content_item.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+# A small pixel range (sides are multiples of 32), so that images give a few to 20 rows.
+QWEN3_PIXELS = {"shortest_edge": 32 * 32, "longest_edge": 32 * 32 * 20}
+# preprocessor_config.json as Qwen3-VL's Hub directories hold it (the size form, mean and std
+# 0.5, the fast processor's name), with QWEN3_PIXELS.
+QWEN3_PREPROCESSOR = {
+    "size": QWEN3_PIXELS,
+    "patch_size": PATCH,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+
+
+def write_qwen3_dir(directory: Path, seed: int = 0, *, tied: bool = False) -> Path:
+    """A tiny random Qwen3-VL directory as the Hub carries one: weights and ``config.json``
+    by transformers' ``save_pretrained``, the tokenizer of
+    :func:`vlm_helpers.qwen_char_tokenizer`, :data:`QWEN3_CHAT_TEMPLATE` in
+    ``chat_template.json`` and :data:`QWEN3_PREPROCESSOR` in ``preprocessor_config.json``."""
+    from vlm_helpers import qwen_char_tokenizer, qwen_hf_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tiny_hf_qwen3(seed, tied=tied).save_pretrained(directory)
+    qwen_hf_tokenizer(qwen_char_tokenizer()).save_pretrained(directory)
+    template = {"chat_template": QWEN3_CHAT_TEMPLATE}
+    (directory / "chat_template.json").write_text(json.dumps(template, indent=2))
+    (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_PREPROCESSOR, indent=2))
+    return directory

@@ -1,5 +1,5 @@
 """From image files and prompts to token ids and pixels, for LLaVA, Idefics3 / SmolVLM,
-Qwen2-VL and Qwen2.5-VL.
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
 
 Decoding uses Pillow (the ``vision`` extra), imported only by :func:`load_image` and
 :func:`from_pil`, and by the resize where it is installed (Pillow's own ``Image.resize``,
@@ -13,7 +13,7 @@ Face's image processors compute (their Pillow backend), resizing included withou
     tokens = inputs.tokens(pad_id)                 # [b, s], image markers expanded
     encoder_input = inputs.encoder_input()         # {"image": {"pixel_values": ...}}
 
-Qwen2-VL and Qwen2.5-VL mark each image as their chat template does,
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL mark each image as their chat template does,
 ``"<|vision_start|><|image_pad|><|vision_end|>"``, and their ``encoder_input`` also holds the
 images' ``image_grid_thw``.
 """

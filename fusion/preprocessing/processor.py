@@ -1,5 +1,5 @@
-"""Prompts and images -> token ids and pixels for a LLaVA, Idefics3 / SmolVLM, Qwen2-VL or
-Qwen2.5-VL model."""
+"""Prompts and images -> token ids and pixels for a LLaVA, Idefics3 / SmolVLM, Qwen2-VL,
+Qwen2.5-VL or Qwen3-VL model."""
 
 import dataclasses
 import os
@@ -30,6 +30,7 @@ from fusion.preprocessing.qwen2_vl import (
     Qwen2VLImageProcessor,
     Qwen2VLLayout,
     check_against_tower,
+    default_image_processor,
     qwen2_vl_image_text,
     qwen2_vl_model_type,
     read_qwen2_vl_layout,
@@ -55,8 +56,9 @@ KINDS = {
 
 
 def detect_model_kind(directory: str | bytes | os.PathLike) -> str:
-    """``"llama"``, ``"llava"``, ``"idefics3"`` or ``"qwen2_vl"`` (Qwen2-VL and Qwen2.5-VL):
-    what a model directory's ``config.json`` describes (see
+    """``"llama"``, ``"llava"``, ``"idefics3"`` or ``"qwen2_vl"`` (Qwen2-VL, Qwen2.5-VL and
+    Qwen3-VL, whose images one processor makes): what a model directory's ``config.json``
+    describes, as preprocessing sees it (see
     :func:`fusion.checkpoint.hf_vlm.hf_model_kind`, whose errors it raises)."""
     if _is_qwen2_vl(directory):
         return "qwen2_vl"
@@ -64,7 +66,8 @@ def detect_model_kind(directory: str | bytes | os.PathLike) -> str:
 
 
 def _is_qwen2_vl(directory: str | bytes | os.PathLike) -> bool:
-    """Whether ``config.json`` describes a Qwen2-VL or Qwen2.5-VL model (its ``model_type``)."""
+    """Whether ``config.json`` describes a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model (its
+    ``model_type``)."""
     return qwen2_vl_model_type(read_hf_config(directory)) is not None
 
 
@@ -118,9 +121,9 @@ class VisionLanguageProcessor:
     :func:`fusion.preprocessing.idefics3_image_text`), then the prompt is tokenized whole, as
     the processor tokenizes it.
 
-    Qwen2-VL and Qwen2.5-VL (``kind="qwen2_vl"``) mark each image as Qwen's chat template
-    writes it, ``<|vision_start|><|image_pad|><|vision_end|>``, and the ``<|image_pad|>``
-    becomes one per row of that image (``t * h * w / merge_size**2``, see
+    Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``kind="qwen2_vl"``) mark each image as Qwen's chat
+    template writes it, ``<|vision_start|><|image_pad|><|vision_end|>``, and the
+    ``<|image_pad|>`` becomes one per row of that image (``t * h * w / merge_size**2``, see
     :func:`fusion.preprocessing.qwen2_vl_image_text`); the :class:`VisionInputs` then carry
     the images' ``image_grid_thw`` too.
 
@@ -267,15 +270,17 @@ class VisionLanguageProcessor:
         """From a model directory, read as ``transformers`` reads it:
 
         - ``config.json``: the model (placeholder id, rows per image or tile, the tower's
-          image size; Qwen2-VL and Qwen2.5-VL: the placeholder, start and end ids and the
-          tower's patch, merge and temporal patch sizes, see
+          image size; Qwen2-VL, Qwen2.5-VL, Qwen3-VL: the placeholder, start and end ids and
+          the tower's patch, merge and temporal patch sizes, see
           :func:`fusion.preprocessing.qwen2_vl.read_qwen2_vl_layout`);
         - the image processor's settings from the first place that holds them, in
           ``transformers``' order: the ``"image_processor"`` object of
           ``processor_config.json`` (what transformers 5's ``save_pretrained`` writes), then
           ``preprocessor_config.json``; with neither, the family's defaults for the tower's
-          image size (Qwen2-VL: transformers' defaults with the tower's patch sizes), said
-          once in a warning naming them. Qwen2-VL's pixel range is read as transformers
+          image size (Qwen2-VL, Qwen2.5-VL: transformers' defaults with the tower's patch
+          sizes; Qwen3-VL: its published settings, see
+          :func:`fusion.preprocessing.qwen2_vl.default_image_processor`), said once in a
+          warning naming them. The Qwen families' pixel range is read as transformers
           5.24 reads it (:meth:`Qwen2VLImageProcessor.from_config`: ``min_pixels`` /
           ``max_pixels`` over ``size``);
         - the top level of ``processor_config.json`` (``image_seq_len`` of Idefics3 /
@@ -342,18 +347,14 @@ class VisionLanguageProcessor:
         max_tiles_per_image: int,
         max_image_rows: int,
     ) -> "VisionLanguageProcessor":
-        """:meth:`from_directory` for Qwen2-VL and Qwen2.5-VL."""
+        """:meth:`from_directory` for Qwen2-VL, Qwen2.5-VL and Qwen3-VL."""
         layout: Qwen2VLLayout = read_qwen2_vl_layout(directory)
         found = _image_processor_settings(directory)
         if found is None:
-            image_processor = Qwen2VLImageProcessor(
-                patch_size=layout.patch_size,
-                merge_size=layout.spatial_merge_size,
-                temporal_patch_size=layout.temporal_patch_size,
-            )
-            what = (
-                f"transformers' Qwen2-VL defaults with the tower's patch sizes: {image_processor}"
-            )
+            image_processor = default_image_processor(layout)
+            qwen3 = layout.model_type == "qwen3_vl"
+            which = "Qwen3-VL's published settings" if qwen3 else "transformers' Qwen2-VL defaults"
+            what = f"{which} with the tower's patch sizes: {image_processor}"
             _warn_defaults(directory, what, stacklevel=3)
         else:
             settings, where = found
@@ -482,8 +483,9 @@ class VisionLanguageProcessor:
         return VisionInputs(ids, pixel_values)
 
     def _qwen2_vl(self, prompts: list[str], images: Sequence[object]) -> VisionInputs:
-        """:meth:`__call__` for Qwen2-VL and Qwen2.5-VL: markers checked, every image planned
-        from its size, then the patches made and the expanded prompts tokenized."""
+        """:meth:`__call__` for Qwen2-VL, Qwen2.5-VL and Qwen3-VL: markers checked, every
+        image planned from its size, then the patches made and the expanded prompts
+        tokenized."""
         check_marker_count(prompts, len(images), QWEN2_VL_IMAGE_MARKER)
         for i, prompt in enumerate(prompts):
             if prompt.count(VIDEO_PAD):
@@ -673,9 +675,9 @@ def prepare_inputs(
     max_image_rows: int = MAX_IMAGE_ROWS,
 ) -> VisionInputs:
     """``VisionLanguageProcessor.from_directory(directory, ...)(prompts, images)``: what a
-    command line needs to run a LLaVA, Idefics3, Qwen2-VL or Qwen2.5-VL directory on image
-    files (decode them with
-    :func:`fusion.preprocessing.load_image`, with the same ``max_pixels``). Raises as those
+    command line needs to run a LLaVA, Idefics3, Qwen2-VL, Qwen2.5-VL or Qwen3-VL directory on
+    image files (decode them with :func:`fusion.preprocessing.load_image`, with the same
+    ``max_pixels``). Raises as those
     two do."""
     processor = VisionLanguageProcessor.from_directory(
         directory,

@@ -1,11 +1,12 @@
-"""Qwen2-VL's and Qwen2.5-VL's image processor (smart resize, images cut into patches and
-flattened, still images repeated over the temporal patch), the text each image marker expands
-to, and what ``config.json`` says of the vision tower, in torch.
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's image processor (smart resize, images cut into
+patches and flattened, still images repeated over the temporal patch), the text each image
+marker expands to, and what ``config.json`` says of the vision tower, in torch.
 
-Both families share one image processor: each image keeps roughly its own size and aspect
-ratio (:func:`smart_resize`), and gives ``t * h * w`` patches of ``3 * temporal_patch_size *
-patch_size**2`` values, concatenated over the images, and ``t * h * w / merge_size**2``
-placeholder rows.
+The three families share one image processor (transformers 5.24 gives Qwen3-VL directories
+its ``Qwen2VLImageProcessor`` too), with other settings for Qwen3-VL (patch 16, mean and std
+0.5): each image keeps roughly its own size and aspect ratio (:func:`smart_resize`), and gives
+``t * h * w`` patches of ``3 * temporal_patch_size * patch_size**2`` values, concatenated over
+the images, and ``t * h * w / merge_size**2`` placeholder rows.
 """
 
 import math
@@ -40,7 +41,8 @@ from fusion.preprocessing.resize import (
     resizes_as_pillow_image,
 )
 
-QWEN2_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# The model types whose images this processor makes (the same processor, other settings).
+QWEN2_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
@@ -65,6 +67,24 @@ DEFAULT_TOKEN_IDS = {
     "vision_end_token_id": 151_653,
 }
 DEFAULT_VISION = {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+# The vision sizes a config.json that omits them has, per model type (transformers'
+# Qwen2VLVisionConfig, Qwen2_5_VLVisionConfig, Qwen3VLVisionConfig).
+FAMILY_VISION = {
+    "qwen2_vl": DEFAULT_VISION,
+    "qwen2_5_vl": DEFAULT_VISION,
+    "qwen3_vl": {**DEFAULT_VISION, "patch_size": 16},
+}
+# Qwen3-VL's image processor settings as its published preprocessor_config.json holds them
+# (Qwen/Qwen3-VL-*: size 65536 to 16777216 pixels, mean and std 0.5): what a Qwen3-VL
+# directory without settings gets. Qwen2-VL's and Qwen2.5-VL's get transformers' defaults.
+# transformers 5.24 refuses a directory without settings, and gives the keys a settings file
+# omits Qwen2VLImageProcessor's defaults whatever the model, as from_config does.
+QWEN3_VL_SETTINGS: dict[str, Any] = {
+    "min_pixels": 256 * 256,
+    "max_pixels": 4096 * 4096,
+    "image_mean": (0.5, 0.5, 0.5),
+    "image_std": (0.5, 0.5, 0.5),
+}
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> int:
@@ -120,8 +140,9 @@ def smart_resize(
 
 
 def qwen2_vl_image_text(rows: int) -> str:
-    """The text one image marker expands to, as Qwen2-VL's and Qwen2.5-VL's processors write
-    it: ``<|vision_start|>``, ``rows`` times ``<|image_pad|>``, ``<|vision_end|>``.
+    """The text one image marker expands to, as Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's
+    processors write it (for images; Qwen3-VL's adds timestamps to videos only):
+    ``<|vision_start|>``, ``rows`` times ``<|image_pad|>``, ``<|vision_end|>``.
 
     Raises:
         ValueError: ``rows`` not an integer in [1, :data:`MAX_IMAGE_PIXELS`] (no image of the
@@ -152,7 +173,8 @@ class PatchedImages:
 class Qwen2VLImageProcessor:
     """Images -> :class:`PatchedImages` as transformers' ``Qwen2VLImageProcessor`` computes
     them (its Pillow backend, ``Qwen2VLImageProcessorPil``: the one ``AutoImageProcessor``
-    gives without torchvision), used by Qwen2-VL and Qwen2.5-VL alike.
+    gives without torchvision), used by Qwen2-VL, Qwen2.5-VL and Qwen3-VL alike (see
+    :func:`default_image_processor` for each family's settings).
 
     Each image is made RGB (alpha over white), resized with ``resample`` to the size
     :func:`smart_resize` gives (multiples of ``patch_size * merge_size`` holding about
@@ -247,7 +269,7 @@ class Qwen2VLImageProcessor:
         ):
             raise read.fail(
                 "image_processor_type",
-                f"expected a Qwen2VLImageProcessor (Qwen2-VL, Qwen2.5-VL), got {kind!r}",
+                f"expected a Qwen2VLImageProcessor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), got {kind!r}",
             )
         size = config.get("size")
         if size is None:
@@ -429,8 +451,9 @@ def _rgb_bytes(image: Any) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Qwen2VLLayout:
-    """What preprocessing needs of a Qwen2-VL or Qwen2.5-VL ``config.json``: the placeholder
-    id of image rows, the ids around each image, and the vision tower's patch sizes."""
+    """What preprocessing needs of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL ``config.json``: the
+    placeholder id of image rows, the ids around each image, and the vision tower's patch
+    sizes."""
 
     model_type: str
     image_token_id: int
@@ -442,17 +465,19 @@ class Qwen2VLLayout:
 
 
 def qwen2_vl_model_type(config: Mapping[str, Any]) -> str | None:
-    """``config``'s ``model_type`` when it is Qwen2-VL's or Qwen2.5-VL's, else None."""
+    """``config``'s ``model_type`` when it is Qwen2-VL's, Qwen2.5-VL's or Qwen3-VL's, else
+    None."""
     model_type = config.get("model_type")
     return model_type if model_type in QWEN2_VL_MODEL_TYPES else None
 
 
 def read_qwen2_vl_layout(path: str | bytes | os.PathLike) -> Qwen2VLLayout:
-    """The :class:`Qwen2VLLayout` of a Qwen2-VL or Qwen2.5-VL directory (or its
+    """The :class:`Qwen2VLLayout` of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL directory (or its
     ``config.json``), read with the bounded JSON reader. Keys omitted take transformers'
-    defaults (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``: ids 151655, 151652 and 151653; patch
-    14, merge 2, temporal patch 2), the vision keys from ``vision_config``, which may be
-    absent, as it is in configs that leave every vision setting at its default.
+    defaults (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``, ``Qwen3VLConfig``: ids 151655, 151652
+    and 151653; patch 14, 16 for Qwen3-VL; merge 2, temporal patch 2), the vision keys from
+    ``vision_config``, which may be absent, as it is in configs that leave every vision
+    setting at its default.
 
     Raises:
         TypeError, ValueError: ``path`` is not a path.
@@ -486,12 +511,26 @@ def read_qwen2_vl_layout(path: str | bytes | os.PathLike) -> Qwen2VLLayout:
         "temporal_patch_size": MAX_TEMPORAL_PATCH_SIZE,
     }
     sizes = {}
-    for key, default in DEFAULT_VISION.items():
+    for key, default in FAMILY_VISION[model_type].items():
         value = read_vision.integer(key, default)
         if value > highs[key]:
             raise read_vision.fail(key, f"expected an integer <= {highs[key]}, got {value}")
         sizes[key] = value
     return Qwen2VLLayout(model_type, **ids, **sizes)
+
+
+def default_image_processor(layout: Qwen2VLLayout) -> Qwen2VLImageProcessor:
+    """The image processor of a directory without image processor settings: the tower's
+    patch sizes, and the family's pixel range, mean and std (Qwen2-VL, Qwen2.5-VL:
+    transformers' ``Qwen2VLImageProcessor`` defaults; Qwen3-VL: its published settings,
+    :data:`QWEN3_VL_SETTINGS`)."""
+    settings = QWEN3_VL_SETTINGS if layout.model_type == "qwen3_vl" else {}
+    return Qwen2VLImageProcessor(
+        patch_size=layout.patch_size,
+        merge_size=layout.spatial_merge_size,
+        temporal_patch_size=layout.temporal_patch_size,
+        **settings,
+    )
 
 
 def check_against_tower(
