@@ -1,5 +1,5 @@
 """Fine-tune a Hugging Face vision-language model (LLaVA, Idefics3, SmolVLM, Qwen2-VL,
-Qwen2.5-VL) or a Llama on your own conversations.
+Qwen2.5-VL, Qwen3-VL) or a Llama on your own conversations.
 
 ``python -m recipes.finetune --model DIR --data train.jsonl --output-dir runs/x`` (``--help``
 lists every flag): the data are checked whole before training, packed into block-causal

@@ -63,8 +63,8 @@ class FinetuneConfig:
     # model and what trains
     model: str | None = _opt(
         None,
-        "a Hugging Face model directory: LLaVA, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL or a "
-        "text-only Llama (required)",
+        "a Hugging Face model directory: LLaVA, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL, "
+        "Qwen3-VL or a text-only Llama (required)",
         "model",
     )
     train: str = _opt(
@@ -238,8 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description=(
             "Fine-tune a Hugging Face vision-language model (LLaVA, Idefics3, SmolVLM, "
-            "Qwen2-VL, Qwen2.5-VL) or a Llama on your own conversations: packed batches, LoRA "
-            "or full fine-tuning, "
+            "Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or a Llama on your own conversations: packed "
+            "batches, LoRA or full fine-tuning, "
             "crash-safe checkpoints that resume bit for bit, and at the end "
             "<output-dir>/final/, a Hugging Face directory transformers loads. Runs under "
             "torchrun for FSDP2 or DDP."

@@ -21,7 +21,7 @@ Model = EarlyFusion | TransformerDecoder
 
 def load_base_model(config: FinetuneConfig) -> Model:
     """The model of ``--model`` in float32 on CPU, every parameter frozen: an ``EarlyFusion``
-    for LLaVA / Idefics3 / SmolVLM / Qwen2-VL / Qwen2.5-VL directories, a
+    for LLaVA / Idefics3 / SmolVLM / Qwen2-VL / Qwen2.5-VL / Qwen3-VL directories, a
     ``TransformerDecoder`` for a Llama.
 
     Raises:
@@ -60,7 +60,8 @@ def set_trainable(model: Model, config: FinetuneConfig) -> None:
 
     - ``full``: the decoder and the connector (projector); the vision tower too with
       ``--train-vision``;
-    - ``projector``: the connector alone (LLaVA's stage 1; Qwen2-VL's patch merger);
+    - ``projector``: the connector alone (LLaVA's stage 1; Qwen2-VL's patch merger;
+      Qwen3-VL's patch merger and DeepStack mergers);
     - ``lora``: nothing of the base model.
 
     Raises:

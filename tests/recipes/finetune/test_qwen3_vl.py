@@ -1,0 +1,226 @@
+"""The recipe on a tiny Qwen3-VL directory as the Hub carries one (Qwen3-VL's chat template in
+``chat_template.json``, its ``preprocessor_config.json``; two DeepStack layers), in every
+``--train`` mode, packed and padded: the first loss equals transformers' cross-entropy on the
+assistant tokens; exports keep the input's weight keys, change only what trains (LoRA: its
+targets), and load in transformers with our logits and greedy answers."""
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from fusion import generate
+from fusion.checkpoint import load_hf_vlm
+from fusion.data import IGNORE_INDEX, ChatTemplate, ConversationEncoder, read_conversations
+from fusion.preprocessing import load_image, prepare_inputs
+from qwen3_helpers import write_qwen3_dir
+from qwen_helpers import EOS, PAD
+from recipes.finetune import main
+from vlm_helpers import without_torchvision_video
+
+# --train mode: packed or not. Packed and padded runs both give the first loss.
+RUNS = {"full": True, "lora": False, "projector": True}
+VISUAL = "model.visual."
+MERGERS = (VISUAL + "merger.", VISUAL + "deepstack_merger_list.")
+# What each mode may change, by Hugging Face key (LoRA merged into q_proj and v_proj).
+TRAINED = {
+    "full": lambda key: not key.startswith(VISUAL) or key.startswith(MERGERS),
+    "lora": lambda key: key.endswith(("self_attn.q_proj.weight", "self_attn.v_proj.weight")),
+    "projector": lambda key: key.startswith(MERGERS),
+}
+ARGS = ["--max-seq-len", "256", "--batch-tokens", "2048", "--lr", "1e-2", "--warmup-steps", "1"]
+# (height, width) -> grids of 2 x 4 to 8 x 10 patches of 16 pixels (sides multiples of 32).
+IMAGES = {"wide.png": (40, 60), "tall.png": (90, 70), "big.png": (120, 150), "gray.png": (50, 50)}
+
+
+def user(*content) -> dict:
+    return {"role": "user", "content": list(content)}
+
+
+def image(name: str) -> dict:
+    return {"type": "image", "path": name}
+
+
+def text(value: str) -> dict:
+    return {"type": "text", "text": value}
+
+
+def answer(value: str) -> dict:
+    return {"role": "assistant", "content": [text(value)]}
+
+
+RECORDS = [
+    {"messages": [user(image("wide.png"), text("What is it?")), answer("red fox")]},
+    {"messages": [user(image("tall.png"), image("big.png"), text("Compare.")), answer("two cats")]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Say hi."},
+            {"role": "assistant", "content": "hi"},
+        ]
+    },
+    {
+        "messages": [
+            user(text("Hello.")),
+            answer("hello"),
+            user(image("gray.png"), text("And this?")),
+            answer("a gray owl"),
+        ]
+    },
+    {
+        "image": "big.png",
+        "conversations": [
+            {"from": "human", "value": "<image>\nWhat?"},
+            {"from": "gpt", "value": "big dog"},
+        ],
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return write_qwen3_dir(tmp_path_factory.mktemp("qwen3") / "qwen3_vl")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    for name, (height, width) in IMAGES.items():
+        pixels = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        (pixels.convert("L") if name == "gray.png" else pixels).save(root / name)
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    return root / "train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def run(qwen3_dir, data, tmp_path_factory, ft):
+    """The output directory of a RUNS mode (run once): 3 steps, each over the whole data."""
+    done = {}
+
+    def get(mode: str):
+        if mode not in done:
+            out = tmp_path_factory.mktemp(f"qwen3-{mode}") / "run"
+            argv = ft.recipe_args(qwen3_dir, data, out, *ARGS, "--train", mode, "--steps", "3")
+            assert main(argv + ([] if RUNS[mode] else ["--no-packing"])) == 0
+            done[mode] = out
+        return done[mode]
+
+    return get
+
+
+def hf_processor(directory):
+    """transformers' ``AutoProcessor`` of ``directory`` (without torchvision)."""
+    from transformers import AutoProcessor
+
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        without_torchvision_video(patch)
+        warnings.simplefilter("ignore")
+        return AutoProcessor.from_pretrained(directory)
+
+
+def hf_model(directory):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(directory).eval()
+
+
+def hf_inputs(processor, messages, **kwargs):
+    return processor.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_tensors="pt", **kwargs
+    )
+
+
+def test_first_loss_packed_equals_padded_equals_transformers(run, qwen3_dir, data):
+    hf, processor = hf_model(qwen3_dir), hf_processor(qwen3_dir)
+    assert type(hf).__name__ == "Qwen3VLForConditionalGeneration"
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    encoder = ConversationEncoder.from_directory(qwen3_dir)
+    total = targets = 0.0
+    for conversation in read_conversations(data).conversations:
+        sample = encoder.encode_conversation(conversation)
+        inputs = hf_inputs(processor, conversation.messages)
+        assert inputs["input_ids"][0].tolist() == sample.tokens.tolist()
+        if conversation.images:
+            assert torch.equal(inputs["pixel_values"], sample.pixel_values)
+            assert torch.equal(inputs["image_grid_thw"], sample.image_grid_thw)
+        # The targets: each assistant message's text and its <|im_end|> (EOS), nothing else.
+        answers = [m["content"] for m in conversation.messages if m["role"] == "assistant"]
+        answers = [a if isinstance(a, str) else a[0]["text"] for a in answers]
+        expected_targets = [
+            t
+            for a in answers
+            for t in [*encoder.tokenizer.encode(a, add_special_tokens=False).ids, EOS]
+        ]
+        assert sample.labels[sample.labels != IGNORE_INDEX].tolist() == expected_targets
+        labels = torch.full_like(sample.tokens, IGNORE_INDEX)  # unshifted: transformers shifts
+        labels[1:] = sample.labels[:-1]
+        with torch.no_grad():
+            loss = hf(**inputs, labels=labels[None]).loss
+        total += loss.item() * sample.num_targets
+        targets += sample.num_targets
+    expected = total / targets
+    for mode, packed in RUNS.items():
+        loss = json.loads((run(mode) / "metrics.json").read_text())["losses"][0]
+        print(f"first loss, {mode} (packed={packed}): {loss!r}; transformers: {expected!r}")
+        assert loss == pytest.approx(expected, rel=1e-5), f"{mode}, packed={packed}"
+
+
+def fusion_inputs(directory, messages, images, *, add_generation_prompt: bool = False):
+    prompt = ChatTemplate.from_directory(directory).render(
+        messages, add_generation_prompt=add_generation_prompt
+    )
+    inputs = prepare_inputs(directory, prompt, [load_image(path) for path in images])
+    return inputs.tokens(PAD), inputs.encoder_input()
+
+
+@pytest.mark.parametrize("mode", list(RUNS))
+def test_export_keeps_keys_changes_what_trains_and_loads_in_transformers(
+    mode, run, qwen3_dir, data
+):
+    final = run(mode) / "final"
+    base = load_file(qwen3_dir / "model.safetensors")
+    tuned = load_file(final / "model.safetensors")
+    assert tuned.keys() == base.keys()  # the input directory's keys, lm_head untied
+    assert all(tuned[k].shape == base[k].shape for k in base)
+    changed = {k for k in base if not torch.equal(base[k], tuned[k])}
+    assert changed and all(TRAINED[mode](k) for k in changed), sorted(changed)
+    if mode == "lora":  # every adapter learned something, nothing else changed
+        assert changed == {k for k in base if TRAINED["lora"](k)}
+    else:  # the main merger and both DeepStack mergers trained; full: the decoder too
+        for prefix in (VISUAL + "merger.", *(f"{MERGERS[1]}{i}." for i in range(2))):
+            assert any(k.startswith(prefix) for k in changed), prefix
+        if mode == "full":
+            assert any(k.startswith("model.language_model.layers.") for k in changed)
+
+    # transformers loads the export and gives our logits on a conversation with two images.
+    conversation = read_conversations(data).conversations[1]
+    hf, ours = hf_model(final), load_hf_vlm(final).eval()
+    inputs = hf_inputs(hf_processor(final), conversation.messages)
+    # Preprocessed with the input directory's files, which final/ copies.
+    tokens, encoder_input = fusion_inputs(qwen3_dir, conversation.messages, conversation.images)
+    assert tokens.tolist() == inputs["input_ids"].tolist()
+    with torch.no_grad():
+        expected = hf(**inputs).logits
+        got = ours(tokens, encoder_input=encoder_input)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    if mode != "full":
+        return
+    # ... and answers: its greedy tokens are fusion's.
+    prompt = conversation.messages[:-1]
+    inputs = hf_inputs(hf_processor(final), prompt, add_generation_prompt=True)
+    tokens, encoder_input = fusion_inputs(
+        qwen3_dir, prompt, conversation.images, add_generation_prompt=True
+    )
+    with torch.no_grad():
+        theirs = hf.generate(
+            **inputs, max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=None
+        )
+    mine = generate(
+        ours, tokens, encoder_input=encoder_input, max_new_tokens=6, temperature=0, pad_id=PAD
+    )
+    assert torch.equal(mine, theirs)
