@@ -1,6 +1,7 @@
 """``fusion.testing``'s strategies are fast from a cold start: a fresh interpreter, an empty
 Hypothesis directory and Hypothesis' default settings (health checks included), as in a
-user's first CI run. The README's property-test examples are run exactly so."""
+user's first CI run. The property-test examples of the README and of docs/*.md are run
+exactly so."""
 
 import re
 import subprocess
@@ -9,19 +10,23 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).parents[2] / "README.md"
+ROOT = Path(__file__).parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
-PROPERTY_EXAMPLES = [
-    block
-    for block in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-    if "@given(" in block
-]
+def property_examples(page: Path) -> list[str]:
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
+    return [block for block in blocks if "@given(" in block]
 
 
-def test_the_readme_has_both_property_examples():
+PROPERTY_EXAMPLES = [block for page in PAGES for block in property_examples(page)]
+
+
+def test_the_docs_have_both_property_examples():
+    assert any("fusion_inputs(" in block for block in property_examples(README))
     assert any("wrapping_trees(n_models=2" in block for block in PROPERTY_EXAMPLES)
-    assert any("fusion_inputs(" in block for block in PROPERTY_EXAMPLES)  # an audio encoder
+    assert any("class AudioEncoder" in block for block in PROPERTY_EXAMPLES)  # fusion_inputs
 
 
 @pytest.mark.parametrize("index", range(len(PROPERTY_EXAMPLES)))
