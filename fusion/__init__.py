@@ -3,6 +3,7 @@
 from fusion import checkpoint
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion, register_fusion_module
+from fusion.errors import FusionError
 from fusion.generation import generate
 from fusion.labels import masked_token_loss, next_token_labels
 from fusion.merge import Packed, Padded, merge_embeddings
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EarlyFusion",
+    "FusionError",
     "Packed",
     "Padded",
     "TransformerDecoder",

@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from fusion._validation import is_dtensor
+from fusion._wrappers import is_wrapper
 from fusion.decoder import TransformerDecoder
 
 FUSION, TORCHTUNE, HUGGING_FACE = "fusion", "torchtune", "huggingface"
@@ -46,9 +47,7 @@ def decoder_kind(decoder: Any) -> str:
     name = type(decoder).__name__
     if not isinstance(decoder, nn.Module):
         raise TypeError(f"decoder: expected {EXPECTED}; got {name}")
-    if hasattr(decoder, "_orig_mod") or isinstance(
-        decoder, nn.parallel.DistributedDataParallel | nn.DataParallel
-    ):
+    if is_wrapper(decoder):
         raise TypeError(
             f"decoder: expected {EXPECTED}; got the wrapper {name} (wrap the EarlyFusion, not "
             "the decoder, in torch.compile or DDP)"

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from fusion.errors import FusionError
+
 
 def short_repr(value: object, limit: int = 200) -> str:
     """``repr(value)``, cut to ``limit`` characters: hostile files hold huge values."""
@@ -13,7 +15,7 @@ def short_repr(value: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FusionError, ValueError):
     """A checkpoint that cannot be read or does not match the model.
 
     The message starts with the file (and the key, when one is at fault), so it can be acted on

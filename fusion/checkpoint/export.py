@@ -5,8 +5,6 @@ and generation-config files of the directory the model came from."""
 import json
 import os
 import shutil
-import stat
-import sys
 import tempfile
 from collections.abc import Callable
 from functools import partial
@@ -14,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
-from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from fusion._adapters import first_lora_layer
+from fusion._io import FileTooLarge, NotRegularFile, read_regular
+from fusion._wrappers import unwrap
 from fusion.checkpoint.errors import CheckpointError, as_path, check_positive_int, short_repr
 from fusion.checkpoint.files import fsync_path
 from fusion.checkpoint.hf_config import CONFIG_NAME, read_hf_config
@@ -156,31 +156,15 @@ def export_hf(
     return [out / path.name for path in written] + [out / name for name in side]
 
 
-def _unwrap(model: object) -> object:
-    """``model`` inside ``torch.compile``, DDP and DataParallel wrappers."""
-    # No OptimizedModule can exist unless torch._dynamo was imported: do not import it here.
-    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
-    while True:
-        if compiled is not None and isinstance(model, compiled):
-            model = model._orig_mod
-        elif isinstance(model, DistributedDataParallel | DataParallel):
-            model = model.module
-        else:
-            return model
-
-
 def _saver(model: object) -> Callable[[Path, int | None], list[Path]]:
     """The saver for ``model``: ``save(directory, max_shard_size)``."""
-    inner = _unwrap(model)
-    if isinstance(inner, nn.Module):
-        from fusion.lora import lora_linears  # fusion.lora imports this package
-
-        adapted = lora_linears(inner)
-        if adapted:
-            raise ValueError(
-                f"model: carries LoRA adapters ({next(iter(adapted))!r}, ...); merge them first "
-                "with fusion.lora.merge_lora(model) (save them apart with save_adapter)"
-            )
+    inner = unwrap(model)
+    adapted = first_lora_layer(inner) if isinstance(inner, nn.Module) else None
+    if adapted is not None:
+        raise ValueError(
+            f"model: carries LoRA adapters ({adapted!r}, ...); merge them first "
+            "with fusion.lora.merge_lora(model) (save them apart with save_adapter)"
+        )
     if isinstance(inner, EarlyFusion) and inner.encoders:
         encoders = list(inner.encoders.values())
         if len(encoders) == 1 and isinstance(encoders[0], LlavaImageEncoder):
@@ -264,22 +248,17 @@ def _side_files(source: Path) -> dict[str, bytes]:
                 "is a symbolic link: not followed (copy the directory with its links resolved, "
                 "e.g. cp -rL, and export from the copy)",
             )
-        try:  # O_NOFOLLOW: a link planted since the check is refused too
-            flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
-            fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+        try:  # no link followed: one planted since the check is refused too
+            content = read_regular(path, MAX_SIDE_FILE_BYTES, follow_symlinks=False)
+        except NotRegularFile:
+            raise CheckpointError(path, None, "not a regular file (a FIFO, device, ...)") from None
+        except FileTooLarge as error:
+            if error.size is None:
+                message = f"grew beyond {MAX_SIDE_FILE_BYTES} bytes: refused"
+            else:
+                message = f"{error.size} bytes, more than {MAX_SIDE_FILE_BYTES}: refused"
+            raise CheckpointError(path, None, message) from None
         except OSError as error:
             raise CheckpointError(path, None, f"unreadable: {error.strerror}") from error
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(f.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise CheckpointError(path, None, "not a regular file (a FIFO, device, ...)")
-            if info.st_size > MAX_SIDE_FILE_BYTES:
-                raise CheckpointError(
-                    path, None, f"{info.st_size} bytes, more than {MAX_SIDE_FILE_BYTES}: refused"
-                )
-            os.set_blocking(f.fileno(), True)
-            content = f.read(MAX_SIDE_FILE_BYTES + 1)
-        if len(content) > MAX_SIDE_FILE_BYTES:
-            raise CheckpointError(path, None, f"grew beyond {MAX_SIDE_FILE_BYTES} bytes: refused")
         files[name] = content
     return files

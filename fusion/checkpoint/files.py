@@ -35,7 +35,7 @@ from typing import Any, TypeGuard
 import torch
 from safetensors.torch import save_file
 
-from fusion._io import NotRegularFile, open_regular
+from fusion._io import FileTooLarge, NotRegularFile, open_regular, read_regular
 from fusion.checkpoint.errors import (
     CheckpointError,
     as_path,
@@ -264,29 +264,35 @@ def _parse_json(raw: bytes, file: Path, problem: str) -> Any:
 
 def read_bounded(file: Path, limit: int) -> bytes:
     """The content of the regular file ``file``, refused when it holds more than ``limit`` bytes
-    (read at most ``limit + 1``, so a huge or growing file costs nothing).
+    (:func:`fusion._io.read_regular`: a huge or growing file costs nothing).
 
     Raises:
         CheckpointError: naming ``file``: not a regular file, unreadable, or too large.
     """
     try:
-        with open_regular(file) as handle:
-            raw = handle.read(limit + 1)
+        return read_regular(file, limit)
     except NotRegularFile:
         raise CheckpointError(file, None, "not a regular file (a FIFO, device, ...)") from None
+    except FileTooLarge:
+        raise CheckpointError(file, None, f"larger than {limit} bytes: refused") from None
     except OSError as error:
         raise CheckpointError(file, None, f"unreadable: {error.strerror}") from None
-    if len(raw) > limit:
-        raise CheckpointError(file, None, f"larger than {limit} bytes: refused")
-    return raw
 
 
 def read_json(file: Path, what: str) -> Any:
     """Read a JSON file of at most :data:`MAX_JSON_BYTES` (``what`` names it in errors)."""
-    with _open_regular(file, what) as f:
-        raw = f.read(MAX_JSON_BYTES + 1)
-    if len(raw) > MAX_JSON_BYTES:
-        raise CheckpointError(file, None, f"{what} larger than {MAX_JSON_BYTES} bytes: refused")
+    try:
+        raw = read_regular(file, MAX_JSON_BYTES)
+    except NotRegularFile:
+        raise CheckpointError(
+            file, None, f"{what} is not a regular file (a FIFO, device, ...)"
+        ) from None
+    except FileTooLarge:
+        raise CheckpointError(
+            file, None, f"{what} larger than {MAX_JSON_BYTES} bytes: refused"
+        ) from None
+    except OSError as error:
+        raise CheckpointError(file, None, f"unreadable {what}: {error.strerror}") from error
     return _parse_json(raw, file, f"unreadable {what}")
 
 

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -18,8 +17,8 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from fusion._wrappers import unwrap
 from fusion.checkpoint.errors import CheckpointError, as_path, check_positive_int
 from fusion.checkpoint.files import (
     CheckpointFiles,
@@ -478,16 +477,7 @@ def save_hf(
 def _text_decoder(model: object) -> TransformerDecoder:
     """The ``TransformerDecoder`` that ``model`` is or holds, through wrappers that keep the
     whole model inside them unchanged (``torch.compile``, DDP, DataParallel)."""
-    # No OptimizedModule can exist unless torch._dynamo was imported: do not import it here.
-    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
-    inner = model
-    while True:
-        if compiled is not None and isinstance(inner, compiled):
-            inner = inner._orig_mod
-        elif isinstance(inner, DistributedDataParallel | DataParallel):
-            inner = inner.module
-        else:
-            break
+    inner = unwrap(model)
     if isinstance(inner, EarlyFusion):
         inner = inner.decoder
     if not isinstance(inner, TransformerDecoder):

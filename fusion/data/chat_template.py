@@ -29,6 +29,7 @@ from typing import Any
 
 from fusion.checkpoint.errors import CheckpointError, as_path
 from fusion.checkpoint.files import read_bounded, read_json
+from fusion.errors import FusionError
 
 MAX_TEMPLATE_BYTES = 2**20  # real templates are a few kilobytes
 MAX_OUTPUT_CHARS = 2**22
@@ -46,7 +47,7 @@ SPECIAL_TOKEN_KEYS = (
 GENERATION_START, GENERATION_END = "\ue000", "\ue001"
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(FusionError, ValueError):
     """A chat template that cannot be read or rendered (a syntax error, a sandbox violation,
     ``raise_exception``, output over the limit, no assistant turn)."""
 

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
@@ -35,8 +34,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from fusion._wrappers import unwrap
 from fusion.checkpoint.errors import CheckpointError, as_path, short_repr
 from fusion.checkpoint.files import (
     CheckpointFiles,
@@ -217,20 +216,8 @@ class _Model:
         }
 
 
-def _unwrap(model: object) -> object:
-    # No OptimizedModule can exist unless torch._dynamo was imported: do not import it here.
-    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
-    while True:
-        if compiled is not None and isinstance(model, compiled):
-            model = model._orig_mod
-        elif isinstance(model, DistributedDataParallel | DataParallel):
-            model = model.module
-        else:
-            return model
-
-
 def _describe(model: object) -> _Model:
-    inner = _unwrap(model)
+    inner = unwrap(model)
     if isinstance(inner, TransformerDecoder):
         return _Model(inner, _LLAMA, "")
     if isinstance(inner, EarlyFusion):

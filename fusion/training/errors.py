@@ -1,7 +1,9 @@
 """The one error type of training jobs, reported as a one-line message and exit status 1."""
 
+from fusion.errors import FusionError
 
-class TrainingError(RuntimeError):
+
+class TrainingError(FusionError, RuntimeError):
     """A problem with a training job's input (flags, output directory, data, checkpoints),
     found before anything was changed on disk. The message is one line meant for the user:
     it names the file (and key) or the flag at fault."""

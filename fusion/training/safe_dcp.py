@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from fusion._io import NotRegularFile, open_regular
+from fusion._io import FileTooLarge, NotRegularFile, open_regular, read_limited
 from fusion.training.errors import TrainingError, one_line
 
 METADATA = ".metadata"
@@ -94,16 +94,14 @@ def read_regular_file(file: Path, *, limit: int) -> bytes:
         TrainingError: missing, not a regular file, larger than ``limit`` or unreadable.
     """
     with open_checked(file) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise fail(file, f"is {size} bytes, more than the {limit} allowed")
         try:
-            data = f.read(limit + 1)
+            return read_limited(f, limit, file)
+        except FileTooLarge as error:
+            if error.size is None:
+                raise fail(file, f"is more than the {limit} bytes allowed") from None
+            raise fail(file, f"is {error.size} bytes, more than the {limit} allowed") from None
         except OSError as error:
             raise fail(file, f"cannot be read ({error.strerror or error})") from None
-    if len(data) > limit:
-        raise fail(file, f"is more than the {limit} bytes allowed")
-    return data
 
 
 # ---------------------------------------------------------------------------------- metadata
