@@ -6,10 +6,9 @@ Each case starts from one decoded Pillow image (decoding is the same Pillow call
 and is not timed) and times the whole processor call: ours ``ClipImageProcessor.process`` /
 ``Idefics3ImageProcessor.process`` (Pillow image -> tensor, pad, resize, crop or tiles,
 rescale and normalise), theirs ``processor(images=[image], return_tensors="pt")``
-(transformers' Pillow backend, the one whose pixels ours matches). Our resize runs Pillow's own
-``Image.resize`` where Pillow is installed (recorded as ``settings.fusion_resize``), the torch
-resampling otherwise; the torch path's cache of filter weights is cleared before each call.
-The two alternate within each round; reported:
+(transformers' Pillow backend, the one whose pixels ours matches). Both resize with Pillow's
+own ``Image.resize`` (recorded as ``settings.fusion_resize``). The two alternate within each
+round; reported:
 the median of the rounds on each side and the median of the per-round ratios
 (transformers / fusion: above 1, fusion is faster). The pixels are compared (largest absolute
 difference, reported).
@@ -32,7 +31,6 @@ from common import add_out_argument, machine, output_dir
 from PIL import Image
 
 from fusion.preprocessing import ClipImageProcessor, Idefics3ImageProcessor
-from fusion.preprocessing.resize import _coefficients, _pillow_image
 
 # (height, width): a 12 MP photo, and the 144 MP image the issue found 4.7x slower.
 SIZES = [(3000, 4000), (12000, 12000)]
@@ -91,7 +89,6 @@ def image(height: int, width: int) -> Image.Image:
 
 
 def ours_pixels(processor, picture: Image.Image) -> torch.Tensor:
-    _coefficients.cache_clear()  # each call pays for its filter weights, as Pillow's does
     out = processor.process(picture)
     return out.tiles if hasattr(out, "tiles") else out[None]
 
@@ -110,8 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {
             "rounds": args.rounds,
             "quick": args.quick,
-            # Which resampling fusion's resize took ("auto": Pillow's, where installed).
-            "fusion_resize": "pillow" if _pillow_image() is not None else "torch",
+            "fusion_resize": "pillow",  # fusion's resize is Pillow's Image.resize
         },
         "results": [],
     }

@@ -1,11 +1,10 @@
 """From image files and prompts to token ids and pixels, for LLaVA, Idefics3 / SmolVLM,
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
 
-Decoding uses Pillow (the ``vision`` extra), imported only by :func:`load_image` and
-:func:`from_pil`, and by the resize where it is installed (Pillow's own ``Image.resize``,
-the fastest way to its pixels); everything else is torch, and computes the pixels Hugging
-Face's image processors compute (their Pillow backend), resizing included without Pillow (see
-:mod:`fusion.preprocessing.resize`).
+Decoding and resizing use Pillow (the ``vision`` extra), imported only by :func:`load_image`,
+:func:`from_pil` and :func:`resize` (Pillow's own ``Image.resize``, as Hugging Face's image
+processors call it); everything else is torch, and computes the pixels those processors
+compute (their Pillow backend), bit for bit.
 
     from fusion.preprocessing import load_image, prepare_inputs
 

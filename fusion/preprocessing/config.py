@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fusion.preprocessing.resize import FILTER_NAMES, FILTERS
+from fusion.preprocessing.resize import FILTER_NAMES
 
 # The largest side a processor config may resize or crop to. Idefics3's processor caps images
 # at 4096 pixels a side itself; CLIP-style towers take a few hundred.
@@ -76,8 +76,8 @@ class ConfigReader:
         value = self.config.get(key, default)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, int) or value not in FILTERS:
-            names = ", ".join(f"{n} ({FILTER_NAMES[n]})" for n in sorted(FILTERS))
+        if isinstance(value, bool) or not isinstance(value, int) or value not in FILTER_NAMES:
+            names = ", ".join(f"{n} ({FILTER_NAMES[n]})" for n in sorted(FILTER_NAMES))
             raise self.fail(key, f"expected one of {names}, got {value!r}")
         return int(value)  # Pillow's Resampling enum is an int
 

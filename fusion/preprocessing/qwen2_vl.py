@@ -35,7 +35,6 @@ from fusion.preprocessing.images import (
 from fusion.preprocessing.resize import (
     BICUBIC,
     FILTER_NAMES,
-    FILTERS,
     resize,
     resize_pillow_image,
     resizes_as_pillow_image,
@@ -229,8 +228,8 @@ class Qwen2VLImageProcessor:
                 f"max_pixels: expected at least (patch_size * merge_size)**2 = {self.factor**2}, "
                 f"got {self.max_pixels}"
             )
-        if isinstance(self.resample, bool) or self.resample not in FILTERS:
-            names = ", ".join(f"{n} ({FILTER_NAMES[n]})" for n in sorted(FILTERS))
+        if isinstance(self.resample, bool) or self.resample not in FILTER_NAMES:
+            names = ", ".join(f"{n} ({FILTER_NAMES[n]})" for n in sorted(FILTER_NAMES))
             raise ValueError(f"resample: expected one of {names}, got {self.resample!r}")
         if self.pixel_limit is not None:
             _check_int("pixel_limit", self.pixel_limit, 1, 2**62)
