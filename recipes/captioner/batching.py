@@ -9,10 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from fusion.data import IGNORE_INDEX
 from recipes.captioner.shapes import ShapesSplit, max_caption_words
 from recipes.captioner.tokenizer import CaptionTokenizer
-
-IGNORE_INDEX = -100
 
 
 def prompt_length(tokens_per_image: int) -> int:
