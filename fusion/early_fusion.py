@@ -323,6 +323,14 @@ class EarlyFusion(nn.Module):
         if isinstance(input_pos, torch.Tensor) and input_pos.dim() == 3:
             return input_pos
         name, merge_size = cast(tuple[str, int], self.mrope)
+        given = (encoder_input or {}).get(name)
+        if given is not None and not isinstance(given, Mapping):
+            # Rows computed beforehand (encode()) do not say where each image's rows sit.
+            raise ValueError(
+                f"encoder_input[{name!r}]: rows computed beforehand carry no image_grid_thw "
+                "for the M-RoPE positions; pass the encoder's input (pixel_values and "
+                "image_grid_thw) or [3, b, s] input_pos"
+            )
         decoder = self.decoder
         cached = decoder.caches_are_enabled()
         if input_pos is None and cached:  # the cache's next slots, as the decoder's default

@@ -212,3 +212,15 @@ def test_grids_that_do_not_match_the_placeholders_are_refused(pair):
     more = torch.tensor([[1, 4, 4], [1, 10, 8]])  # 24 rows for 19 placeholders
     with pytest.raises(ValueError, match=r"placeholder count .* must equal the 24 packed rows"):
         our_logits(model, ids, torch.randn(16 + 80, pixels.size(1)), more)
+
+
+def test_precomputed_rows_need_explicit_positions(pair):
+    _, model = pair
+    ids, pixels, grid = image_prompt(*ONE_IMAGE)
+    rows = model.encode({"image": {"pixel_values": pixels, "image_grid_thw": grid}})
+    with pytest.raises(ValueError, match=r"rows computed beforehand carry no image_grid_thw"):
+        model(ids, encoder_input=rows)
+    positions, _ = mrope_positions(ids, None, IMAGE_PAD, grid, MERGE)
+    with torch.no_grad():
+        reused = model(ids, encoder_input=rows, input_pos=positions)
+    assert torch.equal(reused, our_logits(model, ids, pixels, grid))
