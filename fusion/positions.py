@@ -57,13 +57,14 @@ def mrope_positions(
         input_pos = torch.arange(seq_len, device=device)
     elif not isinstance(input_pos, torch.Tensor):
         raise TypeError(f"input_pos: expected a tensor, got {type(input_pos).__name__}")
-    elif tuple(input_pos.shape) not in {(batch, seq_len), (1, seq_len), (seq_len,)} or (
-        input_pos.dtype not in INDEX_DTYPES
-    ):
-        raise ValueError(
-            f"input_pos: expected integer positions [{batch}, {seq_len}], [1, {seq_len}] or "
-            f"[{seq_len}], or [3, {batch}, {seq_len}], got {describe(input_pos)}"
-        )
+    else:
+        shapes = list(dict.fromkeys([(batch, seq_len), (1, seq_len), (seq_len,)]))
+        if tuple(input_pos.shape) not in shapes or input_pos.dtype not in INDEX_DTYPES:
+            accepted = ", ".join(str(list(shape)) for shape in shapes)
+            raise ValueError(
+                f"input_pos: expected integer positions {accepted} or [3, {batch}, {seq_len}], "
+                f"got {describe(input_pos)}"
+            )
     pos = input_pos.to(torch.long).expand(batch, seq_len)
     # Tokens of a row before its first 0 continue a sample started in an earlier call.
     column = torch.arange(seq_len, device=device).expand(batch, seq_len)
