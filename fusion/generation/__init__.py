@@ -2,8 +2,8 @@
 
 ``generate(..., compile=True)`` compiles the prefill and the decoding step (static shapes,
 no host synchronisation inside a step, CUDA graphs on CUDA); see :mod:`fusion.generation.steps`.
-``python -m fusion.generation --help`` runs a Hugging Face Llama, LLaVA or Idefics3 / SmolVLM
-directory from the shell.
+``python -m fusion.generation --help`` runs a Hugging Face Llama, LLaVA, Idefics3 / SmolVLM,
+Qwen2-VL or Qwen2.5-VL directory from the shell.
 """
 
 from fusion.generation.autoregressive import generate, generate_stream

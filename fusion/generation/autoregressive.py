@@ -97,81 +97,66 @@ def generate_stream(
 ) -> Generator[torch.Tensor, None, None]:
     """Like :func:`generate`, but yield each step's new tokens [b] (int64) as they come.
 
-    All arguments are checked when this is called, before anything is allocated; the model
-    runs as the iterator advances.
+    Every argument is checked when this is called, before anything is allocated; the model
+    runs as the iterator advances. Ids may be of any integer dtype or type (Python, NumPy,
+    0-dim tensors) and numbers Python or NumPy scalars; bools and floats are never integers.
 
     Args:
-        model: a decoder, or an ``EarlyFusion`` over any decoder it takes (its decoding steps
-            bypass the merge: a generated id is always embedded as text). A Hugging Face causal
-            LM runs through its own cache, as ``transformers``' ``generate`` does: a
+        model: a decoder, or an ``EarlyFusion`` over any decoder it takes (decoding steps
+            bypass the merge: generated ids are text). A Hugging Face causal LM runs through a
             ``DynamicCache`` made for the call, passed as ``cache`` (``past_key_values`` in
-            older transformers) with a 2-D ``attention_mask`` and ``position_ids`` (greedy
-            tokens equal its ``generate(inputs_embeds=..., attention_mask=...)`` on the same
-            merged embeddings). A torchtune-style decoder runs through its ``setup_caches`` /
-            ``reset_caches`` caches with this library's masks and positions; set up here, they
-            are torn down after where it has ``teardown_caches``. Both are eager only.
-        tokens: prompts [b, s] of integer ids on the model's device, left-padded with
-            ``pad_id`` (see :func:`fusion.generation.left_pad`): a sample's leading ``pad_id``
-            tokens are padding, so no prompt may begin with ``pad_id``. Each sample's rotary
-            positions start at 0 at its first real token.
+            older transformers) with a 2-D ``attention_mask`` and ``position_ids``, as
+            ``transformers``' ``generate`` does (greedy tokens equal its
+            ``generate(inputs_embeds=..., attention_mask=...)``); a torchtune-style decoder
+            through its ``setup_caches`` / ``reset_caches`` caches with this library's masks
+            and positions (torn down after where it has ``teardown_caches``). Both eager only.
+        tokens: prompts [b, s] on the model's device, left-padded with ``pad_id`` (see
+            :func:`fusion.generation.left_pad`): leading ``pad_id`` tokens are padding, so no
+            prompt may begin with one. Rotary positions start at 0 at each first real token.
         encoder_input: for ``EarlyFusion`` only, as in ``EarlyFusion.forward``; used at prefill.
         max_new_tokens: >= 1.
-        temperature, top_k, top_p: see :func:`fusion.generation.sample_next_token`;
-            ``temperature=0`` is greedy.
-        stop_tokens: ids that end a sample (the stop token is kept). Tracked on the device; the
-            host looks whether all samples have stopped every ``stop_check_interval`` steps
-            (one synchronisation each; 1 looks at every step, and without stop tokens nothing
-            is looked at), so the stream may run up to ``stop_check_interval - 1`` steps past
-            the last stop, yielding ``pad_id`` for every sample (:func:`generate` drops them).
+        temperature, top_k, top_p: see :func:`fusion.generation.sample_next_token`; 0 is greedy.
+        stop_tokens: ids that end a sample (kept). Tracked on the device; the host looks whether
+            all samples have stopped every ``stop_check_interval`` steps (an integer >= 1; one
+            synchronisation each, none without stop tokens), so a stream may yield up to
+            ``stop_check_interval - 1`` steps of ``pad_id`` past the last stop.
         pad_id: the padding id, inside the vocabulary and not a placeholder id.
         generator: randomness for sampling, on the model's device.
         compile: False runs eagerly. True compiles the prefill and the decoding step with
             ``torch.compile(fullgraph=True)``: inductor, static shapes, CUDA graphs on CUDA
             (``mode="reduce-overhead"``); a mapping passes ``backend``, ``mode``, ``options``,
             ``dynamic`` or ``recompile_limit``. Prompts are left-padded to a bucket length (a
-            power of two from 16 to 256, a multiple of 256 above), and caches set up here get
-            a bucketed length too: each new batch size, bucket or dtype compiles once, then
-            steps, calls and prompts of the same buckets never recompile. A greedy step is one
-            graph; sampling draws outside it. An ``EarlyFusion``'s prefill (encoders, merge)
-            runs eagerly, its steps compiled. Greedy tokens equal eager ones, up to the
-            last-bit differences of fused kernels. On CUDA, set the caches up once and reuse
-            them: caches set up per call get a new address, which re-records the CUDA graphs.
-        stop_check_interval: see ``stop_tokens``; an integer >= 1.
+            power of two from 16 to 256, a multiple of 256 above), and so are caches set up
+            here: each new batch size, bucket or dtype compiles once, then steps, calls and
+            prompts of the same buckets never recompile. A greedy step is one graph, sampling
+            draws outside it; an ``EarlyFusion``'s prefill (encoders, merge) runs eagerly.
+            Greedy tokens equal eager ones up to the last bits of fused kernels. On CUDA, set
+            the caches up once and reuse them: new caches re-record the CUDA graphs.
 
-    The KV cache: a model without caches gets one of exactly ``s + max_new_tokens - 1`` slots
-    (eager; bucketed when compiled) for this call, removed when the iterator ends (exhausted,
-    closed, garbage-collected or stopped by an error). Caches set up on the model (for this
-    batch size and the model's dtype) are reset, used and left set up. A model has one cache,
-    so from its first ``next()`` until it ends a stream holds the model: another
-    ``generate``/``generate_stream`` on it (or on an ``EarlyFusion`` sharing its decoder)
-    raises ``RuntimeError`` before doing anything. Gradients are off while the model runs; its
-    train/eval mode is left as it is (call ``model.eval()`` first, or dropout applies). A
-    ``torch.compile`` wrapper is called as it is when ``compile`` is False; with ``compile``
-    set, the module it wraps is compiled as above instead. Nothing in a decoding step reads a
-    value on the host: the cache slot is the cache's fill level (a device tensor), positions
-    and masks are computed on the device.
-
-    Ids (``tokens``, ``stop_tokens``, ``pad_id``) may be of any integer dtype or type (Python,
-    NumPy, 0-dim tensors); numbers may be Python or NumPy scalars; bools and floats are never
-    taken for integers.
+    The KV cache: without caches, the model gets one of ``s + max_new_tokens - 1`` slots
+    (bucketed when compiled), removed when the iterator ends (exhausted, closed, collected or
+    failed); caches set up on the model (this batch size, the model's dtype) are reset and kept.
+    From its first ``next()`` to its end a stream holds the model's one cache: another stream on
+    it (or on an ``EarlyFusion`` sharing its decoder) raises ``RuntimeError`` before doing
+    anything. Gradients are off; the train/eval mode is the caller's (``model.eval()`` first).
+    A ``torch.compile`` wrapper is called as it is, or with ``compile`` set, its module is
+    compiled instead. Nothing in a step reads a value on the host: the cache slot is the
+    cache's fill level (a device tensor), positions and masks are computed on the device.
 
     Raises:
         TypeError: ``model`` is neither a ``TransformerDecoder`` nor an ``EarlyFusion``.
         RuntimeError: another stream on this model is in progress.
-        ValueError: a Hugging Face base model without an output layer; a torchtune-style
-            decoder without ``setup_caches``, ``caches_are_setup`` and ``reset_caches``, or
-            with ``compile`` set; ``tokens`` not non-empty integer [b, s] on the model's
-            device, or (on the CPU) holding ids outside the vocabulary that are not
-            placeholders of encoders given input; a sample that is all padding; the prompt
-            plus ``max_new_tokens`` longer than the cache (or the decoder's ``max_seq_len``);
-            ``max_new_tokens`` or ``stop_check_interval`` not an integer >= 1;
-            ``temperature``, ``top_k``, ``top_p`` invalid (see
+        ValueError: naming the argument: a Hugging Face base model without an output layer; a
+            torchtune-style decoder without ``setup_caches``, ``caches_are_setup`` and
+            ``reset_caches``; ``compile`` set for either; ``tokens`` not non-empty integer
+            [b, s] on the model's device, or (on the CPU) with ids outside the vocabulary that
+            are not placeholders of encoders given input; a sample all padding; prompt plus
+            ``max_new_tokens`` longer than the cache or ``max_seq_len``; invalid numbers (see
             :func:`fusion.generation.check_sampling_args`); stop tokens or ``pad_id`` not ids
-            of the vocabulary; ``pad_id`` a placeholder id; ``generator`` not a generator on
-            the model's device; ``encoder_input`` not a mapping, given to a model without
-            encoders, or with unknown encoder names; a model on the meta device; caches set
-            up for another batch size or dtype, or disabled; ``compile`` not a bool or a
-            mapping of the options above, or options ``torch.compile`` refuses.
+            of the vocabulary, or ``pad_id`` a placeholder; ``generator`` on another device;
+            ``encoder_input`` not a mapping, without encoders, or with unknown names; weights
+            on the meta device; caches set up for another batch size or dtype, or disabled;
+            ``compile`` not a bool or a mapping of these options, or refused by torch.
     """
     return _run(_prepare(**locals()))
 
@@ -301,9 +286,10 @@ def _run(plan: _Plan) -> Generator[torch.Tensor, None, None]:
                 plan.call, decoder, plan.tokens, plan.pad_counts, extra
             )
         else:
+            dtype = _weights(decoder, kind).dtype
             session = foreign.TorchtuneSteps(
                 plan.call, decoder, plan.tokens, plan.pad_counts, extra,
-                plan.max_new_tokens, _weights(decoder, kind).dtype,
+                max_new_tokens=plan.max_new_tokens, dtype=dtype,
             )  # fmt: skip
         device = plan.tokens.device
         # Stop ids padded with -1 (never an id) to a multiple of 8: one graph for 0 to 8 ids.

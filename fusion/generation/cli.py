@@ -1,4 +1,5 @@
-"""``python -m fusion.generation``: generate from a Hugging Face Llama directory.
+"""``python -m fusion.generation``: generate from a Hugging Face Llama or vision-language
+model directory.
 
 A checkpoint directory is untrusted input: nothing in it is ever executed (a tokenizer or config
 that asks for its own Python code is refused, never offered), no file in it is read unless it
@@ -19,7 +20,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO, cast
+from typing import Any, NamedTuple, NoReturn, TextIO, cast
 
 import torch
 
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m fusion.generation",
         description=(
-            "Load a Hugging Face Llama directory (config.json + safetensors) and generate. "
+            "Load a Hugging Face Llama, LLaVA, Idefics3 / SmolVLM, Qwen2-VL or Qwen2.5-VL "
+            "directory (config.json + safetensors) and generate. "
             "Prompts are text (needs tokenizer.json in the directory and the `tokenizers` "
             "package, or a tokenizer `transformers` can load offline without running code from "
             "the directory) or comma-separated token ids. One prompt streams its tokens as they "
@@ -93,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--image",
         action="append",
         type=Path,
-        help="an image file for the prompts' <image> markers, in order (repeatable; LLaVA and "
-        "Idefics3 / SmolVLM directories; decoding needs Pillow: the vision extra)",
+        help="an image file for the prompts' image markers, in order (repeatable): <image> for "
+        "LLaVA and Idefics3 / SmolVLM directories, <|vision_start|><|image_pad|><|vision_end|> "
+        "for Qwen2-VL and Qwen2.5-VL ones; decoding needs Pillow (the vision extra)",
     )
     parser.add_argument(
         "--max-pixels",
@@ -190,43 +193,39 @@ def _run(
 ) -> None:
     directory: Path = args.checkpoint
     _check_directory(directory)
-    kind = detect_model_kind(directory)  # "llama", "llava" or "idefics3"
+    kind = detect_model_kind(directory)  # "llama", or a vision-language model's kind
     if args.image and kind == "llama":
         parser.error(f"--image: {directory} holds a text-only Llama, which takes no images")
     if args.image and args.prompt is None:
         parser.error("--image: images go where <image> markers are in a --prompt text")
     config = _generation_config(directory)
     vocab = _positive_int_or_none(config.get("vocab_size"))
-    encoder_input = None
-    if args.prompt is not None and kind != "llama":
+    encoder_input, tokenizer = None, None
+    if args.prompt is not None:
         tokenizer, reason = _load_tokenizer(directory)
-        if tokenizer is None:
+        if tokenizer is None and kind != "llama":
             parser.error(f"--prompt: no tokenizer could be loaded from {directory} ({reason})")
-        images = [_load_image(path, args.max_pixels) for path in args.image or []]
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            inputs = prepare_inputs(
-                directory, args.prompt, images, encode=tokenizer.encode, max_pixels=args.max_pixels
-            )
-        for warning in said:  # e.g. the image processor defaults: one line each
-            print(f"warning: {_one_line(str(warning.message))}", file=sys.stderr)
-        prompts = inputs.ids
-        if images:
-            encoder_input = inputs.encoder_input(device=device)
-    elif args.prompt is not None:
-        tokenizer, reason = _load_tokenizer(directory)
         if tokenizer is None:
             parser.error(
                 f"--prompt: text needs a tokenizer, and none could be loaded from {directory} "
                 f"({reason}); pass --prompt-ids instead"
             )
+    if tokenizer is not None and kind != "llama":
+        images = [_load_image(path, args.max_pixels) for path in args.image or []]
+        with _warnings_on_one_line():  # e.g. the image processor defaults
+            inputs = prepare_inputs(
+                directory, args.prompt, images, encode=tokenizer.encode, max_pixels=args.max_pixels
+            )
+        prompts = inputs.ids
+        if images:
+            encoder_input = inputs.encoder_input(device=device)
+    elif tokenizer is not None:
         prompts = [tokenizer.encode(text) for text in args.prompt]
         for text, ids in zip(args.prompt, prompts, strict=True):
             if not ids:
                 raise ValueError(f"--prompt: the tokenizer gives no tokens for {text!r}")
         _check_ids_in_vocab("--prompt (as tokenized)", [i for p in prompts for i in p], vocab)
     else:
-        tokenizer = None
         prompts = [_parse_ids(parser, text) for text in args.prompt_ids]
         _check_ids_in_vocab("--prompt-ids", [i for p in prompts for i in p], vocab)
 
@@ -242,11 +241,8 @@ def _run(
         pad_id = args.pad_id
         _check_ids_in_vocab("--pad-id", [pad_id], vocab)
     else:
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
+        with _warnings_on_one_line():  # a pad id outside the vocabulary
             pad_id = default_pad_id(config, vocab)
-        for warning in said:  # a pad id outside the vocabulary: one line
-            print(f"warning: {_one_line(str(warning.message))}", file=sys.stderr)
     check_sampling_args(args.temperature, args.top_k, args.top_p, vocab or sys.maxsize)
     tokens = left_pad(prompts, pad_id)
     max_len = args.max_seq_len or _positive_int_or_none(config.get("max_position_embeddings"))
@@ -286,13 +282,21 @@ def _run(
         steps.close()  # an error while printing still frees the KV cache
 
 
-class Tokenizer:
+@contextlib.contextmanager
+def _warnings_on_one_line() -> Iterator[None]:
+    """Warnings raised inside, printed on stderr as one line each."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        yield
+    for warning in said:
+        print(f"warning: {_one_line(str(warning.message))}", file=sys.stderr)
+
+
+class Tokenizer(NamedTuple):
     """The two calls the CLI needs, over whichever library loaded the tokenizer."""
 
-    def __init__(
-        self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]
-    ) -> None:
-        self.encode, self.decode = encode, decode
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
 
 
 def load_tokenizer(directory: Path) -> Tokenizer | None:
@@ -365,17 +369,11 @@ def _print(
     tokenizer: Tokenizer | None,
     out: TextIO,
 ) -> None:
-    generated: list[list[int]] = [[] for _ in range(n_prompts)]
-    finished = [False] * n_prompts
+    """One prompt: its new tokens as they come; several: one line each at the end."""
     shown = ""
+    generated: list[list[int]] = [[] for _ in range(n_prompts)]
     for step in steps:
-        added = False
-        for i, token in enumerate(step.tolist()):
-            if not finished[i]:
-                generated[i].append(token)
-                finished[i] = token in stop_tokens
-                added = True
-        if n_prompts == 1 and added:  # stream: print what this step added
+        if _add(generated, step, stop_tokens) and n_prompts == 1:  # stream what it added
             if tokenizer is None:
                 out.write(("" if len(generated[0]) == 1 else ",") + str(generated[0][-1]))
             else:
@@ -393,18 +391,24 @@ def _print(
 def _print_ids(
     steps: Iterator[torch.Tensor], prompts: list[list[int]], stop_tokens: Sequence[int], out: TextIO
 ) -> None:
-    """One JSON line per prompt: its ids (as fed, unpadded) and the new ids (through the stop
-    token, if one came)."""
+    """One JSON line per prompt: its ids (as fed, unpadded) and the new ids."""
     generated: list[list[int]] = [[] for _ in prompts]
-    finished = [False] * len(prompts)
     for step in steps:
-        for i, token in enumerate(step.tolist()):
-            if not finished[i]:
-                generated[i].append(token)
-                finished[i] = token in stop_tokens
+        _add(generated, step, stop_tokens)
     for prompt, new in zip(prompts, generated, strict=True):
         out.write(json.dumps({"prompt_ids": list(prompt), "new_ids": new}) + "\n")
     out.flush()
+
+
+def _add(generated: list[list[int]], step: torch.Tensor, stop_tokens: Sequence[int]) -> bool:
+    """A step's new ids added to each prompt's that has not emitted a stop token (the pad ids
+    after one are dropped); whether any was."""
+    added = False
+    for ids, token in zip(generated, step.tolist(), strict=True):
+        if not ids or ids[-1] not in stop_tokens:
+            ids.append(token)
+            added = True
+    return added
 
 
 def _load_image(path: Path, max_pixels: int | None) -> torch.Tensor:
@@ -542,19 +546,14 @@ def _generation_config(directory: Path) -> dict[str, Any]:
             raise CheckpointError(file, None, f"unreadable: {_one_line(str(error))}") from error
         if not isinstance(content, dict):
             raise CheckpointError(file, None, "expected a JSON object")
+        ids: dict[str, Any] = {}
         text = content.get("text_config")  # vision-language configs keep these there
         if name == "config.json" and isinstance(text, dict):
-            value = text.get("pad_token_id")
-            if value is not None and not _is_ids(value):
-                raise CheckpointError(
-                    file,
-                    "text_config.pad_token_id",
-                    f"expected an id in [0, 2**63) or a list of them, got {_short(value)}",
-                )
+            ids["text_config.pad_token_id"] = text.get("pad_token_id")
             content = {**{k: text.get(k) for k in _TEXT_KEYS if k != "pad_token_id"}, **content}
-            content["text_pad_token_id"] = value
-        for key in ("eos_token_id", "pad_token_id"):
-            value = content.get(key)
+            content["text_pad_token_id"] = text.get("pad_token_id")
+        ids |= {key: content.get(key) for key in ("eos_token_id", "pad_token_id")}
+        for key, value in ids.items():
             if value is not None and not _is_ids(value):
                 raise CheckpointError(
                     file,

@@ -76,25 +76,9 @@ def _cache_len(decoder: nn.Module) -> int:
     return length
 
 
-def last_logits(output: Any, name: str) -> torch.Tensor:
-    """Float32 logits [b, vocab] of the last slot of a decoder's output [b, s, vocab] (or a
-    ``ModelOutput`` with ``logits``)."""
-    logits = getattr(output, "logits", output)
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-        got = f"shape {list(logits.shape)}" if isinstance(logits, torch.Tensor) else type(logits)
-        raise ValueError(
-            f"model: its decoder {name} returned {got}; generation needs logits [b, s, vocab]"
-        )
-    return logits[:, -1].float()
-
-
-class HuggingFaceSteps:
-    """Prefill and decoding steps through a Hugging Face model's own cache.
-
-    ``tokens`` [b, s] are left-padded, sample ``i`` with ``pad_counts[i]`` pads. The attention
-    mask is 1 on real slots and grows by one column per step; positions start at 0 at each
-    sample's first real token (pads get 0: they are never attended to).
-    """
+class _Steps:
+    """What both kinds keep: ``tokens`` [b, s], left-padded (sample ``i`` with
+    ``pad_counts[i]`` pads), and the slot the next token goes to."""
 
     def __init__(
         self,
@@ -104,15 +88,38 @@ class HuggingFaceSteps:
         pad_counts: torch.Tensor,
         extra: Mapping[str, Any],
     ) -> None:
-        from transformers import DynamicCache  # the decoder is a transformers model
-
         self.call, self.decoder, self.extra = call, decoder, extra
         self.tokens, self.pad_counts = tokens, pad_counts
-        slots = torch.arange(tokens.size(1), device=tokens.device)
-        self.attention = (slots[None, :] >= pad_counts[:, None]).long()  # [b, s]
-        self.cache: Any = DynamicCache(config=decoder.config)
-        self.slot = tokens.size(1)  # where the next token goes
-        takes = inspect.signature(decoder.forward).parameters
+        self.slot = tokens.size(1)
+
+    def logits(self, output: Any) -> torch.Tensor:
+        """Float32 logits [b, vocab] of the last slot of the decoder's output [b, s, vocab]
+        (or a ``ModelOutput`` with ``logits``)."""
+        logits = getattr(output, "logits", output)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+            got = (
+                f"shape {list(logits.shape)}" if isinstance(logits, torch.Tensor) else type(logits)
+            )
+            raise ValueError(
+                f"model: its decoder {type(self.decoder).__name__} returned {got}; generation "
+                "needs logits [b, s, vocab]"
+            )
+        return logits[:, -1].float()
+
+
+class HuggingFaceSteps(_Steps):
+    """Prefill and decoding steps through a Hugging Face model's own cache: the attention mask
+    is 1 on real slots and grows by one column per step; positions start at 0 at each
+    sample's first real token (pads get 0: they are never attended to)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        from transformers import DynamicCache  # the decoder is a transformers model
+
+        slots = torch.arange(self.slot, device=self.tokens.device)
+        self.attention = (slots[None, :] >= self.pad_counts[:, None]).long()  # [b, s]
+        self.cache: Any = DynamicCache(config=self.decoder.config)
+        takes = inspect.signature(self.decoder.forward).parameters
         # transformers 5.x names the cache ``cache`` (``past_key_values`` is deprecated there);
         # earlier versions only ``past_key_values``.
         self.cache_arg = "cache" if "cache" in takes else "past_key_values"
@@ -122,15 +129,16 @@ class HuggingFaceSteps:
             self.options["logits_to_keep"] = 1
 
     def prefill(self) -> torch.Tensor:
+        positions = prompt_positions(self.pad_counts, self.tokens.size(1))
         out = self.call(
             self.tokens,
             attention_mask=self.attention,
-            position_ids=prompt_positions(self.pad_counts, self.tokens.size(1)),
+            position_ids=positions,
             **{self.cache_arg: self.cache},
             **self.options,
             **self.extra,
         )
-        return last_logits(out, type(self.decoder).__name__)
+        return self.logits(out)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         self.attention = torch.cat([self.attention, self.attention.new_ones(len(token), 1)], 1)
@@ -142,34 +150,21 @@ class HuggingFaceSteps:
             **self.options,
         )
         self.slot += 1
-        return last_logits(out, type(self.decoder).__name__)
+        return self.logits(out)
 
     def close(self) -> None:
         self.cache = None
 
 
-class TorchtuneSteps:
+class TorchtuneSteps(_Steps):
     """Prefill and decoding steps through a torchtune-style decoder's own caches: set up here
     (and torn down in :meth:`close`, where the decoder has ``teardown_caches``) unless the
     decoder has them, which are then reset and kept."""
 
-    def __init__(
-        self,
-        call: nn.Module,
-        decoder: Any,
-        tokens: torch.Tensor,
-        pad_counts: torch.Tensor,
-        extra: Mapping[str, Any],
-        max_new_tokens: int,
-        dtype: torch.dtype,
-    ) -> None:
-        self.call, self.decoder, self.extra = call, decoder, extra
-        self.tokens, self.pad_counts = tokens, pad_counts
-        self.needed = tokens.size(1) + max_new_tokens - 1  # the last token is never fed back
-        self.dtype = dtype
-        self.created = False
-        self.slot = tokens.size(1)
-        self.cache_len = 0
+    def __init__(self, *args: Any, max_new_tokens: int, dtype: torch.dtype) -> None:
+        super().__init__(*args)
+        self.needed = self.slot + max_new_tokens - 1  # the last token is never fed back
+        self.dtype, self.created, self.cache_len = dtype, False, 0
 
     def prefill(self) -> torch.Tensor:
         batch, seq_len = self.tokens.shape
@@ -186,7 +181,7 @@ class TorchtuneSteps:
             input_pos=prompt_positions(self.pad_counts, seq_len),
             **self.extra,
         )
-        return last_logits(out, type(self.decoder).__name__)
+        return self.logits(out)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         out = self.decoder(
@@ -195,7 +190,7 @@ class TorchtuneSteps:
             input_pos=(self.slot - self.pad_counts)[:, None],
         )
         self.slot += 1
-        return last_logits(out, type(self.decoder).__name__)
+        return self.logits(out)
 
     def close(self) -> None:
         teardown = getattr(self.decoder, "teardown_caches", None)

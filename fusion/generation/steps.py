@@ -132,7 +132,8 @@ def compile_options(value: Any, device: torch.device) -> dict[str, Any] | None:
 
     Raises:
         ValueError: not a bool or a mapping; unknown keys; ``mode`` and ``options`` both set;
-            values of the wrong type.
+            a backend neither a name nor a callable; ``dynamic`` or ``recompile_limit`` of
+            the wrong type (torch.compile refuses other bad values: :func:`compiled_steps`).
     """
     if value is False:
         return None
@@ -154,11 +155,6 @@ def compile_options(value: Any, device: torch.device) -> dict[str, Any] | None:
     backend = options.setdefault("backend", "inductor")
     if not (isinstance(backend, str) or callable(backend)):
         raise ValueError(f"compile: backend: expected a name or a callable, got {show(backend)}")
-    for key, kind in (("mode", str), ("options", Mapping)):
-        if options.get(key) is not None and not isinstance(options[key], kind):
-            raise ValueError(
-                f"compile: {key}: expected a {kind.__name__}, got {show(options[key])}"
-            )
     if options.get("mode") is not None and options.get("options") is not None:
         raise ValueError("compile: expected mode or options, not both (torch.compile takes one)")
     dynamic = options.setdefault("dynamic", False)
@@ -179,7 +175,7 @@ def compile_options(value: Any, device: torch.device) -> dict[str, Any] | None:
         and options.get("options") is None
     ):
         options["mode"] = "reduce-overhead"  # CUDA graphs: a decoding step is launch-bound
-    if options.get("options") is not None:
+    if isinstance(options.get("options"), Mapping):
         options["options"] = dict(options["options"])
     return options
 

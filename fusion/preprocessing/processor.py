@@ -14,9 +14,9 @@ import torch
 from fusion.checkpoint import CheckpointError, read_hf_config
 from fusion.checkpoint.hf_vlm import VlmImageLayout, hf_model_kind, read_hf_vlm_layout
 from fusion.early_fusion import EarlyFusion
-from fusion.generation import left_pad
 from fusion.models.idefics3 import Idefics3ImageEncoder
 from fusion.models.llava import LlavaImageEncoder
+from fusion.padding import left_pad
 from fusion.preprocessing.clip import ClipImageProcessor
 from fusion.preprocessing.idefics3 import IMAGE_TOKEN, Idefics3ImageProcessor, idefics3_image_text
 from fusion.preprocessing.images import check_max_pixels, check_pixels, image_size

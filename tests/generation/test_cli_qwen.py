@@ -97,3 +97,10 @@ def test_ids_and_text_equal_transformers(qwen, batch):
     tokenizer = qwen_char_tokenizer()
     expected = [tokenizer.decode(row, skip_special_tokens=True) for row in expected_new.tolist()]
     assert cli(directory, prompts, files).splitlines() == expected
+
+
+def test_the_help_names_qwen_s_image_marker(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert QWEN_IMAGE_MARKER in help_text and "Qwen2-VL and Qwen2.5-VL" in help_text

@@ -17,7 +17,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from fusion import EarlyFusion, generate
 from fusion.generation import generate_stream, left_pad
 from fusion.generation.steps import bucket
-from helpers import EMBED_DIM, VOCAB, lively_decoder
+from helpers import EMBED_DIM, VOCAB, build_tiny_decoder, lively_decoder
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15], [7, 0, 9, 0]]
 NEW = 10
@@ -297,3 +297,24 @@ def test_cuda_graphs_greedy_equals_eager_and_steps_never_synchronise():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(torch.stack([first, *rest], 1), expected[:, -NEW:])
+
+
+@pytest.mark.parametrize(("tied", "batch"), [(True, 1), (True, 2), (False, 1)])
+def test_one_sample_s_tied_output_projection_is_a_multiply_and_sum(tied, batch):
+    """The one CPU-specific step (``last_slot_logits``): compiled, one sample through a tied
+    output is projected as a multiply and a sum, with eager's tokens; more samples or an
+    untied output keep the matrix product."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    decoder = build_tiny_decoder(tie_word_embeddings=tied, seed=2).eval()
+    tokens = left_pad(PROMPTS[:batch], pad_id=0)
+    assert torch.equal(
+        greedy(decoder, tokens, compile={"backend": record}), greedy(decoder, tokens)
+    )
+    linears = [sum(n.target is torch._C._nn.linear for n in g.graph.nodes) for g in graphs]
+    per_layer = 7 * len(decoder.layers)
+    assert linears == [per_layer + (batch > 1 or not tied)] * 2  # the prefill, the step
