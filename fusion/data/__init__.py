@@ -1,5 +1,6 @@
-"""Fine-tuning data: conversations from JSON Lines, the model's chat template rendered in a
-sandbox, samples with assistant-only labels, and packed or padded batches.
+"""Fine-tuning data: conversations from JSON Lines or Hugging Face data sets (Parquet,
+``save_to_disk`` directories: :mod:`fusion.data.hf_datasets`), the model's chat template
+rendered in a sandbox, samples with assistant-only labels, and packed or padded batches.
 
     from fusion import masked_token_loss
     from fusion.data import (
@@ -8,6 +9,7 @@ sandbox, samples with assistant-only labels, and packed or padded batches.
     )
 
     read = read_conversations("train.jsonl")                 # the whole file checked
+    read = read_conversations("train.parquet")               # or a data set, images embedded
     encoder = ConversationEncoder.from_directory(model_dir)  # template, tokenizer, processor
     data = encode_conversations(encoder, read.conversations, max_seq_len=2048)  # no pixels kept
     samples = encoder.load_pixels(data.samples[:32])         # one batch's pixels, made now
@@ -28,9 +30,11 @@ from fusion.data.conversations import (
     Conversation,
     ConversationFile,
     DataError,
+    load_conversation_image,
     parse_conversation,
     read_conversations,
 )
+from fusion.data.hf_datasets import EmbeddedImage, read_hf_dataset
 from fusion.data.packing import Batch, collate_packed, collate_padded, pack, pack_samples
 from fusion.data.samples import (
     IGNORE_INDEX,
@@ -52,6 +56,7 @@ __all__ = [
     "ConversationEncoder",
     "ConversationFile",
     "DataError",
+    "EmbeddedImage",
     "EncodedData",
     "ImageRef",
     "RenderedChat",
@@ -61,9 +66,11 @@ __all__ = [
     "encode_conversations",
     "fit_sample",
     "load_chat_template",
+    "load_conversation_image",
     "load_special_tokens",
     "pack",
     "pack_samples",
     "parse_conversation",
     "read_conversations",
+    "read_hf_dataset",
 ]

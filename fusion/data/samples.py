@@ -16,11 +16,12 @@ message with the end-of-turn token, never the header before it) and it is not a 
 
 Memory: pixels are made per batch, never per data set. :func:`encode_conversations` checks
 every image of the file first (decoded one at a time, so a missing, truncated or corrupt
-file is refused before training, then dropped) but keeps only its path and size
-(:class:`ImageRef`): the placeholders an image expands to depend on its size alone, so the
-ids, labels and lengths the packing plan needs are computed from sizes (the processor's own
-caps applied, :meth:`VisionLanguageProcessor.plan`). A batch's pixels are decoded and
-processed when it is collated (:meth:`ConversationEncoder.load_pixels`), exactly as the
+file is refused before training, then dropped) but keeps only its path (or its place in a
+data set: file, row, index) and size (:class:`ImageRef`): the placeholders an image expands to
+depend on its size alone, so the ids, labels and lengths the packing plan needs are computed
+from sizes (the processor's own caps applied, :meth:`VisionLanguageProcessor.plan`). A
+batch's pixels are decoded (a data set's image bytes read again first) and processed when it
+is collated (:meth:`ConversationEncoder.load_pixels`), exactly as the
 processor makes them, and freed with the batch: memory holds the token ids of the data set
 plus one batch's pixels, whatever the number of images.
 """
@@ -41,7 +42,7 @@ from fusion.data.chat_template import (
     GENERATION_START,
     ChatTemplate,
 )
-from fusion.data.conversations import Conversation, DataError
+from fusion.data.conversations import Conversation, DataError, load_conversation_image
 
 IGNORE_INDEX = -100
 IMAGE_MARKER = "<image>"  # what the processor expands (fusion.preprocessing's IMAGE_TOKEN)
@@ -54,16 +55,21 @@ class ImageRef:
     """An image of a sample, by file: checked and measured, its pixels not kept.
 
     Attributes:
-        path: the image file.
+        path: the image file; for an image embedded in a data set, where it is
+            (``"train.parquet:row 3: images[0]"``).
         height, width: its size once decoded (EXIF orientation applied).
         tiles: how many images or tiles the processor makes of it (1 for LLaVA); Qwen2-VL:
             its placeholder rows (``t * h * w / merge_size**2``).
+        embedded: for an image embedded in a data set, its place there
+            (:class:`fusion.data.hf_datasets.EmbeddedImage`), read again when its pixels
+            are made; None for a file.
     """
 
     path: str
     height: int
     width: int
     tiles: int
+    embedded: Any = None
 
 
 @dataclass(frozen=True)
@@ -351,8 +357,6 @@ class ConversationEncoder:
         (:meth:`load_pixels`): each image is decoded to check it (one at a time, its pixels
         dropped at once) and only its path and size are kept; ids and labels are
         :meth:`encode`'s. Errors become a :class:`DataError` naming its file and line."""
-        from fusion.preprocessing import load_image
-
         if self.processor is None and conversation.images:
             raise conversation.error(
                 f"images: {len(conversation.images)} given, but the model is text-only "
@@ -361,14 +365,14 @@ class ConversationEncoder:
         try:
             sizes = []
             for path in conversation.images:
-                image = load_image(path)  # decodable? (pixels freed on the next line)
+                image = load_conversation_image(path)  # decodable? (freed on the next line)
                 sizes.append((image.size(1), image.size(2)))
                 del image
             tokens, labels, tiles = self._tokens_and_labels(conversation.messages, sizes)
         except (ValueError, OSError) as error:
             raise conversation.error(str(error)) from None
         refs = tuple(
-            ImageRef(str(path), h, w, n)
+            ImageRef(str(path), h, w, n, None if isinstance(path, Path) else path)
             for path, (h, w), n in zip(conversation.images, sizes, tiles, strict=True)
         )
         return Sample(tokens, labels, torch.empty(0), conversation.source, images=refs)
@@ -382,8 +386,6 @@ class ConversationEncoder:
             ValueError: naming the sample and file: an image that can no longer be read, or
                 whose size changed since it was checked (the file was replaced).
         """
-        from fusion.preprocessing import load_image
-
         out = []
         for sample in samples:
             if sample.pixels_loaded:
@@ -392,7 +394,9 @@ class ConversationEncoder:
             images = []
             for ref in sample.images:
                 try:
-                    image = load_image(ref.path)
+                    image = load_conversation_image(
+                        ref.path if ref.embedded is None else ref.embedded
+                    )
                 except ValueError as error:
                     raise ValueError(f"{sample.source}: {error}") from None
                 if (image.size(1), image.size(2)) != (ref.height, ref.width):
@@ -423,12 +427,10 @@ class ConversationEncoder:
 
     def encode_conversation(self, conversation: Conversation) -> Sample:
         """:meth:`encode` with the conversation's images decoded
-        (:func:`fusion.preprocessing.load_image`); errors become a :class:`DataError` naming
-        its file and line."""
-        from fusion.preprocessing import load_image
-
+        (:func:`fusion.preprocessing.load_image`, or from a data set's bytes); errors become a
+        :class:`DataError` naming its file and line."""
         try:
-            images = [load_image(path) for path in conversation.images]
+            images = [load_conversation_image(path) for path in conversation.images]
             return self.encode(conversation.messages, images, conversation.source)
         except (ValueError, OSError) as error:
             raise conversation.error(str(error)) from None

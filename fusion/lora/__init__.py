@@ -37,6 +37,7 @@ from fusion.lora.apply import (
     apply_lora,
     is_lora_linear,
     lora_linears,
+    select_lora_layers,
 )
 from fusion.lora.merge import merge_lora
 from fusion.lora.peft import (
@@ -63,4 +64,5 @@ __all__ = [
     "read_peft_config",
     "save_adapter",
     "save_peft_adapter",
+    "select_lora_layers",
 ]

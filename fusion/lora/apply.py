@@ -255,6 +255,37 @@ def apply_lora(
     _check_hyperparameters(rank, alpha, dropout)
     if not isinstance(freeze_base, bool):
         raise TypeError(f"freeze_base: expected a bool, got {type(freeze_base).__name__}")
+    chosen = _select(model, patterns)
+    if freeze_base:  # everything but adapters, those of earlier calls included
+        adapters = {
+            id(param)
+            for linear in lora_linears(model).values()
+            for child in ("lora_a", "lora_b")
+            for param in linear.get_submodule(child).parameters()
+        }
+        for param in model.parameters():
+            if id(param) not in adapters:
+                param.requires_grad_(False)
+    for module in chosen.values():
+        _add_adapter(module, rank, float(alpha), float(dropout))
+    return chosen
+
+
+def select_lora_layers(model: nn.Module, targets: Iterable[str] | str) -> dict[str, nn.Linear]:
+    """The layers :func:`apply_lora` would give adapters for ``targets`` (same rules, same
+    errors), without changing anything: qualified name -> module, each once.
+
+    Raises:
+        TypeError, ValueError: as :func:`apply_lora` does for ``model`` and ``targets``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    return _select(model, _check_targets(targets))
+
+
+def _select(model: nn.Module, patterns: tuple[str, ...]) -> dict[str, nn.Linear]:
+    """The layers ``patterns`` name (see :func:`apply_lora`), checked: each pattern matches a
+    plain, unadapted, unsharded ``nn.Linear``."""
     chosen: dict[str, nn.Linear] = {}
     hit: set[str] = set()
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
@@ -288,18 +319,6 @@ def apply_lora(
             f"against the whole name, e.g. 'encoders.image.*'. Linear layers: "
             f"{available[:8]}{' ...' if len(available) > 8 else ''}"
         )
-    if freeze_base:  # everything but adapters, those of earlier calls included
-        adapters = {
-            id(param)
-            for linear in lora_linears(model).values()
-            for child in ("lora_a", "lora_b")
-            for param in linear.get_submodule(child).parameters()
-        }
-        for param in model.parameters():
-            if id(param) not in adapters:
-                param.requires_grad_(False)
-    for module in chosen.values():
-        _add_adapter(module, rank, float(alpha), float(dropout))
     return chosen
 
 

@@ -8,6 +8,7 @@ refused rather than clipped.
 """
 
 import contextlib
+import io
 import os
 import struct
 import sys
@@ -27,6 +28,9 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 STANDARD_MEAN = (0.5, 0.5, 0.5)
 STANDARD_STD = (0.5, 0.5, 0.5)
 PILLOW_MAX_PIXELS = 1024 * 1024 * 1024 // 4 // 3  # Pillow's default bomb limit: 89,478,485
+# decode_image's cap on encoded bytes: a PNG of PILLOW_MAX_PIXELS RGB pixels stored raw is
+# about 256 MiB; real images are a few megabytes at most.
+MAX_IMAGE_BYTES = 256 * 2**20
 
 
 def _pil() -> Any:
@@ -120,7 +124,7 @@ def load_image(path: str | bytes | os.PathLike, *, max_pixels: int | None = None
             than ``max_pixels`` pixels, or its mode cannot be taken; ``max_pixels`` not a
             positive integer.
     """
-    Image, ImageOps = _pil()
+    _pil()  # ImportError before the file is opened
     limit = check_max_pixels(max_pixels)
     path = os.fsdecode(path)
     where = f"image {path!r}"
@@ -132,8 +136,60 @@ def load_image(path: str | bytes | os.PathLike, *, max_pixels: int | None = None
         raise ValueError(f"{where}: no such file") from None
     except OSError as error:
         raise ValueError(f"{where}: cannot be read: {error.strerror or error}") from None
+    with handle:
+        return _decode(handle, where, limit)
+
+
+def decode_image(
+    data: bytes | bytearray,
+    name: str = "image",
+    *,
+    max_pixels: int | None = None,
+    max_bytes: int = MAX_IMAGE_BYTES,
+) -> torch.Tensor:
+    """Decode an encoded image held in memory (the bytes of a PNG, JPEG, ... file, e.g. an
+    image embedded in a data set) as :func:`load_image` decodes a file: the same formats,
+    checks, EXIF orientation and result.
+
+    The bytes are untrusted: their size is checked before anything is parsed (at most
+    ``max_bytes``), then the pixel count from the header, before anything is decoded
+    (Pillow's decompression-bomb guard, as for a file).
+
+    Args:
+        data: the encoded image.
+        name: what errors call it (e.g. ``"train.parquet:row 3: images[0]"``).
+        max_pixels: as :func:`load_image`.
+        max_bytes: the largest encoded size taken (default :data:`MAX_IMAGE_BYTES`).
+
+    Raises:
+        ImportError: Pillow is not installed.
+        TypeError: ``data`` not bytes.
+        ValueError: naming ``name``: empty, more than ``max_bytes`` bytes, not an image Pillow
+            can decode, truncated or corrupt, more than ``max_pixels`` pixels, or a mode that
+            cannot be taken; ``max_pixels`` / ``max_bytes`` not positive integers.
+    """
+    if not isinstance(data, bytes | bytearray):
+        raise TypeError(f"{name}: expected the encoded image as bytes, got {type(data).__name__}")
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"max_bytes: expected a positive integer, got {max_bytes!r}")
+    limit = check_max_pixels(max_pixels)
+    if not data:
+        raise ValueError(f"{name}: empty (no image data)")
+    if len(data) > max_bytes:
+        raise ValueError(
+            f"{name}: {len(data)} bytes of encoded image, more than max_bytes={max_bytes}: "
+            "refused before decoding"
+        )
+    _pil()
+    return _decode(io.BytesIO(data), name, limit)
+
+
+def _decode(handle: Any, where: str, limit: int) -> torch.Tensor:
+    """Decode the image file open in ``handle`` (a binary file object), its pixel count
+    checked against ``limit`` from the header first; errors name ``where``."""
+    Image, ImageOps = _pil()
     try:
-        with handle, _pillow_limit(Image, limit), Image.open(handle) as opened:
+        with _pillow_limit(Image, limit), Image.open(handle) as opened:
             width, height = opened.size  # from the header: nothing decoded yet
             if width * height > limit:
                 raise _TooLarge(

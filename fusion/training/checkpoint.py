@@ -171,6 +171,9 @@ def _hyper_parameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]
     return [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
 
 
+_OPTIM_STATE = "optim.state."  # the prefix of the optimizer's tensors in the DCP files
+
+
 def _options(trainable_only: bool) -> StateDictOptions:
     """Frozen parameters left out of the model's state dict (and not required when
     loading) with ``trainable_only``."""
@@ -450,6 +453,21 @@ def load_training_checkpoint(
     options = _options(state.trainable_only)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     tensors = _tensor_state(model_state, optim_state)
+    # A trained parameter that never had a gradient (a layer whose output nothing uses, such
+    # as the last layer of LLaVA's vision tower) has no optimizer state: torch's optimizers
+    # create it at the first step that sees a gradient. The checkpoint then holds none for it,
+    # and it is left without any here too, as it was (so the run goes on bit for bit); a
+    # parameter with some of its state missing is still refused.
+    saved_states = {
+        name.removeprefix(_OPTIM_STATE).rsplit(".", 1)[0]
+        for name in checked.tensors("")
+        if name.startswith(_OPTIM_STATE)
+    }
+    stateless = [key for key in tensors["optim"]["state"] if key not in saved_states]
+    for key in stateless:
+        del tensors["optim"]["state"][key]
+    if stateless:  # torch's strict loading would ask for their state; the check below is ours
+        options = dataclasses.replace(options, strict=False)
     expected = {
         f"model.{key}": (tuple(value.shape), value.dtype) for key, value in tensors["model"].items()
     } | {

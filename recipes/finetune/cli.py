@@ -42,6 +42,7 @@ from recipes.finetune.config import (
     resumed_config,
 )
 from recipes.finetune.export import FINAL, export_final
+from recipes.finetune.model import init_adapter_config
 from recipes.finetune.trainer import TrainResult, train
 
 
@@ -76,10 +77,14 @@ def plan_start(config: FinetuneConfig, given: Collection[str]) -> Start:
     and restore its configuration; damaged newer ones are renamed ``*.damaged`` (never
     deleted).
 
+    A new run with ``--init-adapter`` takes its rank, alpha and dropout from the adapter
+    (:func:`recipes.finetune.model.init_adapter_config`), so that its checkpoints record them.
+
     Raises:
         TrainingError: the path is not a writable directory; a new run would write where a
             run already is (checkpoints or ``final/``); ``--resume`` finds no intact
-            checkpoint or flags that would change the run. Nothing on disk changes then.
+            checkpoint or flags that would change the run; an ``--init-adapter`` that
+            cannot be used, or flags that contradict it. Nothing on disk changes then.
     """
     assert config.output_dir is not None
     output_dir = Path(config.output_dir)
@@ -95,6 +100,7 @@ def plan_start(config: FinetuneConfig, given: Collection[str]) -> Start:
                     f"--output-dir: {output_dir} already holds {what}; pass --resume to "
                     "continue that run, or choose another --output-dir (nothing was changed)"
                 )
+            config = init_adapter_config(config, given)
             check_writable(output_dir, root)
             return Start(config, output_dir, None)
         path, state, damaged = newest_intact_checkpoint(root, inspect_checkpoint)
@@ -197,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(config.threads)
         start = agree_on_start(config, given, runtime)
         log(runtime, f"output directory: {start.output_dir}")
-        result = train(start.config, runtime, start.output_dir, start.resume)
+        result = train(start.config, runtime, start.output_dir, start.resume, given)
         shutdown(runtime)  # the export runs in the main process alone, from the checkpoint
         if runtime.is_main:
             report(start.config, runtime, start.output_dir, result, started)

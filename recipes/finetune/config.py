@@ -37,7 +37,10 @@ class FinetuneConfig:
     data: str | None = _opt(
         None,
         "training conversations: JSON Lines, one conversation a line, in Hugging Face's "
-        "messages format or LLaVA-Instruct's; image paths relative to the file (required)",
+        "messages format or LLaVA-Instruct's, image paths relative to the file; or a Hugging "
+        "Face data set with TRL's messages and images columns (or LLaVA-Instruct's), images "
+        "embedded: a Parquet file, a directory of them, or a datasets save_to_disk directory "
+        "(the data extra) (required)",
         "data",
     )
     eval_data: str | None = _opt(
@@ -81,9 +84,18 @@ class FinetuneConfig:
     lora_dropout: float = _opt(0.0, "dropout on LoRA's input", "model")
     lora_targets: str = _opt(
         ",".join(DEFAULT_TARGETS),
-        "comma-separated layers that get adapters: decoder layer names (q_proj, k_proj, v_proj, "
-        "output_proj, w1, w2, w3, output; wildcards allowed) or dotted names anywhere "
+        "comma-separated layers that get adapters: decoder layer names (Hugging Face's q_proj, "
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or ours: output_proj, w1, w2, "
+        "w3, output; wildcards allowed), all-linear, or dotted names anywhere "
         "(encoders.image.connector.*)",
+        "model",
+    )
+    init_adapter: str | None = _opt(
+        None,
+        "with --train lora: start from this PEFT LoRA adapter directory (adapter_config.json "
+        "and adapter_model.safetensors, as peft's save_pretrained or a run's final/adapter/ "
+        "writes them): its rank, alpha, dropout and layers replace --lora-rank, --lora-alpha, "
+        "--lora-dropout and --lora-targets (given ones that differ are refused)",
         "model",
     )
     # optimisation
@@ -192,9 +204,11 @@ def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name)
         fail("lora_targets", "distinct comma-separated layer names")
     if config.train_vision and config.train != "full":
         fail("train_vision", f"{name('train')} full")
+    if config.init_adapter is not None and config.train != "lora":
+        fail("init_adapter", f"{name('train')} lora (it starts LoRA adapters)")
     if config.batch_tokens < config.max_seq_len:
         fail("batch_tokens", f"at least {name('max_seq_len')}={config.max_seq_len}")
-    for path in ("model", "data", "eval_data", "output_dir"):
+    for path in ("model", "data", "eval_data", "output_dir", "init_adapter"):
         if getattr(config, path) == "":
             fail(path, "a path")
 
@@ -218,13 +232,21 @@ def config_to_json(config: FinetuneConfig) -> dict[str, Any]:
     return {k: v for g in STORED_GROUPS for k, v in config.group(g).items()}
 
 
+# Settings added since checkpoints were first written: the value a checkpoint without the key
+# was trained with.
+ADDED_SETTINGS: dict[str, Any] = {"init_adapter": None}
+
+
 def config_from_json(values: Any, file: Path) -> FinetuneConfig:
     """A :class:`FinetuneConfig` from a checkpoint's stored settings (:func:`config_to_json`),
-    every key present, of its type and in range.
+    every key present (those of :data:`ADDED_SETTINGS` may be missing from older
+    checkpoints), of its type and in range.
 
     Raises:
         TrainingError: naming ``file`` and the key.
     """
+    if isinstance(values, dict):
+        values = {**ADDED_SETTINGS, **values}
     return shared.config_from_values(
         FinetuneConfig, values, file, check=check_config, stored_groups=STORED_GROUPS
     )

@@ -1,5 +1,13 @@
 """The end of a run: ``<output-dir>/final/``, a Hugging Face directory of the fine-tuned model
-(LoRA merged) that transformers loads, plus ``final/adapter.safetensors`` for LoRA runs."""
+(LoRA merged) that transformers loads, plus for LoRA runs ``final/adapter/``, the adapter in
+PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``):
+``peft.PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), final /
+"adapter")`` gives the fine-tuned model's logits, vLLM serves it, and ``--init-adapter``
+continues from it.
+
+(Earlier versions wrote ``final/adapter.safetensors`` in this library's own format; it is no
+longer written: one adapter, in the format the ecosystem loads, leaves no doubt which to use.
+:func:`fusion.lora.load_peft_adapter` reads ``final/adapter/`` back.)"""
 
 import os
 import shutil
@@ -8,13 +16,13 @@ from pathlib import Path
 from fusion.checkpoint import CheckpointError
 from fusion.checkpoint.export import export_hf
 from fusion.checkpoint.files import fsync_path
-from fusion.lora import merge_lora, save_adapter
+from fusion.lora import merge_lora, save_peft_adapter
 from fusion.training import TrainingError, load_train_state, one_line, read_model_state_dict
 from recipes.finetune.config import FinetuneConfig, config_from_json
 from recipes.finetune.trainer import build_model, check_base_model
 
 FINAL = "final"
-ADAPTER = "adapter.safetensors"
+ADAPTER = "adapter"  # final/adapter/: the LoRA adapter in PEFT's format
 
 
 def export_final(config: FinetuneConfig, checkpoint: Path, output_dir: Path) -> Path:
@@ -22,8 +30,10 @@ def export_final(config: FinetuneConfig, checkpoint: Path, output_dir: Path) -> 
     load checkpoint ``checkpoint`` into it (the whole model, or only the trained tensors of a
     ``--train lora`` / ``projector`` run, its base checked to be the same), and write
     ``output_dir/final``: staged under a temporary name and renamed into place once complete,
-    so a crash leaves the previous ``final/`` (if any) or none, never a partial one. Returns
-    the directory.
+    so a crash leaves the previous ``final/`` (if any) or none, never a partial one. A LoRA
+    run's adapter goes to ``final/adapter/`` in PEFT's format first
+    (:func:`fusion.lora.save_peft_adapter`, ``base_model_name_or_path`` the ``--model`` given),
+    then the model is merged and exported. Returns the directory.
 
     Raises:
         TrainingError: the checkpoint does not fit the model, its base model changed, or no
@@ -48,11 +58,16 @@ def export_final(config: FinetuneConfig, checkpoint: Path, output_dir: Path) -> 
     final = output_dir / FINAL
     staging = output_dir / f".tmp-{FINAL}"
     adapter = output_dir / f".tmp-{ADAPTER}"
-    for stale in (staging, output_dir / f".old-{FINAL}"):  # left by a crash
-        if stale.exists():
+    for stale in (staging, adapter, output_dir / f".old-{FINAL}"):  # left by a crash
+        if stale.is_dir() and not stale.is_symlink():
             shutil.rmtree(stale)
+        elif os.path.lexists(stale):
+            stale.unlink()
     if config.train == "lora":
-        save_adapter(model, adapter, overwrite=True)
+        try:
+            save_peft_adapter(model, adapter, base_model_name_or_path=config.model)
+        except (CheckpointError, ValueError, TypeError) as error:
+            raise TrainingError(f"cannot export {final / ADAPTER}: {one_line(error)}") from None
         merge_lora(model)
     try:
         export_hf(model, config.model, staging)

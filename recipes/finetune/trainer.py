@@ -5,7 +5,7 @@ eval loss, :func:`train` the loop with its checkpoints."""
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from torch import nn
 
 from fusion import masked_token_loss
 from fusion.checkpoint import CheckpointError
+from fusion.checkpoint.files import read_json
 from fusion.data import (
     IGNORE_INDEX,
     Batch,
@@ -29,7 +30,7 @@ from fusion.data import (
     pack_samples,
     read_conversations,
 )
-from fusion.lora import apply_lora
+from fusion.lora import apply_lora, lora_linears
 from fusion.training import (
     Runtime,
     TrainingError,
@@ -46,7 +47,9 @@ from fusion.training.fingerprint import fingerprint_changes, model_fingerprint
 from recipes.finetune.config import FinetuneConfig, config_to_json
 from recipes.finetune.model import (
     checkpoint_activations,
+    decoder_of,
     load_base_model,
+    load_init_adapter,
     set_trainable,
     trainable_parameters,
 )
@@ -58,9 +61,13 @@ def read_data(
 ) -> EncodedData:
     """Read, check and encode a whole data file before any training.
 
+    ``path`` is JSON Lines or a Hugging Face data set (a Parquet file, a directory of them, a
+    ``save_to_disk`` directory: :func:`fusion.data.read_conversations`).
+
     Raises:
-        TrainingError: one line naming the file, line and problem (unless
-            ``--skip-bad-samples``), or a file with no usable conversation.
+        TrainingError: one line naming the file, line (or row) and problem (unless
+            ``--skip-bad-samples``), a file with no usable conversation, or a data set
+            without the ``data`` extra installed.
     """
     try:
         read = read_conversations(path, skip_bad=config.skip_bad_samples)
@@ -71,8 +78,8 @@ def read_data(
             truncate=config.truncate,
             skip_bad=config.skip_bad_samples,
         )
-    except DataError as error:
-        raise TrainingError(f"{flag}: {error}") from None
+    except (DataError, ImportError) as error:
+        raise TrainingError(f"{flag}: {one_line(error)}") from None
     return dataclasses.replace(encoded, skipped=[*read.skipped, *encoded.skipped])
 
 
@@ -135,22 +142,50 @@ class Setup:
     encoder: ConversationEncoder | None = None
 
 
-def _pad_id(encoder: ConversationEncoder) -> int:
+def _pad_id(encoder: ConversationEncoder, vocab: int, directory: str) -> int:
     """The tokenizer's pad token (else its EOS, else 0): padding is never attended to by a
-    real token nor a target, so any id in the vocabulary does."""
+    real token nor a target, so any id in the model's vocabulary ``[0, vocab)`` does.
+
+    Raises:
+        TrainingError: the token's id (``tokenizer.json``'s) lies outside the vocabulary, which
+            no embedding can take: naming the file and key it comes from (the EOS token is
+            not taken instead: a pad token that does not fit is a broken directory).
+    """
     tokens = encoder.template.special_tokens
     for key in ("pad_token", "eos_token"):
         if key in tokens and (found := encoder.tokenizer.token_to_id(tokens[key])) is not None:
+            if not 0 <= found < vocab:
+                raise TrainingError(
+                    f"--model: {_special_token_source(directory, key)} {key} "
+                    f"{tokens[key]!r} is id {found} in tokenizer.json, outside the model's "
+                    f"vocabulary [0, {vocab}) (config.json vocab_size): no embedding row pads "
+                    f"with it; set {key} to a token of the vocabulary"
+                )
             return int(found)
     return 0
 
 
-def build_model(config: FinetuneConfig) -> nn.Module:
-    """The base model with what ``--train`` trains (LoRA adapters seeded by ``--seed``), in
+def _special_token_source(directory: str, key: str) -> str:
+    """The file :func:`fusion.data.load_special_tokens` took special token ``key`` from."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = Path(directory) / name
+        try:
+            if file.exists() and key in read_json(file, name):
+                return name
+        except (CheckpointError, OSError, TypeError):
+            continue
+    return "the tokenizer's"
+
+
+def build_model(config: FinetuneConfig, *, targets_given: bool = False) -> nn.Module:
+    """The base model with what ``--train`` trains (LoRA adapters seeded by ``--seed``, or
+    ``--init-adapter``'s; ``targets_given``: check ``--lora-targets`` against them), in
     float32 on CPU, unwrapped."""
     model = load_base_model(config)
     set_trainable(model, config)
-    if config.train == "lora":
+    if config.train == "lora" and config.init_adapter is not None:
+        load_init_adapter(model, config, targets_given)
+    elif config.train == "lora":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             try:
@@ -166,8 +201,10 @@ def build_model(config: FinetuneConfig) -> nn.Module:
     return model
 
 
-def setup(config: FinetuneConfig, runtime: Runtime) -> Setup:
-    """Read and encode the data (all of it checked first), build the model and optimizer."""
+def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ()) -> Setup:
+    """Read and encode the data (all of it checked first), build the model and optimizer;
+    ``given``: the flags on the command line (``--lora-targets`` given is checked against
+    ``--init-adapter``'s layers)."""
     assert config.model is not None and config.data is not None
     try:
         encoder = ConversationEncoder.from_directory(config.model)
@@ -193,7 +230,15 @@ def setup(config: FinetuneConfig, runtime: Runtime) -> Setup:
         epochs=config.epochs,
         steps=config.steps,
     )
-    model = build_model(config)
+    model = build_model(config, targets_given="lora_targets" in given)
+    pad_id = _pad_id(encoder, decoder_of(model).vocab_size, config.model)
+    if config.init_adapter is not None:
+        log(
+            runtime,
+            f"--init-adapter {config.init_adapter}: rank {config.lora_rank}, alpha "
+            f"{config.lora_alpha:g}, dropout {config.lora_dropout:g}, on "
+            f"{len(lora_linears(model))} layers",
+        )
     if config.train == "projector" and not _has_images(train_data.samples):
         raise TrainingError("--train: 'projector' trains on images, but --data holds none")
     num_params = sum(p.numel() for p in model.parameters())
@@ -234,7 +279,7 @@ def setup(config: FinetuneConfig, runtime: Runtime) -> Setup:
         wrapped,
         optimizer,
         scheduler,
-        _pad_id(encoder),
+        pad_id,
         num_params,
         num_trainable,
         lengths,
@@ -415,14 +460,16 @@ def train(
     runtime: Runtime,
     output_dir: Path,
     resume: tuple[Path, TrainState] | None,
+    given: Collection[str] = (),
 ) -> TrainResult:
     """Train to the end of the plan (or continue from checkpoint ``resume``), checkpoint every
-    ``--checkpoint-every`` steps and at the end; every process calls this.
+    ``--checkpoint-every`` steps and at the end; every process calls this. ``given``: the
+    flags on the command line (:func:`setup`).
 
     Raises:
         TrainingError: bad data or model (before any step), or a checkpoint that does not fit.
     """
-    run = setup(config, runtime)
+    run = setup(config, runtime, given)
     total = len(run.plan)
     start_step, losses, eval_losses = 0, [], []
     if resume is not None:

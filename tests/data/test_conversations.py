@@ -168,8 +168,8 @@ def test_whole_file_problems(tmp_path, write_jsonl):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(DataError, match=r"empty\.jsonl: no conversation: the file is empty"):
         read_conversations(tmp_path / "empty.jsonl")
-    with pytest.raises(DataError, match=r"not a regular file"):
-        read_conversations(tmp_path)
+    with pytest.raises(DataError, match=r"a directory, but neither one written by datasets"):
+        read_conversations(tmp_path)  # a directory is read as a data set
     file = write_jsonl(tmp_path / "bad.jsonl", ["{}", "[]"])
     with pytest.raises(
         DataError, match=r"bad\.jsonl: no good conversation: all 2 line\(s\) are bad"

@@ -287,3 +287,48 @@ def test_any_model_with_odd_dtypes_and_empty_tensors_round_trips(tmp_path):
         assert torch.equal(fresh.state_dict()[key], value), key
     momentum = fresh_optimizer.state_dict()["state"][0]["momentum_buffer"]
     assert torch.equal(momentum, optimizer.state_dict()["state"][0]["momentum_buffer"])
+
+
+class PartlyUsed(nn.Module):
+    """``unused`` trains but never gets a gradient (as the last layer of LLaVA's vision
+    tower): the optimizer never makes state for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x).square().sum()
+
+
+@pytest.mark.parametrize("trainable_only", [False, True])
+def test_a_parameter_without_optimizer_state_resumes_without_one(tmp_path, trainable_only):
+    def build():
+        torch.manual_seed(0)
+        model = PartlyUsed()
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step(model, optimizer):
+        model(torch.ones(2, 4)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model, optimizer = build()
+    step(model, optimizer)
+    assert len(optimizer.state) == 2  # used.weight and used.bias only
+    state = TrainState(
+        step=1, samples_seen=1, epoch=0, losses=[1.0], config={}, world_size=1, parallel="none",
+        scheduler={},
+    )  # fmt: skip
+    path = save_checkpoint(
+        tmp_path, model, optimizer, state, device=torch.device("cpu"), keep=1,
+        trainable_only=trainable_only,
+    )  # fmt: skip
+    fresh, fresh_optimizer = build()
+    load_training_checkpoint(path, fresh, fresh_optimizer)
+    assert {id(p) for p in fresh_optimizer.state} == {id(p) for p in fresh.used.parameters()}
+    step(model, optimizer)
+    step(fresh, fresh_optimizer)
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -161,3 +161,31 @@ def test_a_missing_model_directory(ft, tmp_path, capsys):
     assert main(ft.recipe_args(tmp_path / "nowhere", data, tmp_path / "run")) == 1
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "--model: " in err and "nowhere" in err
+
+
+def test_a_pad_token_outside_the_vocabulary_is_refused_naming_its_source(
+    model_dirs, ft, tmp_path, capsys
+):
+    """The tokenizer knows more tokens than the model embeds: its pad token's id (134 here)
+    has no embedding row."""
+    from tokenizers import Tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dirs["llama"], model)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer.add_special_tokens([f"<extra_{i}>" for i in range(20)])
+    tokenizer.save(str(model / "tokenizer.json"))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["pad_token"] = "<extra_19>"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    found = tokenizer.token_to_id("<extra_19>")
+    assert found >= 128  # TEXT_CONFIG's vocab_size
+    data = ft.write_data(tmp_path / "data", images=False, count=2)
+    capsys.readouterr()
+    assert main(ft.recipe_args(model, data, tmp_path / "run", "--steps", "1")) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert (
+        f"--model: tokenizer_config.json pad_token '<extra_19>' is id {found} in "
+        "tokenizer.json, outside the model's vocabulary [0, 128)"
+    ) in err

@@ -20,7 +20,7 @@ FLAGS = (
     "--eval-data", "--steps", "--epochs", "--lr", "--batch-tokens", "--max-seq-len",
     "--grad-accum", "--train", "--lora-rank", "--lora-alpha", "--lora-dropout",
     "--lora-targets", "--activation-checkpointing", "--dtype", "--seed", "--checkpoint-every",
-    "--resume", "--no-packing", "--truncate", "--skip-bad-samples",
+    "--resume", "--no-packing", "--truncate", "--skip-bad-samples", "--init-adapter",
 )  # fmt: skip
 
 
@@ -55,6 +55,11 @@ def test_flags_fill_the_config():
         ([*REQUIRED, "--steps", "0", "--epochs", "0"], "--epochs: expected a positive number"),
         ([*REQUIRED, "--lr", "nan"], "--lr: expected a finite number"),
         ([*REQUIRED, "--train-vision"], "--train-vision: expected --train full"),
+        (
+            [*REQUIRED, "--train", "full", "--init-adapter", "a"],
+            "--init-adapter: expected --train lora",
+        ),
+        ([*REQUIRED, "--init-adapter", ""], "--init-adapter: expected a path"),
         ([*REQUIRED, "--dtype", "float16"], "--dtype: invalid choice"),
         (["--resume"], "--resume: expected --output-dir"),
     ],
@@ -94,3 +99,9 @@ def test_a_stored_config_is_checked_key_by_key(tmp_path):
         config_from_json({**values, "evil": 1}, file)
     with pytest.raises(TrainingError, match=r"key 'config\.lora_rank': expected a positive"):
         config_from_json({**values, "lora_rank": 0}, file)
+
+
+def test_a_checkpoint_from_before_init_adapter_reads_as_none(tmp_path):
+    values = config_to_json(parse_args(REQUIRED)[0])
+    del values["init_adapter"]  # as checkpoints written before the flag existed
+    assert config_from_json(values, tmp_path / "train_state.json").init_adapter is None

@@ -113,7 +113,7 @@ def assert_transformers_logits(final, kind: str, data) -> None:
 
 def test_full_export_loads_in_transformers(overfit):
     data, out = overfit
-    assert not (out / "final" / "adapter.safetensors").exists()
+    assert not (out / "final" / "adapter").exists()
     assert_transformers_logits(out / "final", "llava", data)
 
 
@@ -136,15 +136,29 @@ def test_lora_export_and_adapter(lora_run, ft):
     losses = ft.metrics(out)["losses"]
     assert losses[-1] < losses[0]
     final = out / "final"
-    adapter = load_file(final / "adapter.safetensors")
-    assert adapter and all(".lora_a." in k or ".lora_b." in k for k in adapter)
-    assert any(torch.count_nonzero(v) for k, v in adapter.items() if ".lora_b." in k)
+    assert not (final / "adapter.safetensors").exists()  # one adapter: PEFT's, final/adapter/
+    adapter = load_file(final / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in adapter)
+    assert any(torch.count_nonzero(v) for k, v in adapter.items() if ".lora_B." in k)
     base = load_hf_vlm(model_dirs_of(lora_run)).state_dict()
     merged = load_hf_vlm(final).state_dict()
     assert merged.keys() == base.keys()  # the plain model's keys: the adapters are merged
     changed = [k for k in base if not torch.equal(base[k], merged[k])]
     assert changed and all(k.rsplit(".", 2)[-2] in ("q_proj", "v_proj", "w2") for k in changed)
     assert_transformers_logits(final, "smolvlm", data)
+    # final/adapter/ on the base in peft: the merged final/'s logits.
+    peft = pytest.importorskip("peft")
+    theirs = hf_class("smolvlm")
+    adapted = peft.PeftModel.from_pretrained(
+        theirs.from_pretrained(model_dirs_of(lora_run)), final / "adapter"
+    ).eval()
+    conversation = read_conversations(data).conversations[0]
+    text = ChatTemplate.from_directory(final).render(conversation.messages)
+    inputs = prepare_inputs(final, text, [load_image(p) for p in conversation.images])
+    args = {"input_ids": inputs.tokens(PAD), "pixel_values": inputs.pixel_values[None]}
+    with torch.no_grad():
+        merged = theirs.from_pretrained(final).eval()(**args).logits
+        torch.testing.assert_close(adapted(**args).logits, merged, atol=1e-4, rtol=0)
 
 
 def model_dirs_of(run) -> str:
@@ -161,7 +175,7 @@ def test_resume_is_bitwise(lora_run, tmp_path, ft):
     (copy / "metrics.json").unlink()
     assert main(["--resume", "--output-dir", str(copy), "--threads", "1", "--no-progress"]) == 0
     assert ft.metrics(copy)["losses"] == ft.metrics(out)["losses"]
-    for name in ("adapter.safetensors", "model.safetensors"):
+    for name in ("adapter/adapter_model.safetensors", "model.safetensors"):
         expected, resumed = load_file(out / "final" / name), load_file(copy / "final" / name)
         assert expected.keys() == resumed.keys()
         assert all(torch.equal(expected[k], resumed[k]) for k in expected)
