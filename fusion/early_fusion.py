@@ -16,7 +16,7 @@ from fusion.decoder_kinds import (
     vocab_size,
 )
 from fusion.merge import IMPLEMENTATIONS, EncoderRows, merge_embeddings
-from fusion.merge.placement import PlaceholderIds
+from fusion.merge.placement import PlaceholderIds, Placement
 from fusion.positions import grids_from, mrope_positions
 
 _FUSION_MODULE_FLAG = "_fusion_module"
@@ -409,16 +409,17 @@ class EarlyFusion(nn.Module):
 def add_at_placeholders(
     hidden: torch.Tensor, tokens: torch.Tensor, placeholder_id: int, rows: torch.Tensor
 ) -> torch.Tensor:
-    """``hidden`` [b, s, d] with ``rows`` [n, d] added at the ``n`` placeholders of ``tokens``
-    [b, s], in order across the batch (where the merge puts an encoder's rows, so each row
-    stays in its sample). Sync-free: the ``k``-th placeholder gathers row ``k``; other
-    positions add nothing."""
+    """``hidden`` [b, s, d] with packed ``rows`` [n, d] added at the ``n`` placeholders of
+    ``tokens`` [b, s]: row ``k`` at the ``k``-th placeholder across the batch, placed as the
+    merge places an encoder's rows (:meth:`fusion.merge.placement.Placement.destinations`),
+    so each row stays in its sample; sync-free. Other positions are left as they are."""
     if rows.size(0) == 0:
         return hidden
-    is_placeholder = tokens == placeholder_id
-    rank = (is_placeholder.flatten().cumsum(0) - 1).clamp(min=0, max=rows.size(0) - 1)
-    added = rows.to(hidden.dtype)[rank].view_as(hidden)
-    return hidden + torch.where(is_placeholder[..., None], added, 0)
+    placement = Placement("deepstack", placeholder_id, rows, None, tokens == placeholder_id)
+    flat = hidden.reshape(-1, hidden.size(-1))
+    spill = flat.new_zeros(1, flat.size(1))  # where rows without a placeholder would go
+    added = torch.cat([flat, spill]).index_add(0, placement.destinations(), rows.to(flat.dtype))
+    return added[:-1].view_as(hidden)
 
 
 def _check_foreign_arguments(
