@@ -176,11 +176,13 @@ class ConversationEncoder:
         template: the chat template.
         tokenizer: a ``tokenizers.Tokenizer`` (the directory's ``tokenizer.json``).
         processor: for a vision-language model, a :class:`VisionLanguageProcessor` whose
-            ``encode`` is this encoder's (build it with :meth:`from_directory`); None for a
-            text-only model (then a conversation with images is refused).
+            ``encode`` is this encoder's :meth:`tokenize_prompt` (build it with
+            :meth:`from_directory`), so prompts it prepares are tokenized as training's; None
+            for a text-only model (then a conversation with images is refused).
         placeholder_ids: ids that are never targets (the image token).
 
-    Not thread-safe: one encoder per worker.
+    Encoding holds no state: every method is a function of its arguments and the encoder's
+    attributes, which it never writes, so one encoder serves several threads at once.
     """
 
     def __init__(
@@ -195,8 +197,6 @@ class ConversationEncoder:
         self.tokenizer = tokenizer
         self.processor = processor
         self.placeholder_ids = tuple(int(i) for i in placeholder_ids)
-        self._add_special_tokens = False
-        self._last: tuple[str, list[tuple[int, int]], Any] | None = None
 
     @classmethod
     def from_directory(cls, directory: str | os.PathLike) -> "ConversationEncoder":
@@ -219,7 +219,9 @@ class ConversationEncoder:
         tokenizer = _load_tokenizer(directory / TOKENIZER_FILE)
         encoder = cls(template, tokenizer)
         if hf_model_kind(directory) != "llama":
-            processor = VisionLanguageProcessor.from_directory(directory, encode=encoder._encode)
+            processor = VisionLanguageProcessor.from_directory(
+                directory, encode=encoder.tokenize_prompt
+            )
             encoder.processor = processor
             encoder.placeholder_ids = (processor.image_token_id,)
         return encoder
@@ -266,22 +268,23 @@ class ConversationEncoder:
         :meth:`VisionLanguageProcessor.plan` checked, then the text is tokenized whole."""
         rendered = self.template.render_with_spans(messages)
         text = _mark(rendered.text, rendered.spans)
-        bos = self.template.special_tokens.get("bos_token")
-        self._last = None
         tiles: list[int] = []
-        if self.processor is None:
-            self._add_special_tokens = False  # as the tokenizer's apply_chat_template
-            ids = self._encode(text)
+        if self.processor is None:  # as the tokenizer's apply_chat_template: no special tokens
+            ids, offsets, spans = _tokenize(self.tokenizer, text, add_special_tokens=False)
         else:
             from fusion.preprocessing import idefics3_image_text, qwen2_vl_image_text
             from fusion.preprocessing.prompts import check_marker_count, expand_markers
             from fusion.preprocessing.qwen2_vl import IMAGE_PAD, QWEN2_VL_IMAGE_MARKER
 
             processor = self.processor
+            if processor.encode != self.tokenize_prompt:
+                raise RuntimeError(
+                    "processor: its encode is not this encoder's, so the prompts it prepares "
+                    "are not tokenized as training's; build the encoder with "
+                    "ConversationEncoder.from_directory"
+                )
             qwen = processor.kind == "qwen2_vl"
             marker = QWEN2_VL_IMAGE_MARKER if qwen else IMAGE_MARKER
-            # As the processor's apply_chat_template: special tokens unless the text has BOS.
-            self._add_special_tokens = not (bos and rendered.text.startswith(bos))
             check_marker_count([text], len(sizes), marker)
             # Stand-ins of each image's size that hold one byte (stride 0): plan reads sizes.
             stand_ins = [torch.zeros((), dtype=torch.uint8).expand(3, h, w) for h, w in sizes]
@@ -294,7 +297,12 @@ class ConversationEncoder:
             else:
                 grids = [processor.image_processor.steps(h, w)[1:] for h, w in sizes]
                 texts = [idefics3_image_text(rows, cols, per_tile) for rows, cols in grids]
-            ids = [int(t) for t in processor.encode(expand_markers([text], texts, marker)[0])]
+            expanded = expand_markers([text], texts, marker)[0]
+            # As the processor's apply_chat_template: special tokens unless the text has BOS.
+            add_special = not self._starts_with_bos(rendered.text)
+            ids, offsets, spans = _tokenize(
+                self.tokenizer, expanded, add_special_tokens=add_special
+            )
             if not ids:
                 raise ValueError("prompts[0]: the tokenizer gives no tokens")
             found = ids.count(processor.image_token_id)
@@ -305,16 +313,9 @@ class ConversationEncoder:
                     f"rows; the tokenizer must encode {IMAGE_PAD if qwen else IMAGE_MARKER!r} as "
                     "that single token, and the text must not hold it otherwise"
                 )
-        if self._last is None:
-            raise RuntimeError(
-                "processor: its encode is not this encoder's, so the loss spans are unknown; "
-                "build the encoder with ConversationEncoder.from_directory"
-            )
-        _, spans, encoding = self._last
-        self._last = None
         tokens = torch.tensor(ids, dtype=torch.int64)
         target = torch.zeros(len(ids), dtype=torch.bool)
-        for index, (start, end) in enumerate(encoding.offsets):
+        for index, (start, end) in enumerate(offsets):
             if start == end:
                 continue
             target[index] = any(start < b and end > a for a, b in spans)
@@ -418,12 +419,15 @@ class ConversationEncoder:
             out.append(replace(sample, pixel_values=pixels, image_grid_thw=grids))
         return out
 
-    def _encode(self, marked: str) -> list[int]:
-        """Text with span markers -> ids (the spans kept for :meth:`encode`)."""
-        clean, spans = _unmark(marked)
-        encoding = self.tokenizer.encode(clean, add_special_tokens=self._add_special_tokens)
-        self._last = (clean, spans, encoding)
-        return list(encoding.ids)
+    def _starts_with_bos(self, text: str) -> bool:
+        bos = self.template.special_tokens.get("bos_token", "")
+        return bool(bos) and text.startswith(bos)
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """``text`` -> ids as the processor's ``apply_chat_template`` tokenizes a prompt:
+        special tokens added unless it starts with the BOS token (the ``encode`` of this
+        encoder's processor, for prompts it prepares)."""
+        return _tokenize(self.tokenizer, text, not self._starts_with_bos(text))[0]
 
     def encode_conversation(self, conversation: Conversation) -> Sample:
         """:meth:`encode` with the conversation's images decoded
@@ -443,6 +447,16 @@ def _mark(text: str, spans: Sequence[tuple[int, int]]) -> str:
         last = end
     out.append(text[last:])
     return "".join(out)
+
+
+def _tokenize(
+    tokenizer: Any, marked: str, add_special_tokens: bool
+) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:
+    """Text with span markers -> its ids, each id's character offsets in the text without
+    markers, and the marked spans there."""
+    clean, spans = _unmark(marked)
+    encoding = tokenizer.encode(clean, add_special_tokens=add_special_tokens)
+    return list(encoding.ids), list(encoding.offsets), spans
 
 
 def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:

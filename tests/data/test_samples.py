@@ -443,3 +443,55 @@ def test_encode_conversations_keeps_no_pixels(
     write_images(tmp_path, [(10, 10)])  # img0.png replaced by an image of another size
     with pytest.raises(ValueError, match=r"train\.jsonl:1: image .*img0\.png.* now 10 x 10"):
         encoder.load_pixels(data.samples[:1])
+
+
+@pytest.mark.parametrize("family", ["idefics3", "llama"])
+def test_one_encoder_from_several_threads_equals_one_by_one(model_dirs, family):
+    """Encoding is a function of its inputs: one encoder, no guard, different conversations
+    (answers, image counts and sizes, BOS or not) encoded from four threads at once give
+    exactly the samples encoding them one by one gives."""
+    import sys
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vlm_helpers import make_image
+
+    rounds = 20
+
+    directory, _ = model_dirs[family]
+    encoder = ConversationEncoder.from_directory(directory)
+    vlm = family != "llama"
+    cases = []
+    for i in range(12):
+        answer = "xy z." * (1 + i % 4) if i % 3 else "Hi!"
+        images = [
+            torch.from_numpy(make_image(9 + 7 * k + i, 30 - k - i, i + k)).permute(2, 0, 1)
+            for k in range(i % 3 if vlm else 0)
+        ]
+        question = [{"type": "text", "text": f"Q{i}?"}] + [{"type": "image"} for _ in images]
+        if not vlm:
+            question = f"Q{i}?"
+        reply = [{"type": "text", "text": answer}] if vlm else answer
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        cases.append((messages, images))
+    alone = [encoder.encode(m, images, str(i)) for i, (m, images) in enumerate(cases)]
+    start = threading.Barrier(4)
+
+    def encode_all(shift):
+        start.wait()  # all at once
+        order = [(i + shift) % len(cases) for i in range(len(cases))] * rounds
+        return [(i, encoder.encode(*cases[i], str(i))) for i in order]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can: races show
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            results = [r for done in pool.map(encode_all, (0, 3, 6, 9)) for r in done]
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(results) == 4 * rounds * len(cases)
+    for i, sample in results:
+        assert torch.equal(sample.tokens, alone[i].tokens)
+        assert torch.equal(sample.labels, alone[i].labels)
+        assert torch.equal(sample.pixel_values, alone[i].pixel_values)
+        assert sample.source == alone[i].source
