@@ -7,6 +7,15 @@ import torch
 from fusion._validation import check_token_ids, describe
 
 
+def shift_targets(targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The one label shift: ``labels[..., t]`` is ``targets[..., t + 1]``, what position ``t``
+    predicts, and the last position is ``ignore_index`` (nothing follows it). ``targets``:
+    each position's own id where it is a target, else ``ignore_index``."""
+    labels = targets.roll(-1, dims=-1)
+    labels[..., -1] = ignore_index
+    return labels
+
+
 def next_token_labels(
     tokens: torch.Tensor,
     *,
@@ -44,7 +53,7 @@ def next_token_labels(
                 f"({type(value).__name__})"
             )
     batch, seq_len = tokens.shape
-    targets = tokens.long().roll(-1, dims=1)
+    targets = shift_targets(tokens.long(), ignore_index)
     ignored = torch.zeros_like(targets, dtype=torch.bool)
     ignored[:, -1:] = True
     if ignore_ids:

@@ -43,6 +43,7 @@ from fusion.data.chat_template import (
     ChatTemplate,
 )
 from fusion.data.conversations import Conversation, DataError, load_conversation_image
+from fusion.labels import shift_targets
 
 IGNORE_INDEX = -100
 IMAGE_MARKER = "<image>"  # what the processor expands (fusion.preprocessing's IMAGE_TOKEN)
@@ -321,8 +322,7 @@ class ConversationEncoder:
             target[index] = any(start < b and end > a for a, b in spans)
         if self.placeholder_ids:
             target &= ~torch.isin(tokens, torch.tensor(self.placeholder_ids))
-        labels = torch.where(target, tokens, IGNORE_INDEX).roll(-1)
-        labels[-1] = IGNORE_INDEX
+        labels = shift_targets(torch.where(target, tokens, IGNORE_INDEX), IGNORE_INDEX)
         if not bool((labels != IGNORE_INDEX).any()):
             raise ValueError("no target token: the assistant's turns tokenize to nothing")
         return tokens, labels, tiles
