@@ -15,7 +15,7 @@ from fusion._adapters import LORA_MARK, first_lora_layer
 from fusion._io import FileTooLarge, NotRegularFile, read_regular
 from fusion._wrappers import decoder_of, is_wrapper, unwrap
 from fusion.checkpoint import CheckpointError
-from fusion.data import ChatTemplateError
+from fusion.data import ChatTemplateError, DataError
 from fusion.errors import FusionError
 from fusion.lora import apply_lora, lora_linears, merge_lora
 from fusion.training import TrainingError
@@ -26,6 +26,7 @@ from helpers import build_tiny_decoder, build_tiny_fusion
     ("error", "other"),
     [
         (CheckpointError, ValueError),
+        (DataError, ValueError),
         (ChatTemplateError, ValueError),
         (TrainingError, RuntimeError),
         (NotRegularFile, OSError),

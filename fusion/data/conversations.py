@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from fusion._io import NotRegularFile, open_regular
 from fusion.checkpoint.errors import as_path, short_repr
+from fusion.errors import FusionError
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +66,7 @@ _LLAVA_ROLES = {
 _PATH_KEYS = ("path", "image", "url")
 
 
-class DataError(ValueError):
+class DataError(FusionError, ValueError):
     """A data file, or one of its lines, that cannot be used.
 
     The message is ``"<file>:<line>: <problem>"`` (``"<file>: <problem>"`` for the whole
