@@ -1,7 +1,6 @@
 """KV-cached autoregressive generation for ``TransformerDecoder`` and ``EarlyFusion`` alike."""
 
 import contextlib
-import sys
 import threading
 import weakref
 from collections.abc import Generator, Iterable, Iterator, Mapping
@@ -18,6 +17,7 @@ from fusion._arguments import (
     show,
 )
 from fusion._validation import check_values, host_reads_are_free
+from fusion._wrappers import unwrap
 from fusion.decoder import TransformerDecoder
 from fusion.decoder_kinds import FUSION, HUGGING_FACE, embedding_module, vocab_size
 from fusion.early_fusion import EarlyFusion
@@ -411,12 +411,7 @@ class _FusionSession:
 def _unwrap(model: Any) -> tuple[nn.Module, TransformerDecoder | EarlyFusion, str, Any]:
     """What to call, the module it is, its decoder's kind and its decoder: a ``torch.compile``
     wrapper (``OptimizedModule``) is looked through but still called."""
-    inner = model
-    # No instance can exist unless torch._dynamo was imported: do not import it here.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    compiled = getattr(eval_frame, "OptimizedModule", None)
-    if compiled is not None and isinstance(model, compiled):
-        inner = model._orig_mod
+    inner = unwrap(model, parallel=False)
     if isinstance(inner, EarlyFusion):
         return model, inner, inner.decoder_kind, inner.decoder
     if isinstance(inner, TransformerDecoder):

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, NoReturn, TextIO, cast
 import torch
 
 from fusion._arguments import as_device
-from fusion._io import NotRegularFile, open_regular
+from fusion._io import FileTooLarge, NotRegularFile, read_regular
 from fusion.checkpoint import CheckpointError, load_hf_llama, load_hf_vlm
 from fusion.generation.autoregressive import generate_stream
 from fusion.generation.sampling import check_sampling_args
@@ -515,14 +515,13 @@ def _check_directory(directory: Path) -> None:
 def _read_regular_file(file: Path, limit: int) -> bytes:
     """The bytes of ``file``, which must be a regular file of at most ``limit`` bytes."""
     try:
-        handle = open_regular(file)
+        return read_regular(file, limit)
     except NotRegularFile:
         raise CheckpointError(file, None, "not a regular file (a FIFO or device?)") from None
-    with handle:
-        data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise CheckpointError(file, None, f"larger than the {limit} bytes this file may have")
-    return data
+    except FileTooLarge:
+        raise CheckpointError(
+            file, None, f"larger than the {limit} bytes this file may have"
+        ) from None
 
 
 def _generation_config(directory: Path) -> dict[str, Any]:

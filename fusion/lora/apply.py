@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion._adapters import LORA_MARK
 from fusion.decoder import TransformerDecoder
 
 ADAPTER_CHILDREN = ("lora_a", "lora_b", "lora_dropout")
@@ -44,7 +45,7 @@ def _lora_hook(
     x = args[0] if args else kwargs["input"]
     a, b, dropout = module.lora_a, module.lora_b, module.lora_dropout
     assert isinstance(a, nn.Module) and isinstance(b, nn.Module) and isinstance(dropout, nn.Module)
-    return output + b(a(dropout(x))) * module.__dict__["lora_scale"]
+    return output + b(a(dropout(x))) * module.__dict__[LORA_MARK]
 
 
 @dataclass(frozen=True)
@@ -330,5 +331,5 @@ def _add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> 
     nn.init.zeros_(linear.lora_b.weight)  # a fresh adapter leaves the output unchanged
     linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     # Plain attributes (not state): read by the hook, save_adapter and merge_lora.
-    linear.__dict__.update(lora_rank=rank, lora_alpha=alpha, lora_scale=alpha / rank)
+    linear.__dict__.update({"lora_rank": rank, "lora_alpha": alpha, LORA_MARK: alpha / rank})
     linear.register_forward_hook(_lora_hook, with_kwargs=True)
