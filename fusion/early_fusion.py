@@ -173,15 +173,26 @@ class EarlyFusion(nn.Module):
         self.deepstack = deepstack
         flags = (decoder_trainable, encoders_trainable, fusion_trainable)
         if any(flag is not None for flag in flags):
-            if not isinstance(encoders_trainable, Mapping):
-                encoders_trainable = dict.fromkeys(encoders, bool(encoders_trainable))
-            self._set_trainable(
-                bool(decoder_trainable),
-                encoders_trainable,
-                True if fusion_trainable is None else fusion_trainable,
+            self.set_trainable(
+                decoder=bool(decoder_trainable),
+                encoders=encoders_trainable or False,
+                fusion=True if fusion_trainable is None else fusion_trainable,
             )
 
-    def _set_trainable(self, decoder: bool, encoders: Mapping[str, bool], fusion: bool) -> None:
+    def set_trainable(
+        self,
+        *,
+        decoder: bool = False,
+        encoders: bool | Mapping[str, bool] = False,
+        fusion: bool = True,
+    ) -> None:
+        """Set which parameters require grad, with the constructor's torchtune semantics
+        (``decoder_trainable``, ``encoders_trainable``, ``fusion_trainable``): the decoder's,
+        each encoder's (all, or per name), and those of :func:`register_fusion_module`
+        modules, which ``fusion`` overrides. Every other parameter is frozen. The one
+        mechanism for what trains, at construction or later (e.g. a loaded model)."""
+        if not isinstance(encoders, Mapping):
+            encoders = dict.fromkeys(self.encoders, bool(encoders))
         trainable = (
             {f"decoder.{n}" for n, _ in self.decoder.named_parameters()} if decoder else set()
         )

@@ -1,21 +1,18 @@
 """The model a fine-tuning run trains: loaded from a Hugging Face directory, with what
 ``--train`` says trainable (LoRA adapters new, or a PEFT adapter's with ``--init-adapter``),
-and activation checkpointing per decoder layer."""
+(activation checkpointing: :func:`fusion.training.modules.checkpoint_activations`)."""
 
 import dataclasses
-import functools
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from fusion import EarlyFusion, TransformerDecoder
+from fusion._wrappers import decoder_of
 from fusion.checkpoint import CheckpointError, load_hf_llama, load_hf_vlm
 from fusion.checkpoint.hf_vlm import hf_model_kind
-from fusion.early_fusion import fusion_parameter_names
 from fusion.lora import load_peft_adapter, read_peft_config, select_lora_layers
 from fusion.lora.peft import ADAPTER_CONFIG
 from fusion.training import TrainingError, one_line
@@ -45,7 +42,9 @@ def load_base_model(config: FinetuneConfig) -> Model:
     except (CheckpointError, ValueError, TypeError, OSError) as error:
         raise TrainingError(f"--model: {one_line(error)}") from None
     model.requires_grad_(False)
-    limit = decoder_of(model).max_seq_len
+    decoder = decoder_of(model)
+    assert decoder is not None
+    limit = decoder.max_seq_len
     if config.max_seq_len > limit:
         raise TrainingError(
             f"--max-seq-len: expected at most the model's {limit} positions "
@@ -54,56 +53,26 @@ def load_base_model(config: FinetuneConfig) -> Model:
     return model
 
 
-def decoder_of(model: nn.Module) -> TransformerDecoder:
-    decoder = model.decoder if isinstance(model, EarlyFusion) else model
-    assert isinstance(decoder, TransformerDecoder)
-    return decoder
-
-
 def set_trainable(model: Model, config: FinetuneConfig) -> None:
-    """Make trainable what ``--train`` names (before LoRA is applied, which adds its own):
-
-    - ``full``: the decoder and the connector (projector); the vision tower too with
-      ``--train-vision``;
-    - ``projector``: the connector alone (LLaVA's stage 1; Qwen2-VL's patch merger;
-      Qwen3-VL's patch merger and DeepStack mergers);
-    - ``lora``: nothing of the base model.
+    """Make trainable what ``--train`` names, with :meth:`fusion.EarlyFusion.set_trainable`
+    (before LoRA is applied, which adds its own): ``full``: the decoder and the connector, the
+    vision tower too with ``--train-vision``; ``projector``: the connector alone (LLaVA's stage
+    1; Qwen2-VL's patch merger; Qwen3-VL's and its DeepStack mergers); ``lora``: nothing.
 
     Raises:
         TrainingError: ``--train projector`` for a text-only model (it has no connector).
     """
-    model.requires_grad_(False)
-    if config.train == "lora":
-        return
-    if config.train == "projector" and not isinstance(model, EarlyFusion):
+    if isinstance(model, EarlyFusion):
+        full = config.train == "full"
+        model.set_trainable(
+            decoder=full,
+            encoders=full and config.train_vision,
+            fusion=full or config.train == "projector",
+        )
+    elif config.train == "projector":
         raise TrainingError("--train: 'projector' needs a vision-language --model, got a Llama")
-    fusion = fusion_parameter_names(model)
-    for name, param in model.named_parameters():
-        if config.train == "projector":
-            param.requires_grad_(name in fusion)
-        else:
-            in_encoders = name.startswith("encoders.")
-            param.requires_grad_(not in_encoders or name in fusion or config.train_vision)
-
-
-def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
-def checkpoint_activations(model: nn.Module) -> None:
-    """Recompute each decoder layer's activations in the backward pass
-    (``torch.utils.checkpoint``, non-reentrant), applied from outside: each layer's ``forward``
-    is wrapped in place, so no module is replaced and no parameter or checkpoint key changes;
-    hooks on the layer (FSDP2's unshard, LoRA) run around it as before.
-    """
-    for layer in decoder_of(model).layers:
-        layer.forward = functools.partial(_checkpointed_forward, layer.forward)
-
-
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
+    else:
+        model.requires_grad_(config.train == "full")
 
 
 # --init-adapter: the flags whose values come from the adapter's adapter_config.json, and the

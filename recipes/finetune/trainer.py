@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fusion import masked_token_loss
+from fusion._wrappers import decoder_of
 from fusion.checkpoint import CheckpointError
 from fusion.checkpoint.files import read_json
 from fusion.data import (
@@ -44,16 +45,10 @@ from fusion.training import (
     wrap_model,
 )
 from fusion.training.fingerprint import fingerprint_changes, model_fingerprint
+from fusion.training.modules import checkpoint_activations, trainable_parameters
+from fusion.training.steps import Step, plan_steps, split_step
 from recipes.finetune.config import FinetuneConfig, config_to_json
-from recipes.finetune.model import (
-    checkpoint_activations,
-    decoder_of,
-    load_base_model,
-    load_init_adapter,
-    set_trainable,
-    trainable_parameters,
-)
-from recipes.finetune.steps import Step, plan_steps, split_step
+from recipes.finetune.model import load_base_model, load_init_adapter, set_trainable
 
 
 def read_data(
@@ -231,7 +226,9 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
         steps=config.steps,
     )
     model = build_model(config, targets_given="lora_targets" in given)
-    pad_id = _pad_id(encoder, decoder_of(model).vocab_size, config.model)
+    decoder = decoder_of(model)
+    assert decoder is not None
+    pad_id = _pad_id(encoder, decoder.vocab_size, config.model)
     if config.init_adapter is not None:
         log(
             runtime,

@@ -4,8 +4,8 @@ gradient."""
 import torch
 
 from fusion import EarlyFusion
+from fusion.training.modules import checkpoint_activations, trainable_parameters
 from recipes.finetune.config import FinetuneConfig
-from recipes.finetune.model import checkpoint_activations, trainable_parameters
 from recipes.finetune.trainer import build_model
 
 

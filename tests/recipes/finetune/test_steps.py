@@ -4,7 +4,7 @@ budget, and a step splits over processes and micro-batches into balanced groups.
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recipes.finetune.steps import plan_steps, split_step
+from fusion.training.steps import plan_steps, split_step
 
 lengths_st = st.lists(st.integers(1, 50), min_size=1, max_size=40)
 

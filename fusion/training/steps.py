@@ -1,7 +1,7 @@
-"""Which samples each optimizer step trains on, and how a step splits over processes and
-micro-batches: a pure function of the sample lengths, the seed and the settings, so every
-process computes the same plan and a resumed run (on any number of processes) continues it
-exactly."""
+"""Token-budget steps: which samples each optimizer step trains on, and how a step splits
+over processes and micro-batches: a pure function of the sample lengths, the seed and the
+settings, so every process computes the same plan and a resumed run (on any number of
+processes) continues it exactly."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass

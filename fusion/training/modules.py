@@ -1,0 +1,40 @@
+"""Training helpers on a model: its trainable parameters, and activation checkpointing per
+decoder layer applied from outside."""
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fusion._wrappers import decoder_of, unwrap
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model`` that require grad, in order."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass
+    (``torch.utils.checkpoint``, non-reentrant), applied from outside: each layer's ``forward``
+    is wrapped in place, so no module is replaced and no parameter or checkpoint key changes;
+    hooks on the layer (FSDP2's unshard, LoRA) run around it as before.
+
+    Raises:
+        ValueError: ``model`` is not (behind its wrappers) a decoder or a model over one.
+    """
+    decoder = decoder_of(unwrap(model))
+    if decoder is None:
+        raise ValueError(
+            f"model: expected a TransformerDecoder or a model over one, got {type(model).__name__}"
+        )
+    for layer in decoder.layers:
+        layer.forward = functools.partial(_checkpointed_forward, layer.forward)
