@@ -2,6 +2,8 @@
 what a resumed run takes from its checkpoint."""
 
 import argparse
+import dataclasses
+import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,6 +184,11 @@ _NON_NEGATIVE = (
 )
 
 
+# The flags that name files or directories: resolved against the working directory when
+# given (a resumed run reads them from its checkpoint, wherever it is started).
+PATH_FIELDS = ("model", "data", "eval_data", "output_dir", "init_adapter")
+
+
 def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name) -> None:
     """Raise ``ValueError`` naming the setting when a value is out of range or settings
     contradict each other. ``name`` turns a field name into how the message names it."""
@@ -208,7 +215,7 @@ def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name)
         fail("init_adapter", f"{name('train')} lora (it starts LoRA adapters)")
     if config.batch_tokens < config.max_seq_len:
         fail("batch_tokens", f"at least {name('max_seq_len')}={config.max_seq_len}")
-    for path in ("model", "data", "eval_data", "output_dir", "init_adapter"):
+    for path in PATH_FIELDS:
         if getattr(config, path) == "":
             fail(path, "a path")
 
@@ -280,7 +287,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[FinetuneConfig, frozenset
         check_command_line(config)
     except ValueError as error:
         parser.error(str(error))
-    return config, frozenset(given)
+    # Stored absolute, so that --resume works from any working directory.
+    absolute = {f: os.path.abspath(v) for f in PATH_FIELDS if (v := getattr(config, f))}
+    return dataclasses.replace(config, **absolute), frozenset(given)
 
 
 def resumed_config(

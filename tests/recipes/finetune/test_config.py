@@ -2,6 +2,7 @@
 resumed run takes from its checkpoint."""
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,10 @@ def test_flags_fill_the_config():
     config, given = parse_args([*REQUIRED, "--train", "full", "--no-packing", "--lr", "1e-3"])
     assert config.train == "full" and config.packing is False and config.lr == 1e-3
     assert given == {"model", "data", "output_dir", "train", "packing", "lr"}
-    defaults = dataclasses.replace(FinetuneConfig(), model="m", data="d.jsonl", output_dir="out")
+    # paths are stored absolute, so that --resume works from any working directory
+    paths = {"model": "m", "data": "d.jsonl", "output_dir": "out"}
+    absolute = {key: os.path.abspath(value) for key, value in paths.items()}
+    defaults = dataclasses.replace(FinetuneConfig(), **absolute)
     assert parse_args(REQUIRED)[0] == defaults
 
 
@@ -79,8 +83,8 @@ def test_resume_restores_the_stored_run_and_refuses_changes(tmp_path):
     )
     config, given = parse_args(["--resume", "--output-dir", "out", "--steps", "20"])
     resumed = resumed_config(config, given, stored, step=5)
-    assert resumed.lr == 1e-3 and resumed.steps == 20 and resumed.model == "m"
-    assert resumed.resume and resumed.output_dir == "out"
+    assert resumed.lr == 1e-3 and resumed.steps == 20 and resumed.model == os.path.abspath("m")
+    assert resumed.resume and resumed.output_dir == os.path.abspath("out")
 
     config, given = parse_args(["--resume", "--output-dir", "out", "--lr", "0.5"])
     with pytest.raises(TrainingError, match=r"--lr: the checkpoint was trained with 0\.001"):

@@ -218,3 +218,24 @@ def test_text_only_llama(model_dirs, tmp_path, ft):
     losses = ft.metrics(out)["losses"]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert_transformers_logits(out / "final", "llama", data)
+
+
+def test_resume_from_another_working_directory(model_dirs, tmp_path, monkeypatch, ft):
+    """Paths given relative on the first run are stored absolute: a run started in one
+    directory resumes from another, to the same losses."""
+    first = tmp_path / "first"
+    data = ft.write_data(first / "data", images=False, count=4)
+    monkeypatch.chdir(first)
+    model = ft.write_model("llama", first / "model")
+    argv = ft.recipe_args(model.relative_to(first), data.relative_to(first), "run", "--steps", "4")
+    assert main([*argv, "--checkpoint-every", "2", "--train", "lora"]) == 0
+    done = ft.metrics(first / "run")["losses"]
+    shutil.rmtree(first / "run" / "final")
+    shutil.rmtree(first / "run" / "checkpoints" / "step_00000004")
+    (first / "run" / "metrics.json").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    args = ["--resume", "--output-dir", str(first / "run"), "--threads", "1", "--no-progress"]
+    assert main(args) == 0
+    assert ft.metrics(first / "run")["losses"] == done
