@@ -12,9 +12,18 @@
 - :mod:`~fusion.training.safe_dcp`: reading DCP directories without executing code from them.
 - :mod:`~fusion.training.distributed`: one process or ``torchrun``; DDP or FSDP2;
   :func:`agree_on_rank0` (rank 0 decides, every process gets its verdict or its error).
-- :mod:`~fusion.training.report`: log lines, the progress bar, ``metrics.json``, the loss plot.
+- :mod:`~fusion.training.report`: log lines and warnings, the progress bar, ``metrics.json``,
+  the loss plot.
 - :mod:`~fusion.training.config`: a recipe's config dataclass as its flags, read back from a
   checkpoint and merged on ``--resume``.
+- :mod:`~fusion.training.job`: a recipe's start (:func:`plan_start`, :func:`agree_on_start`:
+  the output directory, or the checkpoint to resume and its configuration), checkpoints
+  checked against what their config builds, and :func:`run_job` (one-line errors, exit status).
+- :mod:`~fusion.training.loop`: resuming and saving with their log lines
+  (:func:`resume_checkpoint`, :func:`save_step`), the end of a step (:func:`optimizer_step`).
+- :mod:`~fusion.training.schedule`: the learning-rate schedule (:func:`warmup_cosine`).
+- :mod:`~fusion.training.steps`: which samples each step trains on, a function of the
+  position alone (:class:`EpochSampler`) or of a token budget (``plan_steps``).
 - :mod:`~fusion.training.fingerprint`: a cheap fingerprint of a model directory's weights, so
   checkpoints that hold only what trains (``save_checkpoint(trainable_only=True)``) can
   refuse a changed base.
@@ -51,29 +60,52 @@ from fusion.training.distributed import (
     wrap_model,
 )
 from fusion.training.errors import TrainingError, one_line
+from fusion.training.job import (
+    Start,
+    agree_on_start,
+    check_config_model,
+    check_optimizer_state,
+    default_output_dir,
+    plan_start,
+    run_job,
+)
+from fusion.training.loop import optimizer_step, resume_checkpoint, save_step
 from fusion.training.report import (
     INSTALL_TRAIN_EXTRA,
+    flat,
     log,
+    plot_if_available,
     plot_losses,
     plotting_unavailable,
     progress_bar,
     progress_unavailable,
+    warn,
+    warn_missing_extras,
     write_json,
 )
+from fusion.training.schedule import lr_factor, warmup_cosine
 from fusion.training.state import RngState, TrainState, key_error, load_train_state, match_saved
+from fusion.training.steps import EpochSampler
 
 __all__ = [
     "INSTALL_TRAIN_EXTRA",
+    "EpochSampler",
     "RngState",
     "Runtime",
+    "Start",
     "TrainState",
     "TrainingError",
     "agree_on_rank0",
+    "agree_on_start",
     "atomic_write_bytes",
+    "check_config_model",
     "check_model_tensors",
+    "check_optimizer_state",
     "check_writable",
     "checkpoint_dir",
     "checkpoint_root",
+    "default_output_dir",
+    "flat",
     "init_runtime",
     "key_error",
     "latest_checkpoint",
@@ -82,9 +114,13 @@ __all__ = [
     "load_train_state",
     "load_training_checkpoint",
     "log",
+    "lr_factor",
     "match_saved",
     "newest_intact_checkpoint",
     "one_line",
+    "optimizer_step",
+    "plan_start",
+    "plot_if_available",
     "plot_losses",
     "plotting_unavailable",
     "progress_bar",
@@ -92,12 +128,18 @@ __all__ = [
     "read_model_state_dict",
     "resolve_device",
     "restore_checkpoint",
+    "resume_checkpoint",
+    "run_job",
     "save_checkpoint",
+    "save_step",
     "set_aside",
     "set_aside_damaged",
     "shutdown",
     "step_dir",
     "verify_checkpoint",
+    "warmup_cosine",
+    "warn",
+    "warn_missing_extras",
     "wrap_model",
     "write_json",
 ]

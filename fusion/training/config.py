@@ -14,6 +14,7 @@ namespace unless given, so a resumed run tells the flags given from its stored o
 import argparse
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import field
 from pathlib import Path
@@ -95,6 +96,28 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (argparse reports a ``ValueError`` as an invalid
+    value of the flag, this message as its reason)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def check_argv(argv: Any) -> None:
+    """Refuse a recipe's ``main(argv)`` that is neither None nor a list of str (a string would
+    be parsed letter by letter).
+
+    Raises:
+        TypeError: naming ``argv``.
+    """
+    if argv is not None and (
+        not isinstance(argv, (list, tuple)) or not all(isinstance(a, str) for a in argv)
+    ):
+        raise TypeError(f"argv: expected None or a list of str, got {argv!r:.80}")
+
+
 def build_parser(
     config_class: type, *, prog: str, description: str, group_titles: Mapping[str, str]
 ) -> argparse.ArgumentParser:
@@ -121,6 +144,33 @@ def build_parser(
             metavar=None if f.metadata.get("choices") else f.name.upper(),
         )
     return parser
+
+
+def parse_args(
+    parser: argparse.ArgumentParser,
+    config_class: Callable[..., C],
+    argv: list[str] | None,
+    check: Callable[[C], None],
+) -> tuple[C, frozenset[str]]:
+    """Parse ``argv`` with ``parser`` (:func:`build_parser`'s) into a ``config_class`` checked
+    by ``check`` (raising ``ValueError``), and the names of the fields given as flags; a
+    ``--threads`` field may not exceed the CPUs here (far more threads than CPUs crashes
+    torch's thread pool).
+
+    Exits with status 2 (argparse's) and one line naming the flag on unknown flags or bad
+    values.
+    """
+    given = vars(parser.parse_args(argv))
+    config = config_class(**given)
+    try:
+        check(config)
+    except ValueError as error:
+        parser.error(str(error))
+    cpus = os.cpu_count() or 1
+    threads = getattr(config, "threads", 0)
+    if threads > cpus:
+        parser.error(f"--threads: expected at most the {cpus} CPUs here, got {threads}")
+    return config, frozenset(given)
 
 
 def config_from_values(

@@ -1,5 +1,6 @@
 """What a training job shows and writes besides checkpoints: log lines and a progress bar on
-the main process, ``metrics.json`` and the loss plot (``loss.png``), both written atomically.
+the main process, one-line warnings, ``metrics.json`` and the loss plot (``loss.png``), both
+written atomically.
 
 The progress bar (tqdm) and the plot (matplotlib) come from the optional ``train`` extra
 (:data:`INSTALL_TRAIN_EXTRA`); without them a job warns once at the start
@@ -22,6 +23,16 @@ except ImportError:  # part of the optional `train` extra: without it, no progre
     tqdm = None
 
 INSTALL_TRAIN_EXTRA = "pip install -e '.[train]'"
+
+
+def flat(message: object) -> str:
+    """``message`` on one line, even with a newline in a path it names."""
+    return " ".join(str(message).splitlines())
+
+
+def warn(prog: str, message: str) -> None:
+    """One line on stderr from recipe ``prog``, as its errors are."""
+    print(f"{prog}: warning: {flat(message)}", file=sys.stderr, flush=True)
 
 
 def log(runtime: Runtime, message: str) -> None:
@@ -81,6 +92,34 @@ def plotting_unavailable(install: str = INSTALL_TRAIN_EXTRA) -> str | None:
     except ImportError as error:
         return f"no loss plot: matplotlib cannot be imported ({error}); install it with: {install}"
     return None
+
+
+def warn_missing_extras(prog: str, runtime: Runtime, progress: bool) -> None:
+    """Say, on the main process and before any work, what the ``train`` extra would add that
+    is missing: the loss plot, and the progress bar when ``progress``."""
+    if runtime.is_main:
+        missing = [plotting_unavailable(INSTALL_TRAIN_EXTRA)]
+        missing.append(progress_unavailable() if progress else None)
+        for message in filter(None, missing):
+            warn(prog, message)
+
+
+def plot_if_available(prog: str, losses: list[float], path: Path, **kwargs: Any) -> Path | None:
+    """:func:`plot_losses` (``kwargs``: its options) to ``path``, which it returns; None
+    without matplotlib (said at the start: :func:`warn_missing_extras`), or with a warning
+    from ``prog`` when a part of matplotlib does not import.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    if plotting_unavailable(INSTALL_TRAIN_EXTRA) is not None:
+        return None
+    try:
+        plot_losses(losses, path, **kwargs)
+    except ImportError as error:  # matplotlib is there but a part of it is not
+        warn(prog, f"no loss plot: {error}; reinstall matplotlib with: {INSTALL_TRAIN_EXTRA}")
+        return None
+    return path
 
 
 def plot_losses(

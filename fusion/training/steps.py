@@ -1,5 +1,6 @@
-"""Token-budget steps: which samples each optimizer step trains on, and how a step splits
-over processes and micro-batches: a pure function of the sample lengths, the seed and the
+"""Which samples each optimizer step trains on, and how a step splits over processes and
+micro-batches: a pure function of the sample lengths (token-budget steps, :func:`plan_steps`)
+or of the position alone (fixed-size batches, :class:`EpochSampler`), the seed and the
 settings, so every process computes the same plan and a resumed run (on any number of
 processes) continues it exactly."""
 
@@ -66,3 +67,44 @@ def split_step(samples: Sequence[int], lengths: Sequence[int], parts: int) -> li
         loads[target] += lengths[index]
     order = {index: position for position, index in enumerate(samples)}
     return [sorted(group, key=order.__getitem__) for group in groups]
+
+
+class EpochSampler:
+    """Fixed-size batches' sample order: each epoch in :func:`epoch_order`.
+
+    The order is a pure function of ``(seed, num_samples)``, so the data position is just the
+    number of samples consumed; a resumed or re-sharded run reads the same samples.
+
+    Raises:
+        ValueError: ``num_samples`` is not positive.
+    """
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        if num_samples <= 0:
+            raise ValueError(f"num_samples: expected a positive count, got {num_samples}")
+        self.num_samples = num_samples
+        self.seed = seed
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._cache:  # only the current epoch is kept
+            order = epoch_order(self.num_samples, self.seed, epoch)
+            self._cache = {epoch: torch.tensor(order, dtype=torch.long)}
+        return self._cache[epoch]
+
+    def indices(self, start: int, count: int) -> torch.Tensor:
+        """The sample indices at global positions ``start .. start + count - 1`` [count].
+
+        Raises:
+            ValueError: ``start`` or ``count`` is negative.
+        """
+        if start < 0 or count < 0:
+            raise ValueError(f"start, count: expected non-negative values, got {start}, {count}")
+        out = []
+        position = start
+        while position < start + count:
+            epoch, offset = divmod(position, self.num_samples)
+            take = min(self.num_samples - offset, start + count - position)
+            out.append(self._permutation(epoch)[offset : offset + take])
+            position += take
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.long)

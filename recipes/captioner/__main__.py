@@ -1,5 +1,5 @@
 import sys
 
-from recipes.captioner.cli import main
+from recipes.captioner.trainer import main
 
 sys.exit(main())

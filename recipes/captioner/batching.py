@@ -1,4 +1,4 @@
-"""Caption sequences, loss masks, deterministic batch order and batches for training.
+"""Caption sequences, loss masks and batches for training.
 
 A training sequence is ``<image> * T, describe:, caption words, <eos>, <pad>...``, all the
 same length. The model reads it without its last token and is trained to predict it without
@@ -14,14 +14,10 @@ from recipes.captioner.shapes import ShapesSplit, max_caption_words
 from recipes.captioner.tokenizer import CaptionTokenizer
 
 
-def prompt_length(tokens_per_image: int) -> int:
-    """Length of a prompt: the image placeholders and ``describe:``."""
-    return tokens_per_image + 1
-
-
 def sequence_length(tokens_per_image: int) -> int:
-    """Length of a model input: prompt, longest caption and ``<eos>``, minus the last token."""
-    return prompt_length(tokens_per_image) + max_caption_words()
+    """Length of a model input: the prompt (image placeholders and ``describe:``), the longest
+    caption and ``<eos>``, minus the last token."""
+    return tokens_per_image + 1 + max_caption_words()
 
 
 def prompt_tokens(tokenizer: CaptionTokenizer, n: int, tokens_per_image: int) -> torch.Tensor:
@@ -33,13 +29,9 @@ def prompt_tokens(tokenizer: CaptionTokenizer, n: int, tokens_per_image: int) ->
 def encode_captions(
     tokenizer: CaptionTokenizer, captions: list[str], tokens_per_image: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Model inputs and targets for ``captions``.
-
-    Returns:
-        tokens: int64 [n, s] (``s = sequence_length(tokens_per_image)``), the sequence without
-            its last token, right-padded with ``<pad>``.
-        labels: int64 [n, s], the sequence without its first token, with ``IGNORE_INDEX``
-            wherever the target is not a caption word or the final ``<eos>``.
+    """Model inputs and targets for ``captions``, int64 [n, sequence_length(tokens_per_image)]
+    each: the sequences without their last token (right-padded with ``<pad>``), and without
+    their first, ``IGNORE_INDEX`` wherever the target is no caption word or the final ``<eos>``.
 
     Raises:
         ValueError: a caption longer than the longest the dataset produces, or with unknown words.
@@ -72,22 +64,15 @@ class CaptionBatch:
     num_targets: int
 
     def to(self, device: torch.device) -> "CaptionBatch":
-        return CaptionBatch(
-            self.tokens.to(device, non_blocking=True),
-            self.labels.to(device, non_blocking=True),
-            self.images.to(device, non_blocking=True),
-            self.num_targets,
+        tokens, labels, images = (
+            t.to(device, non_blocking=True) for t in (self.tokens, self.labels, self.images)
         )
+        return CaptionBatch(tokens, labels, images, self.num_targets)
 
 
 class CaptionDataset:
-    """A split encoded once for training: images, token ids, labels and target counts.
-
-    Args:
-        split: the rendered images and captions.
-        tokenizer: the caption tokenizer.
-        tokens_per_image: how many placeholders an image takes (the encoder's output rows).
-    """
+    """A split encoded once for training (:func:`encode_captions`, an image taking
+    ``tokens_per_image`` placeholders): images, token ids, labels and target counts."""
 
     def __init__(self, split: ShapesSplit, tokenizer: CaptionTokenizer, tokens_per_image: int):
         self.split = split
@@ -109,40 +94,3 @@ class CaptionDataset:
     def count_targets(self, indices: torch.Tensor) -> int:
         """Number of loss targets in the samples at ``indices``, computed on the host."""
         return int(self.targets_per_sample[indices].sum())
-
-
-class EpochSampler:
-    """Deterministic sample order: a fresh permutation per epoch, derived from ``seed``.
-
-    The order is a pure function of ``(seed, num_samples)``, so the data position is just the
-    number of samples consumed; a resumed or re-sharded run reads the same samples.
-    """
-
-    def __init__(self, num_samples: int, seed: int) -> None:
-        if num_samples <= 0:
-            raise ValueError(f"num_samples: expected a positive count, got {num_samples}")
-        self.num_samples = num_samples
-        self.seed = seed
-        self._cache: dict[int, torch.Tensor] = {}
-
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._cache:
-            self._cache = {epoch: self._make(epoch)}  # only the current epoch is kept
-        return self._cache[epoch]
-
-    def _make(self, epoch: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=generator)
-
-    def indices(self, start: int, count: int) -> torch.Tensor:
-        """The sample indices at global positions ``start .. start + count - 1`` [count]."""
-        if start < 0 or count < 0:
-            raise ValueError(f"start, count: expected non-negative values, got {start}, {count}")
-        out = []
-        position = start
-        while position < start + count:
-            epoch, offset = divmod(position, self.num_samples)
-            take = min(self.num_samples - offset, start + count - position)
-            out.append(self._permutation(epoch)[offset : offset + take])
-            position += take
-        return torch.cat(out) if out else torch.empty(0, dtype=torch.long)

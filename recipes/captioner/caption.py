@@ -3,29 +3,26 @@
     python -m recipes.captioner.caption --checkpoint runs/x/checkpoints/step_00002000 a.png b.png
 
 prints ``<file>: <caption>`` per image, in order, and one line on stderr per file it cannot
-read (the others are still captioned; the exit status is then 1). From Python,
-:func:`caption` takes files, Pillow images or uint8 tensors. Decoding files needs Pillow
-(``pip install -e '.[vision]'``).
-
-An image is taken as the training images are: 8-bit RGB (grayscale repeated, transparency
-over white), square; one of another side is resized to the model's ``image_size`` (bicubic,
-as Pillow resizes), so a shape drawn at any resolution is read at the one the model learned.
-The model knows only what it was trained on (:mod:`recipes.captioner.shapes` gives the
-ranges): one filled shape of its four, six colours, two sizes and nine places.
+read (the others are still captioned; the exit status is then 1). From Python, :func:`caption`
+takes files, Pillow images or uint8 tensors. Decoding files needs Pillow
+(``pip install -e '.[vision]'``). An image is taken as the training images are: 8-bit RGB
+(grayscale repeated, transparency over white), square; one of another side is resized to the
+model's ``image_size`` (bicubic, as Pillow resizes). The model knows only what it was trained
+on (:mod:`recipes.captioner.shapes`).
 """
 
 import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from fusion.preprocessing import as_uint8_image, load_image, resize, to_rgb
-from fusion.training import TrainingError, checkpoint_dir, one_line, resolve_device
-from recipes.captioner.evaluate import greedy_captions
-from recipes.captioner.model import build_tokenizer, tokens_per_image
+from fusion.training import TrainingError, checkpoint_dir, flat, one_line, resolve_device
+from fusion.training.config import OneLineParser, positive_int
+from recipes.captioner.model import greedy_captions
 from recipes.captioner.state import load_train_state
 from recipes.captioner.train_checkpoint import load_model
 
@@ -47,9 +44,7 @@ def _pixels(image: Any, name: str, image_size: int) -> torch.Tensor:
             f"pixels; stretching would distort the shape), got {width}x{height}"
         )
     rgb = to_rgb(decoded)
-    if height != image_size:
-        rgb = resize(rgb, (image_size, image_size))
-    return rgb
+    return resize(rgb, (image_size, image_size)) if height != image_size else rgb
 
 
 def caption(
@@ -59,17 +54,10 @@ def caption(
     batch_size: int = 256,
     device: str | torch.device = "cpu",
 ) -> list[str]:
-    """Greedy captions of ``images`` by the model of training checkpoint ``checkpoint`` (a
-    ``step_<N>`` directory), in order.
-
-    Every image is decoded and checked before the model is loaded.
-
-    Args:
-        checkpoint: a checkpoint directory of ``python -m recipes.captioner``.
-        images: a list of image files (paths), Pillow images or uint8 tensors
-            [1, 3 or 4 channels, h, w], each square.
-        batch_size: images per generation batch.
-        device: where the model runs.
+    """Greedy captions of ``images`` (a list of image files, Pillow images or uint8 tensors
+    [1, 3 or 4 channels, h, w], each square) by the model of checkpoint ``checkpoint`` (a
+    ``step_<N>`` directory of ``python -m recipes.captioner``), in order, ``batch_size`` at a
+    time on ``device``. Every image is decoded and checked before the model is loaded.
 
     Raises:
         TypeError: ``images`` is not a list or tuple, or holds something that is no image.
@@ -87,34 +75,16 @@ def caption(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
     path = checkpoint_dir(checkpoint, "checkpoint")
-    config = load_train_state(path).config
-    pixels = [_pixels(image, f"images[{i}]", config.image_size) for i, image in enumerate(images)]
+    size = load_train_state(path).config.image_size
+    pixels = [_pixels(image, f"images[{i}]", size) for i, image in enumerate(images)]
     if not pixels:
         return []
-    model, config = load_model(path)
-    return greedy_captions(
-        model.to(device),
-        torch.stack(pixels),
-        build_tokenizer(),
-        tokens_per_image=tokens_per_image(config),
-        batch_size=batch_size,
-    )
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive(text: str) -> int:
-    value = int(text)  # argparse reports a ValueError as an invalid value of the flag
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    model, _ = load_model(path)
+    return greedy_captions(model.to(device), torch.stack(pixels), batch_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog=PROG,
         description=(
             "Caption image files with a checkpoint of python -m recipes.captioner; prints "
@@ -136,23 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the model runs (default: cpu)",
     )
     parser.add_argument(
-        "--batch-size", type=_positive, default=256, help="images per batch (default: 256)"
+        "--batch-size", type=positive_int, default=256, help="images per batch (default: 256)"
     )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Caption the images of the command line; returns the exit status.
-
-    Every image that can be read is captioned (``<file>: <caption>`` on stdout, in order);
-    each one that cannot is reported on its own line on stderr, and the status is then 1.
-    A bad checkpoint, or no Pillow to decode files with, is one line on stderr and status 1
-    with nothing captioned; a bad command line is argparse's status 2.
-    """
+    """Caption the images of the command line; returns the exit status: every image that can
+    be read is captioned (``<file>: <caption>`` on stdout, in order), each one that cannot is
+    one line on stderr and makes it 1; a bad checkpoint, or no Pillow to decode files with, is
+    one line and 1 with nothing captioned; a bad command line is argparse's 2."""
     args = build_parser().parse_args(argv)
 
     def report(error: BaseException) -> None:
-        print(f"{PROG}: error: {' '.join(one_line(error).splitlines())}", file=sys.stderr)
+        print(f"{PROG}: error: {flat(one_line(error))}", file=sys.stderr)
 
     try:
         path = checkpoint_dir(args.checkpoint, "--checkpoint")

@@ -2,7 +2,6 @@
 what a resumed run takes from its checkpoint."""
 
 import argparse
-import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,33 +97,13 @@ class TrainConfig:
         return config_group(self, name)
 
 
+# The fields that must be > 0, and those that must be >= 0 (in the order they are checked).
 _POSITIVE = (
-    "num_train",
-    "num_heldout",
-    "image_size",
-    "patch_size",
-    "encoder_dim",
-    "encoder_heads",
-    "decoder_dim",
-    "decoder_layers",
-    "decoder_heads",
-    "decoder_kv_heads",
-    "decoder_mlp_dim",
-    "batch_size",
-    "steps",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "log_every",
-    "eval_batch_size",
-)
-_NON_NEGATIVE = (
-    "encoder_layers",
-    "warmup_steps",
-    "weight_decay",
-    "grad_clip",
-    "threads",
-    "num_samples",
-)
+    "num_train num_heldout image_size patch_size encoder_dim encoder_heads decoder_dim "
+    "decoder_layers decoder_heads decoder_kv_heads decoder_mlp_dim batch_size steps "
+    "checkpoint_every keep_checkpoints log_every eval_batch_size"
+).split()
+_NON_NEGATIVE = "encoder_layers warmup_steps weight_decay grad_clip threads num_samples".split()
 
 
 def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) -> None:
@@ -159,21 +138,14 @@ def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) ->
 
 def config_from_values(values: dict[str, Any], file: Path) -> TrainConfig:
     """A :class:`TrainConfig` from the JSON object ``values`` (the ``config`` of ``file``),
-    checked before use: every field present, of its type (an integer for a float is taken),
-    within the ranges of :func:`check_config`.
-
-    Raises:
-        TrainingError: naming ``file`` and the key.
-    """
+    every field present, of its type and within the ranges of :func:`check_config`; a
+    ``TrainingError`` names ``file`` and the key."""
     return shared.config_from_values(TrainConfig, values, file, check=check_config)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: one flag per :class:`TrainConfig` field, grouped as in the dataclass.
-
-    Flags not given are absent from the parsed namespace (their defaults are the dataclass's),
-    so that a resumed run can tell the flags given from its stored configuration.
-    """
+    """One flag per :class:`TrainConfig` field, grouped as in the dataclass; flags not given
+    are absent from the parsed namespace, so a resumed run tells them from its stored ones."""
     return shared.build_parser(
         TrainConfig,
         prog="python -m recipes.captioner",
@@ -188,20 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, frozenset[str]]:
-    """Parse ``argv`` into a checked :class:`TrainConfig` and the names of the fields given
-    as flags; exits with status 2 (argparse's) and a message naming the flag on unknown flags
-    or bad values."""
-    parser = build_parser()
-    given = vars(parser.parse_args(argv))
-    config = TrainConfig(**given)
-    try:
-        check_config(config)
-    except ValueError as error:
-        parser.error(str(error))
-    cpus = os.cpu_count() or 1
-    if config.threads > cpus:  # far more threads than CPUs crashes torch's thread pool
-        parser.error(f"--threads: expected at most the {cpus} CPUs here, got {config.threads}")
-    return config, frozenset(given)
+    """A checked :class:`TrainConfig` from ``argv`` and the names of the fields given as flags;
+    exits with status 2 and a message naming the flag on unknown flags or bad values."""
+    return shared.parse_args(build_parser(), TrainConfig, argv, check_config)
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
@@ -212,15 +173,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 def resumed_config(
     config: TrainConfig, given: Collection[str], stored: TrainConfig, step: int
 ) -> TrainConfig:
-    """The configuration of a run resumed from a checkpoint at ``step`` that stores
-    ``stored``: the stored one, with this invocation's ``session`` settings (from ``config``)
-    and the ``run`` settings named in ``given`` (the flags given).
-
-    A ``data``, ``model`` or ``optim`` flag may be given only with the stored value: another
-    would train another model, or on other data, than the checkpoint continues.
-
-    Raises:
-        TrainingError: naming each flag given with another value than the checkpoint's, or
-            ``--steps`` below the checkpoint's step.
-    """
+    """The configuration of a run resumed at ``step`` from a checkpoint storing ``stored``
+    (:func:`fusion.training.config.resumed_config`): a ``data``, ``model`` or ``optim`` flag
+    given with another value than the checkpoint's is a ``TrainingError`` naming it."""
     return shared.resumed_config(config, given, stored, step, fixed_groups=FIXED_GROUPS)

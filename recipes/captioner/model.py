@@ -1,13 +1,14 @@
-"""The captioning model: the recipe's small vision encoder fused early into a Llama decoder."""
+"""The captioning model: the recipe's small vision encoder fused early into a Llama decoder,
+and its greedy captions."""
 
 import torch
 from torch import nn
 
-from fusion import EarlyFusion, TransformerDecoder
+from fusion import EarlyFusion, TransformerDecoder, generate
 from fusion.models import llama3_2
-from recipes.captioner.batching import sequence_length
+from recipes.captioner.batching import prompt_tokens, sequence_length
 from recipes.captioner.config import TrainConfig
-from recipes.captioner.shapes import caption_words
+from recipes.captioner.shapes import caption_words, max_caption_words
 from recipes.captioner.tokenizer import CaptionTokenizer
 from recipes.captioner.vision import VisionEncoder
 
@@ -20,6 +21,7 @@ def build_tokenizer() -> CaptionTokenizer:
 
 
 def tokens_per_image(config: TrainConfig) -> int:
+    """Image placeholders per image: one per patch."""
     return (config.image_size // config.patch_size) ** 2
 
 
@@ -45,9 +47,7 @@ def build_decoder(config: TrainConfig) -> TransformerDecoder:
 
 def build_model(config: TrainConfig) -> EarlyFusion:
     """A trainable ``EarlyFusion`` of a :class:`~recipes.captioner.vision.VisionEncoder` and a
-    decoder.
-
-    Initialised from the current global RNG state (seed it first). The token embeddings
+    decoder, initialised from the current global RNG state (seed it first). The token embeddings
     (tied to the output projection) start at std ``decoder_dim ** -0.5`` instead of
     ``nn.Embedding``'s 1, so initial logits are O(1) rather than O(sqrt(d)); the encoder's
     position embeddings start at std 0.5 so patches' places are visible from the first step.
@@ -77,3 +77,29 @@ def build_model(config: TrainConfig) -> EarlyFusion:
 def image_input(images: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
     """``encoder_input`` for a batch of images [n, 3, h, w]."""
     return {ENCODER_NAME: {"images": images}}
+
+
+@torch.no_grad()
+def greedy_captions(model: EarlyFusion, images: torch.Tensor, batch_size: int) -> list[str]:
+    """One greedy caption per image of ``images`` (uint8 [n, 3, h, w], as the dataset renders
+    them), in order, ``batch_size`` images at a time.
+
+    The prompts are ``<image> * tokens_per_image, describe:``; the encoder runs once at
+    prefill, then :func:`fusion.generate` (``temperature=0``: argmax) decodes with the KV cache
+    until ``<eos>`` or the longest caption plus ``<eos>``. Generated text is decoded up to the
+    first ``<eos>``; anything malformed stays in the text, so it cannot match by accident.
+    """
+    tokenizer, device = build_tokenizer(), model.decoder.tok_embeddings.weight.device
+    encoder = model.encoders[ENCODER_NAME]
+    assert isinstance(encoder, VisionEncoder)
+    captions = []
+    for start in range(0, images.size(0), batch_size):
+        pixels = images[start : start + batch_size].to(device).float() / 255
+        prompts = prompt_tokens(tokenizer, pixels.size(0), encoder.tokens_per_image).to(device)
+        out = generate(
+            model, prompts, encoder_input=image_input(pixels), temperature=0.0,
+            max_new_tokens=max_caption_words() + 1, stop_tokens=(tokenizer.eos_id,),
+            pad_id=tokenizer.pad_id,
+        )  # fmt: skip
+        captions += [tokenizer.decode(ids) for ids in out[:, prompts.size(1) :].tolist()]
+    return captions

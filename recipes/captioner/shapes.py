@@ -1,19 +1,17 @@
 """A captioned shapes dataset rendered with torch: no files, deterministic from a seed.
 
-Each image shows one filled shape (circle, square, triangle, cross) in one of six colours, in
-one of two sizes, at one of nine places, on a background that is dark, light or a colour, with
-or without pixel noise. Its caption names the shape's four attributes, e.g.
-``"a small red circle top left"``.
-
-The ranges the model is trained on (and so the images it can caption), as fractions of the
-image side: a shape's extent (a circle's diameter, a cross's or triangle's width) is 17-23%
-(``small``) or 29-39% (``large``); its centre lies within 6% of a quarter, half or three
-quarters across and down; its colour between :data:`COLOURS` and Pillow's colour of that name
-(:data:`COLOUR_ANCHORS`), give or take 0.06 per channel; the background
-is a grey from black to white or any colour at least :data:`MIN_CONTRAST` away from the
-shape's colour, plain or noisy.
+Each image shows one filled shape (circle, square, triangle, cross) in one of six colours, two
+sizes and nine places, on a dark, light or coloured background, with or without pixel noise;
+its caption names the four, e.g. ``"a small red circle top left"``. The ranges it is trained
+on (so all it can caption), in fractions of the image side: a shape's extent (a circle's
+diameter, a cross's or triangle's width) is 17-23% (``small``) or 29-39% (``large``); its centre
+lies within 6% of a quarter, half or three quarters across and down; its colour between
+:data:`COLOURS` and Pillow's colour of that name (:data:`COLOUR_ANCHORS`), give or take 0.06 per
+channel; the background a grey from black to white or any colour :data:`MIN_CONTRAST` from
+the shape's, plain or noisy.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +39,7 @@ COLOUR_ANCHORS = {
 SIZES = {"small": 0.10, "large": 0.17}  # half-extent as a fraction of the image side
 ROWS = ("top", "middle", "bottom")
 COLUMNS = ("left", "center", "right")
+_COUNTS = (len(SHAPES), len(COLOURS), len(SIZES), len(ROWS), len(COLUMNS))  # of each attribute
 _PLACE_FRACTIONS = (0.25, 0.5, 0.75)  # row/column centres as fractions of the image side
 _SUPERSAMPLE = 2  # rendered at twice the size, then averaged: smooth edges for small shapes
 SIZE_JITTER = 0.15  # a shape's half-extent is SIZES[size] * (1 +- SIZE_JITTER)
@@ -89,17 +88,12 @@ class ShapesSplit:
 
 
 def num_combinations() -> int:
-    return len(SHAPES) * len(COLOURS) * len(SIZES) * len(ROWS) * len(COLUMNS)
+    return math.prod(_COUNTS)
 
 
 def combination_attributes(index: torch.Tensor) -> torch.Tensor:
     """Attribute indices [n, 5] of combination numbers [n] in ``[0, num_combinations())``."""
-    sizes = (len(SHAPES), len(COLOURS), len(SIZES), len(ROWS), len(COLUMNS))
-    columns = []
-    for n in reversed(sizes):
-        columns.append(index % n)
-        index = index // n
-    return torch.stack(columns[::-1], dim=1)
+    return torch.stack(torch.unravel_index(index, _COUNTS), dim=1)
 
 
 def caption(attributes: torch.Tensor) -> str:
@@ -151,19 +145,10 @@ def shape_colours(colour: torch.Tensor, generator: torch.Generator) -> torch.Ten
 
 
 def backgrounds(colours: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One background colour per shape colour, contrasting with it.
-
-    A background is dark (black included), light (white included) or any colour, each as
-    likely, redrawn until it lies :data:`MIN_CONTRAST` from the shape's colour (after a few
-    tries, the shape colour's channel-wise opposite extreme).
-
-    Args:
-        colours: shape colours [n, 3] in [0, 1].
-        generator: the source of randomness.
-
-    Returns:
-        background colours [n, 3] in [0, 1].
-    """
+    """One background colour [n, 3] in [0, 1] per shape colour of ``colours`` [n, 3]: dark
+    (black included), light (white included) or any colour, each as likely, redrawn until it
+    lies :data:`MIN_CONTRAST` from the shape's colour (after a few tries, the shape colour's
+    channel-wise opposite extreme)."""
     n, tries = colours.size(0), _BACKGROUND_TRIES
     kind = torch.randint(0, 3, (n, tries, 1), generator=generator)
     # Greys reach exact black and white a fifth of the time (clamped), as drawn images do.
@@ -180,16 +165,9 @@ def backgrounds(colours: torch.Tensor, generator: torch.Generator) -> torch.Tens
 
 
 def render(attributes: torch.Tensor, image_size: int, generator: torch.Generator) -> torch.Tensor:
-    """Render one image per attribute row, with the ranges of the module docstring.
-
-    Args:
-        attributes: int64 [n, 5] (shape, colour, size, row, column indices).
-        image_size: side of the square images, in pixels.
-        generator: the source of the jitter, the backgrounds and the noise.
-
-    Returns:
-        uint8 images [n, 3, image_size, image_size].
-    """
+    """uint8 images [n, 3, image_size, image_size], one per row of ``attributes`` [n, 5]
+    (shape, colour, size, row, column indices), in the ranges of the module docstring; the
+    jitter, backgrounds and noise come from ``generator``."""
     n = attributes.size(0)
     shape, colour, size, row, column = attributes.unbind(1)
     jitter = (torch.rand(n, 4, generator=generator) - 0.5) * 2  # uniform in [-1, 1)
@@ -224,10 +202,8 @@ def render(attributes: torch.Tensor, image_size: int, generator: torch.Generator
 def make_splits(
     seed: int, num_train: int, num_heldout: int, image_size: int
 ) -> tuple[ShapesSplit, ShapesSplit]:
-    """The train and held-out splits, deterministic from ``seed``.
-
-    Attribute combinations are drawn uniformly for each sample; the held-out images are
-    separate renders (their own jitter and noise) never seen in training.
+    """The train and held-out splits, deterministic from ``seed``: attribute combinations
+    drawn uniformly; the held-out images are separate renders never seen in training.
 
     Raises:
         ValueError: a non-positive count, or an image smaller than 8 pixels.

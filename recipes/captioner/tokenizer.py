@@ -11,16 +11,12 @@ class CaptionTokenizer:
     """Maps caption words to ids and back.
 
     Ids ``0..vocab_size-1`` are the text vocabulary: ``<pad>`` (0), ``<eos>``, the prompt word
-    ``describe:``, then ``words`` in order. The image placeholder id is ``vocab_size``: outside
-    the text vocabulary, so it can never be predicted or embedded by the decoder; the encoder's
-    rows replace it.
-
-    Args:
-        words: the caption words, distinct and free of whitespace.
+    ``describe:``, then ``words`` (distinct, without whitespace) in order. The image
+    placeholder id is ``vocab_size``: outside the text vocabulary, so the decoder can never
+    predict or embed it; the encoder's rows replace it.
 
     Raises:
-        ValueError: repeated words, words with whitespace, or words that clash with the
-            special tokens.
+        ValueError: repeated words, words with whitespace, or special tokens among ``words``.
     """
 
     def __init__(self, words: Sequence[str]) -> None:
@@ -33,9 +29,7 @@ class CaptionTokenizer:
             )
         self.itos = [*specials, *words]
         self.stoi = {w: i for i, w in enumerate(self.itos)}
-        self.pad_id = self.stoi[PAD]
-        self.eos_id = self.stoi[EOS]
-        self.prompt_id = self.stoi[PROMPT]
+        self.pad_id, self.eos_id, self.prompt_id = (self.stoi[s] for s in specials)
         self.image_id = len(self.itos)
 
     @property
@@ -44,11 +38,8 @@ class CaptionTokenizer:
         return len(self.itos)
 
     def encode(self, text: str) -> list[int]:
-        """Ids of the whitespace-separated words of ``text``.
-
-        Raises:
-            ValueError: a word outside the vocabulary (named in the message).
-        """
+        """Ids of the whitespace-separated words of ``text``; a ``ValueError`` names those
+        outside the vocabulary."""
         unknown = [w for w in text.split() if w not in self.stoi]
         if unknown:
             raise ValueError(f"text: words {unknown} are not in the vocabulary, got {text!r}")
@@ -57,11 +48,7 @@ class CaptionTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Words of ``ids`` up to the first ``<eos>`` (excluded). Other special tokens are kept
         as written (``<pad>``, ``describe:``), so a malformed generation never decodes to a
-        well-formed caption.
-
-        Raises:
-            ValueError: an id outside ``[0, vocab_size)`` (the image id included).
-        """
+        well-formed caption; an id outside ``[0, vocab_size)`` is a ``ValueError``."""
         words = []
         for i in ids:
             if not 0 <= i < self.vocab_size:

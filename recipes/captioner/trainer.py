@@ -1,36 +1,100 @@
-"""The training loop, in steps: :func:`setup` builds what a run trains with, :func:`resume_from`
-restores a checkpoint into it, :func:`train_step` is one optimizer step, :func:`train` runs the
-loop and checkpoints :class:`fusion.training.TrainState` (:mod:`fusion.training` does the
-process setup, checkpoints and progress bar)."""
+"""``python -m recipes.captioner``: train the early-fusion captioner on generated shapes (or
+resume a run), then caption the held-out images with the last checkpoint and check that its
+decoder loads into a plain one. Processes, checkpoints, the train state, resuming and the
+report files are :mod:`fusion.training`'s."""
 
-import math
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.training import (
-    Runtime,
-    TrainState,
-    checkpoint_root,
-    log,
-    match_saved,
-    progress_bar,
-    restore_checkpoint,
-    save_checkpoint,
-    step_dir,
-    wrap_model,
-)
-from recipes.captioner.batching import IGNORE_INDEX, CaptionDataset, EpochSampler
-from recipes.captioner.config import TrainConfig
-from recipes.captioner.model import build_model, build_tokenizer, image_input, tokens_per_image
+from fusion import training
+from fusion.checkpoint import select_prefix
+from fusion.training import Runtime, TrainingError, TrainState
+from recipes.captioner import model as models
+from recipes.captioner.batching import IGNORE_INDEX, CaptionDataset, encode_captions
+from recipes.captioner.config import FIXED_GROUPS, TrainConfig, parse_args
 from recipes.captioner.shapes import ShapesSplit, make_splits
 from recipes.captioner.state import load_train_state, train_state
+from recipes.captioner.train_checkpoint import inspect_checkpoint, load_model
+
+PROG = "python -m recipes.captioner"
+
+
+def build_optimizer(
+    params: list[nn.Parameter], config: TrainConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW and its schedule: linear warm-up, then cosine decay to 0 at ``config.steps``."""
+    optimizer = torch.optim.AdamW(
+        params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
+    )
+    return optimizer, training.warmup_cosine(optimizer, config.warmup_steps, config.steps)
+
+
+@dataclass
+class Setup:
+    """What a run trains with, the same on every process."""
+
+    config: TrainConfig
+    runtime: Runtime
+    dataset: CaptionDataset
+    sampler: training.EpochSampler
+    heldout: ShapesSplit
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    num_params: int
+
+
+def setup(config: TrainConfig, runtime: Runtime) -> Setup:
+    """Render the data, build the model (its initial weights depend on ``config.seed`` alone),
+    wrap it for ``runtime`` and build the optimizer."""
+    tokenizer = models.build_tokenizer()
+    train_split, heldout = make_splits(
+        config.seed, config.num_train, config.num_heldout, config.image_size
+    )
+    dataset = CaptionDataset(train_split, tokenizer, models.tokens_per_image(config))
+    torch.manual_seed(config.seed)
+    model = models.build_model(config)
+    num_params = sum(p.numel() for p in model.parameters())
+    wrapped = training.wrap_model(model, runtime, config.parallel, per_module=False)
+    optimizer, scheduler = build_optimizer(list(wrapped.parameters()), config)
+    sampler = training.EpochSampler(len(dataset), config.seed)
+    return Setup(
+        config, runtime, dataset, sampler, heldout, wrapped, optimizer, scheduler, num_params
+    )
+
+
+def train_step(run: Setup, step: int) -> torch.Tensor:
+    """One optimizer step on global batch ``step``; returns its mean loss per caption target
+    (0-d on the device, summed over processes, not read back: no host sync).
+
+    The global batch is samples ``step * batch_size`` on, in the sampler's order; process ``r``
+    of ``n`` takes the ``r``-th of ``n`` equal slices. The loss is the sum of the
+    cross-entropies of every caption target in the *global* batch over their count (known on
+    the host), so it does not depend on how the batch is split.
+    """
+    config, runtime = run.config, run.runtime
+    world, rank = runtime.world_size, runtime.rank
+    local_batch = config.batch_size // world
+    indices = run.sampler.indices(step * config.batch_size, config.batch_size)
+    num_targets = run.dataset.count_targets(indices)
+    mine = indices[rank * local_batch : (rank + 1) * local_batch]
+    batch = run.dataset.batch(mine).to(runtime.device)
+    logits = run.model(batch.tokens, encoder_input=models.image_input(batch.images))
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    # Gradients are averaged over processes, hence the factor `world`.
+    (loss_sum * (world / num_targets)).backward()
+    return training.optimizer_step(
+        runtime, run.model.parameters(), run.optimizer, run.scheduler,
+        grad_clip=config.grad_clip, loss_sum=loss_sum, num_targets=num_targets,
+    )  # fmt: skip
 
 
 @dataclass
@@ -45,171 +109,41 @@ class TrainResult:
     train_seconds: float
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(
-    params: Iterable[torch.nn.Parameter], config: TrainConfig
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW and its schedule: linear warm-up, then cosine decay to 0 at ``config.steps``."""
-    optimizer = torch.optim.AdamW(
-        params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
-    )
-
-    def schedule(step: int) -> float:
-        return lr_factor(step, config.warmup_steps, config.steps)
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-def check_resume_state(path: Path, state: TrainState) -> None:
-    """Check the scheduler state and optimizer hyper-parameters of checkpoint ``path``'s train
-    state against those :func:`setup` builds, so that a damaged one is found before resuming.
-
-    Raises:
-        TrainingError: naming the file and the key that does not fit.
-    """
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer, scheduler = build_optimizer([param], state.config)
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    match_saved(path, "optimizer.param_groups", state.param_groups, groups)
-    match_saved(path, "scheduler", state.scheduler, scheduler.state_dict())
-
-
-@dataclass
-class Setup:
-    """What a run trains with, the same on every process: the encoded training split and its
-    order, the held-out split, the (wrapped) model, its optimizer and schedule."""
-
-    config: TrainConfig
-    runtime: Runtime
-    dataset: CaptionDataset
-    sampler: EpochSampler
-    heldout: ShapesSplit
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    num_params: int
-
-
-def setup(config: TrainConfig, runtime: Runtime) -> Setup:
-    """Render the data, build the model (its initial weights depend on ``config.seed`` alone),
-    wrap it for ``runtime`` and build the optimizer."""
-    tokenizer = build_tokenizer()
-    train_split, heldout = make_splits(
-        config.seed, config.num_train, config.num_heldout, config.image_size
-    )
-    dataset = CaptionDataset(train_split, tokenizer, tokens_per_image(config))
-    torch.manual_seed(config.seed)
-    model = build_model(config)
-    num_params = sum(p.numel() for p in model.parameters())
-    wrapped = wrap_model(model, runtime, config.parallel, per_module=False)
-    optimizer, scheduler = build_optimizer(wrapped.parameters(), config)
-    sampler = EpochSampler(len(dataset), config.seed)
-    return Setup(
-        config, runtime, dataset, sampler, heldout, wrapped, optimizer, scheduler, num_params
-    )
-
-
-def resume_from(run: Setup, checkpoint: Path) -> TrainState:
-    """Load checkpoint ``checkpoint`` into ``run`` (weights, optimizer, schedule and this
-    process's RNG states), collectively; returns its train state.
-
-    Raises:
-        TrainingError: a file of the checkpoint is damaged or does not fit ``run``; checked
-            before anything is loaded.
-    """
-    state = load_train_state(checkpoint)
-    runtime = run.runtime
-    restore_checkpoint(
-        checkpoint,
-        state,
-        run.model,
-        run.optimizer,
-        run.scheduler,
-        rank=runtime.rank,
-        device=runtime.device,
-    )
-    return state
-
-
-def train_step(run: Setup, step: int) -> torch.Tensor:
-    """One optimizer step on global batch ``step``; returns its mean loss per caption target
-    (a 0-d tensor on the device, summed over processes; not read back, so no host sync).
-
-    The global batch is samples ``step * batch_size`` to ``(step + 1) * batch_size - 1`` of the
-    sampler's order; process ``r`` of ``n`` takes the ``r``-th of ``n`` equal slices. The loss
-    is the sum of the cross-entropies of every caption target in the *global* batch over their
-    count (known on the host, no communication), so it does not depend on how the batch is
-    split.
-    """
-    config, runtime = run.config, run.runtime
-    world, rank = runtime.world_size, runtime.rank
-    local_batch = config.batch_size // world
-    indices = run.sampler.indices(step * config.batch_size, config.batch_size)
-    num_targets = run.dataset.count_targets(indices)
-    mine = indices[rank * local_batch : (rank + 1) * local_batch]
-    batch = run.dataset.batch(mine).to(runtime.device)
-    logits = run.model(batch.tokens, encoder_input=image_input(batch.images))  # [b, s, vocab]
-    loss_sum = F.cross_entropy(
-        logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    # Gradients are averaged over processes, hence the factor `world`.
-    (loss_sum * (world / num_targets)).backward()
-    if config.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.grad_clip)
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-
-    step_loss = loss_sum.detach() / num_targets
-    if runtime.distributed:
-        dist.all_reduce(step_loss)
-    return step_loss
-
-
 def train(
     config: TrainConfig, runtime: Runtime, output_dir: Path, resume: Path | None
 ) -> TrainResult:
-    """Train (or continue training from checkpoint ``resume``) to ``config.steps`` and
-    checkpoint every ``config.checkpoint_every`` steps and at the end; every process calls
-    this.
-
-    ``config.batch_size`` must be a multiple of the number of processes (checked by the CLI).
+    """Train (or continue from checkpoint ``resume``) to ``config.steps``, checkpointing every
+    ``config.checkpoint_every`` steps and at the end; every process calls this.
 
     Raises:
         TrainingError: checkpoint ``resume`` is damaged or does not fit ``config``.
     """
     run = setup(config, runtime)
     start_step, losses = 0, []
-    if resume is not None:
-        state = resume_from(run, resume)
-        start_step, losses = state.step, list(state.losses)
-        log(
-            runtime,
-            f"resumed from {resume} at step {start_step} of {config.steps} (saved by "
-            f"{state.world_size} process(es), now {runtime.world_size})",
+    if resume is not None:  # weights, optimizer, schedule and this process's RNG states
+        state = load_train_state(resume)
+        training.resume_checkpoint(
+            resume, state, run.model, run.optimizer, run.scheduler, runtime, total=config.steps
         )
+        start_step, losses = state.step, list(state.losses)
         if start_step == config.steps:
-            log(runtime, f"the run is complete at step {start_step}; --steps N trains further")
-    log(
+            complete = f"the run is complete at step {start_step}; --steps N trains further"
+            training.log(runtime, complete)
+    parallel = f" ({config.parallel})" if runtime.distributed else ""
+    training.log(
         runtime,
         f"model: {run.num_params:,} parameters; {len(run.dataset)} training and "
         f"{len(run.heldout)} held-out images; {runtime.world_size} process(es) on "
-        f"{runtime.device}" + (f" ({config.parallel})" if runtime.distributed else ""),
+        f"{runtime.device}{parallel}",
     )
-
-    root = checkpoint_root(output_dir)
+    root = training.checkpoint_root(output_dir)
     # The last checkpoint: the one resumed from, until the loop saves (always its last step).
-    checkpoint = resume if resume is not None else step_dir(root, config.steps)
+    checkpoint = resume if resume is not None else training.step_dir(root, config.steps)
     pending: list[torch.Tensor] = []  # losses not read back yet: one host sync per log_every
     run.model.train()
-    bar = progress_bar(runtime, total=config.steps, initial=start_step, enabled=config.progress)
+    bar = training.progress_bar(
+        runtime, total=config.steps, initial=start_step, enabled=config.progress
+    )
     start = time.perf_counter()
     for step in range(start_step, config.steps):
         pending.append(train_step(run, step))
@@ -222,21 +156,143 @@ def train(
         bar.update(1)
         if save:
             state = train_state(
-                step=done,
-                losses=losses,
-                config=config,
-                world_size=runtime.world_size,
+                step=done, losses=losses, config=config, world_size=runtime.world_size,
                 parallel=config.parallel if runtime.distributed else "none",
                 scheduler=run.scheduler.state_dict(),
+            )  # fmt: skip
+            checkpoint = training.save_step(
+                root, run.model, run.optimizer, state, runtime, keep=config.keep_checkpoints
             )
-            checkpoint = save_checkpoint(
-                root,
-                run.model,
-                run.optimizer,
-                state,
-                device=runtime.device,
-                keep=config.keep_checkpoints,
-            )
-            log(runtime, f"saved checkpoint {checkpoint} (step {done}, loss {losses[-1]:.4f})")
     bar.close()
     return TrainResult(losses, checkpoint, run.heldout, start_step, time.perf_counter() - start)
+
+
+def decoder_check(
+    model: nn.Module, config: TrainConfig, checkpoint: Path, texts: torch.Tensor
+) -> tuple[bool, float]:
+    """Load the checkpoint's ``decoder.`` part with ``strict=True`` into a plain decoder built
+    from the same config and compare its logits with the fused model's on text-only ``texts``
+    [b, s]. Returns (bitwise equal, max abs difference)."""
+    with torch.random.fork_rng(devices=[]):
+        plain = models.build_decoder(config)
+    decoder_state = select_prefix(training.read_model_state_dict(checkpoint), "decoder.")
+    plain.load_state_dict(decoder_state, strict=True)
+    plain = plain.to(texts.device).eval()
+    with torch.no_grad():
+        fused_logits, plain_logits = model(texts), plain(texts)
+    difference = float((fused_logits - plain_logits).abs().max())
+    return torch.equal(fused_logits, plain_logits), difference
+
+
+def final_report(
+    config: TrainConfig, runtime: Runtime, output_dir: Path, result: TrainResult, started: float
+) -> int:
+    """Evaluate the final checkpoint in this process alone and write the report files."""
+    checkpoint, heldout = result.checkpoint, result.heldout
+    model, saved_config = load_model(checkpoint)
+    model = model.to(runtime.device)
+    predictions = models.greedy_captions(model, heldout.images, config.eval_batch_size)
+    correct = sum(p == t for p, t in zip(predictions, heldout.captions, strict=True))
+    accuracy = correct / len(heldout)  # exact match, word for word
+    shown = list(zip(predictions, heldout.captions, strict=True))[: config.num_samples]
+    print(f"\nsample generations (held-out, greedy, from {checkpoint}):")
+    for predicted, truth in shown:
+        extra = "" if predicted == truth else f"   (expected: {truth})"
+        print(f"  [{'ok   ' if predicted == truth else 'WRONG'}] {predicted}{extra}")
+    print(
+        f"held-out exact match: {accuracy:.2%} ({correct}/{len(heldout)} captions) "
+        "with greedy generation"
+    )
+    # Text-only sequences (no image placeholder): "describe: <caption> <eos>".
+    texts, _ = encode_captions(models.build_tokenizer(), heldout.captions[:16], 0)
+    equal, max_diff = decoder_check(model, saved_config, checkpoint, texts.to(runtime.device))
+    print(
+        f"decoder check: the checkpoint's decoder.* loaded with strict=True into a plain "
+        f"TransformerDecoder; text-only logits of the fused model and the plain decoder "
+        f"{'are bitwise equal' if equal else 'DIFFER'} "
+        f"(max abs diff {max_diff:.3g}, {list(texts.shape)} tokens)"
+    )
+
+    steps_run, seconds = len(result.losses) - result.start_step, result.train_seconds
+    total = time.perf_counter() - started
+    # The metrics first: they are the result; the plot is optional.
+    metrics = output_dir / "metrics.json"
+    training.write_json(
+        {
+            "heldout_exact_match": accuracy,
+            "heldout_size": len(heldout),
+            "decoder_check_equal": equal,
+            "losses": result.losses,
+            "checkpoint": str(checkpoint),
+            "steps_run": steps_run,
+            "train_seconds": seconds,
+            "total_seconds": total,
+            "samples": [{"predicted": p, "expected": t} for p, t in shown],
+        },
+        metrics,
+    )
+    plot = training.plot_if_available(
+        PROG, result.losses, output_dir / "loss.png", ylabel="cross-entropy on caption tokens",
+        title=f"shapes captioning: held-out exact match {accuracy:.1%}",
+    )  # fmt: skip
+    rate = steps_run / seconds if seconds > 0 else float("nan")
+    print(
+        f"trained {steps_run} steps in {seconds:.1f}s ({rate:.1f} steps/s); total {total:.1f}s; "
+        f"loss curve: {plot or 'none'}; metrics: {metrics}"
+    )
+    return 0 if equal else 1
+
+
+def inspect_for_resume(path: Path) -> TrainState:
+    """Check every file of checkpoint ``path`` (:func:`inspect_checkpoint`) and that its
+    optimizer and scheduler state fit :func:`build_optimizer`'s; returns its train state."""
+    state = inspect_checkpoint(path)
+    built = build_optimizer([nn.Parameter(torch.zeros(1))], state.config)
+    training.check_optimizer_state(path, state, *built)
+    return state
+
+
+def check_batch_split(world_size: int, config: TrainConfig, resume: Path | None) -> TrainConfig:
+    """``config`` if its batch size splits over the ``world_size`` processes."""
+    if config.batch_size % world_size:
+        source = "" if resume is None else f" (the batch size of {resume.name})"
+        raise TrainingError(
+            f"--batch-size: expected a multiple of the {world_size} processes, "
+            f"got {config.batch_size}{source}"
+        )
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the job; returns the exit status: 0, 1 on any error (one line on stderr, no
+    traceback), 2 on a bad command line (argparse's ``SystemExit``), 130 on Ctrl-C.
+
+    Raises:
+        TypeError: ``argv`` is not None or a list of str.
+        SystemExit: with status 2 on unknown flags or bad values (and 0 for ``--help``).
+    """
+    started = time.perf_counter()
+    training.config.check_argv(argv)
+    config, given = parse_args(argv)
+
+    def plan(world_size: int) -> training.Start[TrainConfig]:
+        # With --resume: the newest intact checkpoint, and the configuration it stores.
+        output_dir = Path(config.output_dir or training.default_output_dir("shapes"))
+        return training.plan_start(
+            config, given, output_dir, prog=PROG, inspect=inspect_for_resume,
+            fixed_groups=FIXED_GROUPS, prepare=partial(check_batch_split, world_size),
+        )  # fmt: skip
+
+    def job(runtime: Runtime) -> int:
+        training.warn_missing_extras(PROG, runtime, config.progress)  # now, not after training
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        start = training.agree_on_start(runtime, partial(plan, runtime.world_size), TrainConfig)
+        training.log(runtime, f"output directory: {start.output_dir}")
+        result = train(start.config, runtime, start.output_dir, start.resume)
+        training.shutdown(runtime)  # the report runs in the main process alone
+        if runtime.is_main:
+            return final_report(start.config, runtime, start.output_dir, result, started)
+        return 0
+
+    return training.run_job(PROG, config.device, job)

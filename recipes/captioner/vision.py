@@ -14,17 +14,8 @@ from fusion import register_fusion_module
 
 
 class PatchEmbedding(nn.Module):
-    """Split images into ``patch_size`` squares and embed each one, plus learned positions.
-
-    Args:
-        image_size: side of the square input images, a multiple of ``patch_size``.
-        patch_size: side of a patch.
-        in_channels: image channels.
-        dim: embedding width.
-
-    Raises:
-        ValueError: ``image_size`` is not a positive multiple of ``patch_size``.
-    """
+    """Split images into ``patch_size`` squares and embed each one in ``dim``, plus learned
+    positions; a ``ValueError`` if ``image_size`` is no positive multiple of ``patch_size``."""
 
     def __init__(self, image_size: int, patch_size: int, in_channels: int, dim: int) -> None:
         super().__init__()
@@ -47,16 +38,9 @@ class PatchEmbedding(nn.Module):
 
 
 class VisionTransformerLayer(nn.Module):
-    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``; every patch attends to every patch.
-
-    Args:
-        dim: width.
-        num_heads: attention heads; must divide ``dim``.
-        mlp_ratio: hidden width of the MLP as a multiple of ``dim``.
-
-    Raises:
-        ValueError: ``num_heads`` does not divide ``dim``.
-    """
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (hidden width ``mlp_ratio * dim``);
+    every patch attends to every patch. A ``ValueError`` if ``num_heads`` does not divide
+    ``dim``."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4) -> None:
         super().__init__()
@@ -84,20 +68,12 @@ class VisionTransformerLayer(nn.Module):
 
 
 class VisionEncoder(nn.Module):
-    """Patch embedding, ``num_layers`` transformer blocks, a final norm and a projection head.
+    """Patch embedding, ``num_layers`` transformer blocks of width ``dim``, a final norm and a
+    projection head to the decoder's width ``out_dim``; each image of ``in_channels`` channels
+    becomes ``tokens_per_image`` rows, one per patch, row-major.
 
-    The head (``self.projection``, a linear map from ``dim`` to ``out_dim``) is registered with
-    :func:`fusion.register_fusion_module`, so ``EarlyFusion(fusion_trainable=...)`` governs it.
-    Each image becomes ``tokens_per_image`` rows, one per patch, row-major.
-
-    Args:
-        image_size: side of the square input images, a multiple of ``patch_size``.
-        patch_size: side of a patch.
-        dim: the encoder's width.
-        num_layers: transformer blocks.
-        num_heads: attention heads per block; must divide ``dim``.
-        out_dim: the decoder's embedding width.
-        in_channels: image channels.
+    The head (``self.projection``) is registered with :func:`fusion.register_fusion_module`, so
+    ``EarlyFusion(fusion_trainable=...)`` governs it.
 
     Raises:
         ValueError: a non-positive size, or sizes that do not divide as required.
@@ -135,18 +111,10 @@ class VisionEncoder(nn.Module):
         return self.patch_embedding.num_patches
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Encode images.
-
-        Args:
-            images: float [n, in_channels, image_size, image_size].
-
-        Returns:
-            packed rows [n, tokens_per_image, out_dim] in the projection's dtype, ready for
-            :class:`fusion.EarlyFusion` (image ``i``'s rows fill the ``i``-th run of placeholders).
-
-        Raises:
-            ValueError: wrong shape or a non-floating dtype, before any computation.
-        """
+        """Floating images [n, in_channels, image_size, image_size] -> packed rows
+        [n, tokens_per_image, out_dim] in the projection's dtype, ready for
+        :class:`fusion.EarlyFusion` (image ``i``'s rows fill the ``i``-th run of placeholders).
+        A wrong shape or dtype is a ``ValueError``, before any computation."""
         size, channels = self.patch_embedding.image_size, self.in_channels
         if (
             images.dim() != 4

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
+from fusion.training import EpochSampler
 from recipes.captioner.batching import (
     IGNORE_INDEX,
     CaptionDataset,
-    EpochSampler,
     encode_captions,
     sequence_length,
 )

@@ -1,0 +1,239 @@
+"""What a recipe's command line does around its training loop: plan where a run starts (the
+output directory, or the newest intact checkpoint to resume and the configuration it stores),
+check a checkpoint against the model and optimizer its config builds, and turn what goes wrong
+into one line on stderr and an exit status.
+
+A recipe's ``main``, in outline::
+
+    config, given = parse_args(argv)
+
+    def job(runtime):
+        plan = lambda: plan_start(config, given, output_dir, prog=PROG, inspect=inspect, ...)
+        start = agree_on_start(runtime, plan, Config)  # rank 0 decides, every rank follows
+        ...train from start.resume (None: a new run), report...
+        return 0
+
+    return run_job(PROG, config.device, job)
+"""
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import nn
+
+from fusion.training.checkpoint import (
+    check_model_tensors,
+    check_writable,
+    checkpoint_root,
+    latest_checkpoint,
+    newest_intact_checkpoint,
+    set_aside_damaged,
+)
+from fusion.training.config import resumed_config
+from fusion.training.distributed import Runtime, agree_on_rank0, init_runtime, shutdown
+from fusion.training.errors import TrainingError, one_line
+from fusion.training.report import flat, warn
+from fusion.training.safe_dcp import CheckedMetadata, fail
+from fusion.training.state import TRAIN_STATE, TrainState, match_saved
+
+C = TypeVar("C")
+
+
+# ------------------------------------------------------------------------------ the start
+
+
+@dataclass(frozen=True)
+class Start(Generic[C]):
+    """Where a run starts: its configuration (a resumed run's restored from its checkpoint),
+    its output directory and the checkpoint it resumes from (None: a new run)."""
+
+    config: C
+    output_dir: Path
+    resume: Path | None
+
+
+def plan_start(
+    config: C,
+    given: Collection[str],
+    output_dir: Path,
+    *,
+    prog: str,
+    inspect: Callable[[Path], TrainState],
+    fixed_groups: Collection[str],
+    prepare: Callable[[C, Path | None], C] | None = None,
+    outputs: Collection[str] = (),
+) -> Start[C]:
+    """Check the output directory and, with ``config.resume``, find the newest intact
+    checkpoint and restore its configuration; then set damaged newer checkpoints aside.
+
+    A newer checkpoint that ``inspect`` refuses is reported in a warning and renamed to
+    ``step_<N>.damaged``, never deleted; nothing else on disk changes here.
+
+    Args:
+        config: the command line's configuration (a dataclass with ``resume``).
+        given: the names of the fields given as flags.
+        output_dir: the run's directory (``--output-dir``).
+        prog: the recipe's name in warnings.
+        inspect: checks one checkpoint directory, returning its train state (its ``config``
+            the recipe's) or raising ``TrainingError``.
+        fixed_groups: the config groups a resumed run may not change
+            (:func:`~fusion.training.config.resumed_config`).
+        prepare: the recipe's last word on the configuration before the directory is used:
+            its own checks, or settings it derives; gets the checkpoint resumed from (None:
+            a new run) and returns the configuration to run.
+        outputs: names of files or directories in ``output_dir`` that, like checkpoints,
+            mean a run is already there.
+
+    Raises:
+        TrainingError: the path is not a directory or not writable; a new run would write
+            where a run already is; ``--resume`` finds no intact checkpoint, or flags that
+            would change the run; ``prepare`` refuses. Nothing on disk changes then.
+    """
+    try:
+        if output_dir.exists() and not output_dir.is_dir():
+            raise TrainingError(f"--output-dir: {output_dir} exists and is not a directory")
+        root = checkpoint_root(output_dir)
+        if not config.resume:  # type: ignore[attr-defined]
+            latest = latest_checkpoint(root)
+            there = [name for name in outputs if (output_dir / name).exists()]
+            if latest is not None or there:
+                what = f"checkpoints (latest: {latest.name})" if latest else f"a {there[0]}/"
+                raise TrainingError(
+                    f"--output-dir: {output_dir} already holds {what}; pass --resume to "
+                    "continue that run, or choose another --output-dir (nothing was changed)"
+                )
+            config = prepare(config, None) if prepare else config
+            check_writable(output_dir, root)
+            return Start(config, output_dir, None)
+        resume, state, damaged = newest_intact_checkpoint(root, inspect)
+        config = resumed_config(config, given, state.config, state.step, fixed_groups=fixed_groups)
+        config = prepare(config, resume) if prepare else config
+        check_writable(output_dir, root)
+        set_aside_damaged(damaged, resume, lambda message: warn(prog, message))
+        return Start(config, output_dir, resume)
+    except OSError as error:
+        raise TrainingError(
+            f"--output-dir: cannot use {output_dir} ({error.strerror or error})"
+        ) from None
+
+
+def agree_on_start(
+    runtime: Runtime, plan: Callable[[], Start[C]], config_class: Callable[..., C]
+) -> Start[C]:
+    """Rank 0 plans the start (say :func:`plan_start`); every process gets its verdict, so
+    all of them run the same configuration (a ``config_class`` dataclass), or fail alike with
+    the same message."""
+
+    def encode(start: Start[C]) -> tuple[dict[str, Any], str, str | None]:
+        resume = None if start.resume is None else str(start.resume)
+        return dataclasses.asdict(start.config), str(start.output_dir), resume  # type: ignore[call-overload]
+
+    def decode(verdict: tuple[dict[str, Any], str, str | None]) -> Start[C]:
+        values, output_dir, resume = verdict
+        resumed = None if resume is None else Path(resume)
+        return Start(config_class(**values), Path(output_dir), resumed)
+
+    return agree_on_rank0(runtime, plan, encode, decode)
+
+
+def default_output_dir(name: str) -> Path:
+    """A new run's directory when none is given: ``runs/<name>-<date>-<time>`` (``-2``,
+    ``-3``, ... if it exists)."""
+    base = Path("runs") / time.strftime(f"{name}-%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+# ------------------------------------------------------------- checkpoints against a config
+
+
+def check_config_model(
+    path: Path, checked: CheckedMetadata, build: Callable[[], nn.Module], *, layers: int
+) -> None:
+    """The model tensors of checkpoint ``path`` (``checked``, its metadata) must be exactly
+    those of the model its stored config describes: ``build()`` on the meta device (no
+    memory), compared before anything is allocated.
+
+    ``layers`` is how many layers the config asks for: building costs time per layer even on
+    the meta device, so a count the stored tensors cannot hold is refused first.
+
+    Raises:
+        TrainingError: naming the file and what does not fit.
+    """
+    stored = checked.tensors("model.")
+    if layers > len(stored):
+        raise fail(
+            path / TRAIN_STATE,
+            f"config has {layers} layers, but the checkpoint holds only {len(stored)} "
+            "model tensors",
+        )
+    try:
+        with torch.device("meta"):
+            model = build()
+    except (RuntimeError, ValueError, OverflowError) as error:
+        raise fail(path / TRAIN_STATE, f"its config builds no model: {one_line(error)}") from None
+    check_model_tensors(path, checked, model)
+
+
+def check_optimizer_state(
+    path: Path,
+    state: TrainState,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Check the optimizer hyper-parameters and scheduler state of checkpoint ``path`` (its
+    train state ``state``) against an ``optimizer`` and ``scheduler`` built as the run builds
+    them (one parameter will do), so that a damaged one is found while choosing the checkpoint
+    to resume, before the run is built.
+
+    Raises:
+        TrainingError: naming the file and the key that does not fit.
+    """
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    match_saved(path, "optimizer.param_groups", state.param_groups, groups)
+    match_saved(path, "scheduler", state.scheduler, scheduler.state_dict())
+
+
+# ------------------------------------------------------------------------ the exit status
+
+
+def run_job(prog: str, device: str, job: Callable[[Runtime], int]) -> int:
+    """Run ``job`` on this process's runtime (:func:`~fusion.training.init_runtime` of
+    ``device``), shut it down in any case, and return the exit status: ``job``'s, or 1 with
+    one line on stderr (no traceback) for a ``TrainingError`` (said by the main process: every
+    process fails alike), an I/O error or running out of memory (said by each process, with
+    its rank), or 130 on Ctrl-C. Other errors are bugs, whose traceback is wanted."""
+    runtime = None
+    try:
+        runtime = init_runtime(device)
+        return job(runtime)
+    except TrainingError as error:
+        if runtime is None or runtime.is_main:
+            print(f"{prog}: error: {flat(error)}", file=sys.stderr)
+        return 1
+    except (OSError, MemoryError, RuntimeError) as error:
+        # Disk full, a vanished directory, out of memory: this process's own failure.
+        out_of_memory = isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
+            "can't allocate memory" in str(error)  # torch's CPU allocator
+        )
+        if not isinstance(error, OSError) and not out_of_memory:
+            raise
+        where = f"[rank {runtime.rank}] " if runtime is not None and runtime.distributed else ""
+        kind = "out of memory" if out_of_memory else "I/O error"
+        print(f"{prog}: error: {where}{kind}: {flat(one_line(error))}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (checkpoints already committed are intact)", file=sys.stderr)
+        return 130
+    finally:
+        if runtime is not None:
+            shutdown(runtime)

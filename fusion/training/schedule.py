@@ -1,0 +1,29 @@
+"""The learning-rate schedule of the recipes: linear warm-up, then cosine decay to 0."""
+
+import math
+
+import torch
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """The factor of the peak learning rate at ``step`` (counted from 0): linear warm-up over
+    ``warmup`` steps, then cosine decay to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup: int, total: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """``optimizer``'s schedule of :func:`lr_factor` over ``total`` steps.
+
+    The factor is a plain function, not a callable object: ``LambdaLR`` stores a callable
+    object's attributes in its state dict, which a checkpoint keeps and a resumed run compares.
+    """
+
+    def factor(step: int) -> float:
+        return lr_factor(step, warmup, total)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
