@@ -3,7 +3,6 @@ with, :func:`train_step` is one optimizer step over its micro-batches, :func:`ev
 eval loss, :func:`train` the loop with its checkpoints."""
 
 import dataclasses
-import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from fusion.training import (
     progress_bar,
     restore_checkpoint,
     save_checkpoint,
+    warmup_cosine,
     wrap_model,
 )
 from fusion.training.fingerprint import fingerprint_changes, model_fingerprint
@@ -107,14 +107,6 @@ def check_base_model(path: Path, state: TrainState, config: FinetuneConfig) -> N
             f"model: in --model {config.model}, {'; '.join(changes)} since it was saved; "
             "resume with the model directory it was trained on"
         )
-
-
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -264,9 +256,7 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
         weight_decay=config.weight_decay,
     )
     total = len(plan)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, config.warmup_steps, total)
-    )
+    scheduler = warmup_cosine(optimizer, config.warmup_steps, total)
     return Setup(
         config,
         runtime,
