@@ -150,6 +150,44 @@ QWEN_CHAT_TEMPLATE = (
 QWEN_PIXELS = {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 20}
 
 
+def hf_logits(hf, ids, pixels, grid, attention_mask=None) -> torch.Tensor:
+    """transformers' logits on image prompts (``mm_token_type_ids`` as its processor gives
+    them, without which it falls back to 1-D positions)."""
+    images = {"pixel_values": pixels, "image_grid_thw": grid} if len(grid) else {}
+    with torch.no_grad():
+        return hf(
+            input_ids=ids,
+            attention_mask=attention_mask,
+            mm_token_type_ids=mm_token_type_ids(ids),
+            **images,
+        ).logits
+
+
+def our_logits(model, ids, pixels, grid, **kwargs) -> torch.Tensor:
+    """An ``EarlyFusion`` Qwen model's logits on the same inputs."""
+    images = {"image": {"pixel_values": pixels, "image_grid_thw": grid}} if len(grid) else {}
+    with torch.no_grad():
+        return model(ids, encoder_input=images, **kwargs)
+
+
+def left_padded_mask(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fusion's left padding for an attention mask [b, s]: positions (pads at 0, each sample
+    from 0) and the [b, s, s] mask (causal over real tokens, each pad seeing itself)."""
+    length = attention.size(1)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    mask = causal & (attention.bool()[:, None, :] | torch.eye(length, dtype=torch.bool))
+    return (attention.cumsum(1) - 1).clamp(min=0), mask
+
+
+def packed_row(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed row of samples of ``lengths``: positions [1, s] restarting at each sample
+    and the block-causal mask [1, s, s]."""
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    sample_of = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    causal = torch.ones(len(sample_of), len(sample_of), dtype=torch.bool).tril()
+    return positions, (causal & (sample_of[:, None] == sample_of[None, :]))[None]
+
+
 def write_qwen_dir(
     directory: Path, model_type: str = "qwen2_5_vl", seed: int = 0, *, tied: bool = False
 ) -> Path:

@@ -16,9 +16,13 @@ from qwen_helpers import (
     MERGE,
     MODEL_TYPES,
     PAD,
+    hf_logits,
     image_prompt,
     left_pad,
+    left_padded_mask,
     mm_token_type_ids,
+    our_logits,
+    packed_row,
     tiny_hf_qwen,
 )
 
@@ -34,23 +38,6 @@ def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, EarlyFusion]:
     hf.save_pretrained(directory)
     assert hf_model_kind(directory) == "qwen2_vl"
     return hf, load_hf_vlm(directory).eval()
-
-
-def hf_logits(hf, ids, pixels, grid, attention_mask=None) -> torch.Tensor:
-    images = {"pixel_values": pixels, "image_grid_thw": grid} if len(grid) else {}
-    with torch.no_grad():
-        return hf(
-            input_ids=ids,
-            attention_mask=attention_mask,
-            mm_token_type_ids=mm_token_type_ids(ids),
-            **images,
-        ).logits
-
-
-def our_logits(model, ids, pixels, grid, **kwargs) -> torch.Tensor:
-    images = {"image": {"pixel_values": pixels, "image_grid_thw": grid}} if len(grid) else {}
-    with torch.no_grad():
-        return model(ids, encoder_input=images, **kwargs)
 
 
 @pytest.mark.parametrize("case", [ONE_IMAGE, TWO_IMAGES, TEXT_ONLY], ids=["one", "two", "text"])
@@ -74,12 +61,9 @@ def test_left_padded_batch_matches_transformers(pair):
     grid = torch.cat([s[2] for s in samples])
     theirs = hf_logits(hf, ids, pixels, grid, attention)
     # fusion's left padding: pads at position 0, each sample from 0, pads attend to themselves
-    positions = (attention.cumsum(1) - 1).clamp(min=0)
-    real = attention.bool()
-    causal = torch.ones(ids.size(1), ids.size(1), dtype=torch.bool).tril()
-    mask = causal & (real[:, None, :] | torch.eye(ids.size(1), dtype=torch.bool))
+    positions, mask = left_padded_mask(attention)
     ours = our_logits(model, ids, pixels, grid, mask=mask, input_pos=positions)
-    assert (ours - theirs)[real].abs().max() <= 1e-4
+    assert (ours - theirs)[attention.bool()].abs().max() <= 1e-4
 
 
 def test_packed_row_gives_each_sample_its_own_logits(pair):
@@ -89,10 +73,7 @@ def test_packed_row_gives_each_sample_its_own_logits(pair):
     ]
     alone = [our_logits(model, *s)[0] for s in samples]
     ids = torch.cat([s[0] for s in samples], dim=1)
-    positions = torch.cat([torch.arange(s[0].size(1)) for s in samples])[None]
-    sample_of = torch.cat([torch.full((s[0].size(1),), i) for i, s in enumerate(samples)])
-    causal = torch.ones(ids.size(1), ids.size(1), dtype=torch.bool).tril()
-    mask = (causal & (sample_of[:, None] == sample_of[None, :]))[None]
+    positions, mask = packed_row([s[0].size(1) for s in samples])
     packed = our_logits(
         model,
         ids,

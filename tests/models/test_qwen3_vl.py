@@ -11,7 +11,17 @@ from fusion.checkpoint import export_hf, load_hf_vlm, load_state_dict
 from fusion.checkpoint.hf_vlm import hf_model_kind
 from fusion.positions import mrope_positions
 from qwen3_helpers import PATCH_WIDTH, tiny_hf_qwen3
-from qwen_helpers import IMAGE_PAD, PAD, image_prompt, left_pad, mm_token_type_ids
+from qwen_helpers import (
+    IMAGE_PAD,
+    PAD,
+    hf_logits,
+    image_prompt,
+    left_pad,
+    left_padded_mask,
+    mm_token_type_ids,
+    our_logits,
+    packed_row,
+)
 
 ONE_IMAGE = ([(1, 6, 10)], [3, 5])
 TWO_IMAGES = ([(1, 4, 4), (1, 10, 6)], [2, 3, 4])
@@ -32,23 +42,6 @@ def pair(tmp_path_factory) -> tuple[torch.nn.Module, EarlyFusion]:
     hf.save_pretrained(directory)
     assert hf_model_kind(directory) == "qwen3_vl"
     return hf, load_hf_vlm(directory).eval()
-
-
-def hf_logits(hf, ids, pixels, grid, attention_mask=None) -> torch.Tensor:
-    images = {"pixel_values": pixels, "image_grid_thw": grid} if len(grid) else {}
-    with torch.no_grad():
-        return hf(
-            input_ids=ids,
-            attention_mask=attention_mask,
-            mm_token_type_ids=mm_token_type_ids(ids),
-            **images,
-        ).logits
-
-
-def our_logits(model, ids, pixels, grid, **kwargs) -> torch.Tensor:
-    images = {"image": {"pixel_values": pixels, "image_grid_thw": grid}} if len(grid) else {}
-    with torch.no_grad():
-        return model(ids, encoder_input=images, **kwargs)
 
 
 @pytest.mark.parametrize("case", [ONE_IMAGE, TWO_IMAGES, TEXT_ONLY], ids=["one", "two", "text"])
@@ -82,12 +75,9 @@ def test_left_padded_batch_matches_transformers(pair):
     pixels = torch.cat([s[1] for s in samples])
     grid = torch.cat([s[2] for s in samples])
     theirs = hf_logits(hf, ids, pixels, grid, attention)
-    positions = (attention.cumsum(1) - 1).clamp(min=0)
-    real = attention.bool()
-    causal = torch.ones(ids.size(1), ids.size(1), dtype=torch.bool).tril()
-    mask = causal & (real[:, None, :] | torch.eye(ids.size(1), dtype=torch.bool))
+    positions, mask = left_padded_mask(attention)
     ours = our_logits(model, ids, pixels, grid, mask=mask, input_pos=positions)
-    assert (ours - theirs)[real].abs().max() <= 1e-4
+    assert (ours - theirs)[attention.bool()].abs().max() <= 1e-4
 
 
 def test_packed_row_keeps_deepstack_rows_in_their_samples(pair):
@@ -95,10 +85,7 @@ def test_packed_row_keeps_deepstack_rows_in_their_samples(pair):
     samples = [prompt(case, seed=i) for i, case in enumerate([ONE_IMAGE, TEXT_ONLY, TWO_IMAGES])]
     alone = [our_logits(model, *s)[0] for s in samples]
     ids = torch.cat([s[0] for s in samples], dim=1)
-    positions = torch.cat([torch.arange(s[0].size(1)) for s in samples])[None]
-    sample_of = torch.cat([torch.full((s[0].size(1),), i) for i, s in enumerate(samples)])
-    causal = torch.ones(ids.size(1), ids.size(1), dtype=torch.bool).tril()
-    mask = (causal & (sample_of[:, None] == sample_of[None, :]))[None]
+    positions, mask = packed_row([s[0].size(1) for s in samples])
     packed = our_logits(
         model,
         ids,
