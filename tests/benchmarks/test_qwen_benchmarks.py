@@ -1,0 +1,134 @@
+"""The Qwen2.5-VL contestants of ``benchmarks/finetune.py`` and ``benchmarks/vlm_generation.py``
+run end to end in their quick mode (``--family qwen2_5_vl --quick``, rounds in alternating
+order), and the full runs' models have Qwen2.5-VL-3B's widths."""
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_script(name: str):
+    """The script as a module; its sibling imports (``common``) resolve as when it runs."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(name: str, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def test_full_model_has_qwen2_5_vl_3b_widths():
+    """What the full runs build: the 3B's published widths, 2 text layers, 2 vision blocks (one
+    windowed, one full), samples whose images differ in size."""
+    from transformers import Qwen2_5_VLConfig
+
+    finetune = load_script("finetune")
+    config = finetune.hf_config(False, "qwen2_5_vl")
+    hf = Qwen2_5_VLConfig(**config)
+    text, vision = hf.text_config, hf.vision_config
+    assert (text.vocab_size, text.hidden_size, text.intermediate_size) == (151936, 2048, 11008)
+    assert (text.num_attention_heads, text.num_key_value_heads) == (16, 2)
+    assert text.num_hidden_layers == 2 and hf.tie_word_embeddings
+    assert text.rope_parameters["mrope_section"] == [16, 24, 24]
+    assert text.rope_parameters["rope_theta"] == 1e6
+    assert (vision.hidden_size, vision.num_heads, vision.intermediate_size) == (1280, 16, 3420)
+    assert (vision.out_hidden_size, vision.window_size, vision.patch_size) == (2048, 112, 14)
+    assert (vision.spatial_merge_size, vision.depth, vision.fullatt_block_indexes) == (2, 2, [1])
+    assert hf.image_token_id == 151655 and hf.vision_start_token_id == 151652
+
+    samples = finetune.make_samples(8, config, seed=0, quick=False)
+    grids = [tuple(s.image_grid_thw[0].tolist()) for s in samples]
+    assert len(set(grids)) > 1
+    for (t, h, w), sample in zip(grids, samples, strict=True):
+        assert t == 1 and 16 <= h <= 32 and 16 <= w <= 32 and h % 2 == w % 2 == 0
+        assert int((sample.tokens == hf.image_token_id).sum()) == h * w // 4
+        assert sample.pixel_values.shape == (h * w, 3 * 2 * 14 * 14)
+
+
+def test_finetune_quick_qwen2_5_vl(tmp_path):
+    stdout = run_script(
+        "finetune.py", "--quick", "--family", "qwen2_5_vl", "--rounds", "2", "--out", str(tmp_path)
+    )
+    report = json.loads((tmp_path / "finetune_qwen2_5_vl.json").read_text())
+    assert (tmp_path / "finetune_qwen2_5_vl_cpu.txt").read_text() in stdout
+    results = report["results"]
+    assert set(results) == {"transformers_padded", "fusion_padded", "fusion_packed"}
+    # Same weights, samples and loss on every side, in every round.
+    assert report["first_step_losses_agree"]
+    assert len({tuple(r["tokens"]) for r in results.values()}) == 1
+    assert len({r["trainable_parameters"] for r in results.values()}) == 1
+    assert results["fusion_packed"]["padding_fraction"] == 0.0
+    assert results["fusion_padded"]["positions"] == results["transformers_padded"]["positions"]
+    assert results["fusion_padded"]["padding_fraction"] > 0
+    # Images of different sizes, some with several 56-pixel (4-patch) windows.
+    grids = report["model"]["image_grids_thw"]
+    assert len({tuple(g) for g in grids}) > 1 and max(max(g[1:]) for g in grids) > 4
+    baseline = results["transformers_padded"]["tokens_per_s_rounds"]
+    cpu_baseline = results["transformers_padded"]["tokens_per_cpu_s_rounds"]
+    for name, r in results.items():
+        assert len(r["tokens_per_s_rounds"]) == len(r["losses_rounds"]) == 2
+        assert r["tokens_per_s"] == pytest.approx(statistics.median(r["tokens_per_s_rounds"]))
+        paired = [a / b for a, b in zip(r["tokens_per_s_rounds"], baseline, strict=True)]
+        assert r["x_transformers_tokens_per_s"] == pytest.approx(statistics.median(paired))
+        cpu = [a / b for a, b in zip(r["tokens_per_cpu_s_rounds"], cpu_baseline, strict=True)]
+        assert r["x_transformers_tokens_per_cpu_s"] == pytest.approx(statistics.median(cpu))
+        assert len(r["step_cpu_s"]) == 2 and min(r["step_cpu_s"]) > 0
+        assert r["peak_memory_bytes"] > 0 and name in stdout
+    # Alternating order: first in round 0 is last in round 1.
+    assert results["transformers_padded"]["order_rounds"] == [0, 2]
+    assert results["fusion_packed"]["order_rounds"] == [2, 0]
+
+
+def test_vlm_generation_quick_qwen2_5_vl(tmp_path):
+    stdout = run_script(
+        "vlm_generation.py",
+        "--quick",
+        "--family",
+        "qwen2_5_vl",
+        "--rounds",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
+    report = json.loads((tmp_path / "vlm_generation_qwen2_5_vl.json").read_text())
+    assert report["same_tokens"] and "same tokens: True" in stdout
+    assert report["model"]["image_rows"] == 6  # 40 x 56 resized to 56 x 84: 4 x 6 patches
+    assert report["model"]["image_grid_thw"] == [[1, 4, 6]]
+    rounds = {side: report["results"][side]["rounds"] for side in ("fusion", "transformers")}
+    for side, runs in rounds.items():
+        r = report["results"][side]
+        assert r["new_tokens"] == 4 and len(runs) == 2
+        assert r["total_cpu_s"] >= r["first_token_cpu_s"] > 0
+        median = statistics.median(x["tokens_per_s"] for x in runs)
+        assert r["tokens_per_s"] == pytest.approx(median)
+    paired = [
+        a["tokens_per_s"] / b["tokens_per_s"]
+        for a, b in zip(rounds["fusion"], rounds["transformers"], strict=True)
+    ]
+    assert report["speedup_tokens_per_s"] == pytest.approx(statistics.median(paired))
+    cpu = report["paired_speedups"]["total_cpu_s"]
+    expected = [b["total_cpu_s"] / a["total_cpu_s"] for a, b in zip(*rounds.values(), strict=True)]
+    assert cpu["rounds"] == pytest.approx(expected)
+    assert cpu["median"] == pytest.approx(statistics.median(expected))
