@@ -216,3 +216,79 @@ def write_qwen_dir(
     }
     (directory / "preprocessor_config.json").write_text(json.dumps(settings, indent=2))
     return directory
+
+
+# What the fine-tuning tests compare with: transformers' processor, model and loss.
+
+
+def hf_processor(directory):
+    """transformers' ``AutoProcessor`` of ``directory`` (without torchvision)."""
+    import warnings
+
+    import pytest
+    from transformers import AutoProcessor
+
+    from vlm_helpers import without_torchvision_video
+
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        without_torchvision_video(patch)
+        warnings.simplefilter("ignore")
+        return AutoProcessor.from_pretrained(directory)
+
+
+def hf_model(directory):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(directory).eval()
+
+
+def hf_inputs(processor, messages, **kwargs):
+    """transformers' ``apply_chat_template`` ids, patches, grids (images read from the
+    paths)."""
+    return processor.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_tensors="pt", **kwargs
+    )
+
+
+def fusion_inputs(directory, messages, images, *, add_generation_prompt: bool = False):
+    """Our tokens and encoder input for ``messages`` with the directory's template."""
+    from fusion.data import ChatTemplate
+    from fusion.preprocessing import load_image, prepare_inputs
+
+    prompt = ChatTemplate.from_directory(directory).render(
+        messages, add_generation_prompt=add_generation_prompt
+    )
+    inputs = prepare_inputs(directory, prompt, [load_image(path) for path in images])
+    return inputs.tokens(PAD), inputs.encoder_input()
+
+
+def transformers_first_loss(hf, processor, directory, data) -> float:
+    """transformers' mean cross-entropy over the assistant tokens of ``data``'s
+    conversations, checking on the way that our samples hold transformers' ids, patches and
+    grids, and that their targets are each answer and its ``<|im_end|>``, nothing else."""
+    from fusion.data import IGNORE_INDEX, ConversationEncoder, read_conversations
+
+    encoder = ConversationEncoder.from_directory(directory)
+    total = targets = 0.0
+    for conversation in read_conversations(data).conversations:
+        sample = encoder.encode_conversation(conversation)
+        inputs = hf_inputs(processor, conversation.messages)
+        assert inputs["input_ids"][0].tolist() == sample.tokens.tolist()
+        if conversation.images:
+            assert torch.equal(inputs["pixel_values"], sample.pixel_values)
+            assert torch.equal(inputs["image_grid_thw"], sample.image_grid_thw)
+        answers = [m["content"] for m in conversation.messages if m["role"] == "assistant"]
+        answers = [a if isinstance(a, str) else a[0]["text"] for a in answers]
+        expected_targets = [
+            t
+            for a in answers
+            for t in [*encoder.tokenizer.encode(a, add_special_tokens=False).ids, EOS]
+        ]
+        assert sample.labels[sample.labels != IGNORE_INDEX].tolist() == expected_targets
+        labels = torch.full_like(sample.tokens, IGNORE_INDEX)  # unshifted: transformers shifts
+        labels[1:] = sample.labels[:-1]
+        with torch.no_grad():
+            loss = hf(**inputs, labels=labels[None]).loss
+        total += loss.item() * sample.num_targets
+        targets += sample.num_targets
+    return total / targets

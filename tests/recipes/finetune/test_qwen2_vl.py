@@ -5,7 +5,6 @@ assistant tokens; exports keep the input's weight keys, change only what trains,
 transformers with our logits and greedy answers."""
 
 import json
-import warnings
 
 import numpy as np
 import pytest
@@ -15,11 +14,17 @@ from safetensors.torch import load_file
 
 from fusion import generate
 from fusion.checkpoint import load_hf_vlm
-from fusion.data import IGNORE_INDEX, ChatTemplate, ConversationEncoder, read_conversations
-from fusion.preprocessing import load_image, prepare_inputs
-from qwen_helpers import EOS, PAD, write_qwen_dir
+from fusion.data import read_conversations
+from qwen_helpers import (
+    PAD,
+    fusion_inputs,
+    hf_inputs,
+    hf_model,
+    hf_processor,
+    transformers_first_loss,
+    write_qwen_dir,
+)
 from recipes.finetune import main
-from vlm_helpers import without_torchvision_video
 
 # (model type, --train): packed or not. Each family runs packed and padded.
 RUNS = {
@@ -118,71 +123,15 @@ def run(qwen_dirs, data, tmp_path_factory, ft):
     return get
 
 
-def hf_processor(directory):
-    """transformers' ``AutoProcessor`` of ``directory`` (without torchvision)."""
-    from transformers import AutoProcessor
-
-    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
-        without_torchvision_video(patch)
-        warnings.simplefilter("ignore")
-        return AutoProcessor.from_pretrained(directory)
-
-
-def hf_model(directory):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(directory).eval()
-
-
-def hf_inputs(processor, messages, **kwargs):
-    """transformers' ``apply_chat_template`` ids, patches, grids (images read from the
-    paths)."""
-    return processor.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_tensors="pt", **kwargs
-    )
-
-
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
 def test_first_loss_packed_equals_padded_equals_transformers(model_type, run, qwen_dirs, data):
     directory = qwen_dirs[model_type]
     hf, processor = hf_model(directory), hf_processor(directory)
-    encoder = ConversationEncoder.from_directory(directory)
-    total = targets = 0.0
-    for conversation in read_conversations(data).conversations:
-        sample = encoder.encode_conversation(conversation)
-        inputs = hf_inputs(processor, conversation.messages)
-        assert inputs["input_ids"][0].tolist() == sample.tokens.tolist()
-        if conversation.images:
-            assert torch.equal(inputs["pixel_values"], sample.pixel_values)
-            assert torch.equal(inputs["image_grid_thw"], sample.image_grid_thw)
-        # The targets: each assistant message's text and its <|im_end|> (EOS), nothing else.
-        answers = [m["content"] for m in conversation.messages if m["role"] == "assistant"]
-        answers = [a if isinstance(a, str) else a[0]["text"] for a in answers]
-        expected_targets = [
-            t
-            for a in answers
-            for t in [*encoder.tokenizer.encode(a, add_special_tokens=False).ids, EOS]
-        ]
-        assert sample.labels[sample.labels != IGNORE_INDEX].tolist() == expected_targets
-        labels = torch.full_like(sample.tokens, IGNORE_INDEX)  # unshifted: transformers shifts
-        labels[1:] = sample.labels[:-1]
-        with torch.no_grad():
-            loss = hf(**inputs, labels=labels[None]).loss
-        total += loss.item() * sample.num_targets
-        targets += sample.num_targets
-    expected = total / targets
+    expected = transformers_first_loss(hf, processor, directory, data)
     for (kind, mode), packed in RUNS.items():  # each family runs packed and padded
         if kind == model_type:
             loss = json.loads((run(kind, mode) / "metrics.json").read_text())["losses"][0]
             assert loss == pytest.approx(expected, rel=1e-5), f"{mode}, packed={packed}"
-
-
-def fusion_inputs(directory, messages, images, *, add_generation_prompt: bool = False):
-    prompt = ChatTemplate.from_directory(directory).render(
-        messages, add_generation_prompt=add_generation_prompt
-    )
-    inputs = prepare_inputs(directory, prompt, [load_image(path) for path in images])
-    return inputs.tokens(PAD), inputs.encoder_input()
 
 
 @pytest.mark.parametrize("model_type, mode", list(RUNS), ids=[f"{t}-{m}" for t, m in RUNS])
