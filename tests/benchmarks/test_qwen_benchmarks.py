@@ -4,15 +4,12 @@ order), and the full runs' models have Qwen2.5-VL-3B's widths."""
 
 import importlib.util
 import json
-import os
 import statistics
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from bench_helpers import BENCHMARKS, run_script
 
 
 def load_script(name: str):
@@ -23,20 +20,6 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def run_script(name: str, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout + done.stderr
 
 
 def test_full_model_has_qwen2_5_vl_3b_widths():

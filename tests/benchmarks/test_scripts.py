@@ -2,31 +2,12 @@
 measure: every contestant, the floor, transient memory and host synchronisation."""
 
 import json
-import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench_helpers import BENCHMARKS, run_script
 from fusion.merge.fused import triton
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def run_script(name: str, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout + done.stderr
 
 
 def test_merge_kernels_quick(tmp_path):
