@@ -4,8 +4,9 @@ what a resumed run takes from its checkpoint."""
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -292,15 +293,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[FinetuneConfig, frozenset
     return dataclasses.replace(config, **absolute), frozenset(given)
 
 
-def resumed_config(
-    config: FinetuneConfig, given: Collection[str], stored: FinetuneConfig, step: int
-) -> FinetuneConfig:
-    """The configuration of a run resumed at ``step`` from a checkpoint storing ``stored``:
-    the stored one with this invocation's ``session`` settings and the ``run`` settings given
-    (:func:`fusion.training.config.resumed_config`).
-
-    Raises:
-        TrainingError: a ``data``, ``model`` or ``optim`` flag given with another value than
-            the checkpoint's (another run), or ``--steps`` below the checkpoint's step.
-    """
-    return shared.resumed_config(config, given, stored, step, fixed_groups=FIXED_GROUPS)
+# A resumed run's configuration: the stored one with this invocation's session settings and the
+# run settings given; a data, model or optim flag that changes is refused.
+resumed_config = partial(shared.resumed_config, fixed_groups=FIXED_GROUPS)
