@@ -1,7 +1,7 @@
 """EarlyFusion: encoders whose outputs are written into a text decoder's input embeddings."""
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, cast
 
 import torch
@@ -218,9 +218,22 @@ class EarlyFusion(nn.Module):
                 f"{sorted(self.encoders)}"
             )
         return {
-            name: self.encoders[name](**value) if isinstance(value, Mapping) else value
+            name: self._run_encoder(name, value) if isinstance(value, Mapping) else value
             for name, value in encoder_input.items()
         }
+
+    def _run_encoder(self, name: str, kwargs: Mapping[str, Any]) -> EncoderRows:
+        """Call encoder ``name``; one with nothing to train (every parameter frozen, no input
+        asking for a gradient) runs under ``torch.no_grad()``: its forward is all it costs,
+        since autograd records nothing for it and keeps none of its activations."""
+        encoder = self.encoders[name]
+        frozen = (
+            torch.is_grad_enabled()
+            and not any(p.requires_grad for p in encoder.parameters())
+            and not any(isinstance(v, torch.Tensor) and v.requires_grad for v in kwargs.values())
+        )
+        with torch.no_grad() if frozen else nullcontext():
+            return encoder(**kwargs)
 
     def forward(
         self,

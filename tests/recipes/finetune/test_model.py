@@ -58,3 +58,37 @@ def test_activation_checkpointing_changes_no_key_output_or_gradient(model_dirs):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def saved_for_backward(model: EarlyFusion, module: torch.nn.Module) -> tuple[int, torch.Tensor]:
+    """How many tensors autograd keeps from ``module``'s forward (inside the model's forward on
+    one 16 x 16 image), and the image's rows the merge receives."""
+    inside, saved = [0], [0]  # the tower's modules running now (the encoder may call its parts)
+    for part in module.modules():
+        part.register_forward_pre_hook(lambda *_: inside.__setitem__(0, inside[0] + 1))
+        part.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] - 1))
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[0] += inside[0] > 0
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        rows = model.encode({"image": {"pixel_values": torch.randn(1, 3, 16, 16)}})["image"]
+    assert isinstance(rows, torch.Tensor)
+    return saved[0], rows
+
+
+def test_frozen_parts_cost_only_their_forward(model_dirs):
+    """A frozen vision tower keeps no activation for backward in any --train mode that
+    freezes it, and an encoder with nothing to train (lora) hands the merge rows without a
+    graph; training the tower (--train-vision) does keep them, so the count can fail."""
+    for settings in ({"train": "lora"}, {"train": "projector"}, {"train": "full"}):
+        model, _ = trained(model_dirs["llava"], **settings)
+        assert isinstance(model, EarlyFusion)
+        encoder = model.encoders["image"]
+        count, rows = saved_for_backward(model, encoder.vision_tower)
+        assert count == 0, settings
+        assert rows.requires_grad == (settings["train"] != "lora"), settings
+    model, _ = trained(model_dirs["llava"], train="full", train_vision=True)
+    assert isinstance(model, EarlyFusion)
+    assert saved_for_backward(model, model.encoders["image"].vision_tower)[0] > 0
