@@ -6,7 +6,12 @@ import statistics
 
 import pytest
 
-from bench_helpers import BENCHMARKS, run_script
+from bench_helpers import (
+    BENCHMARKS,
+    FINETUNE_CONTESTANTS,
+    assert_padding_free_matches_padded,
+    run_script,
+)
 from fusion.merge.fused import triton
 
 
@@ -96,17 +101,37 @@ def test_finetune_quick(tmp_path):
     stdout = run_script("finetune.py", "--quick", "--out", str(tmp_path))
     report = json.loads((tmp_path / "finetune.json").read_text())
     results = report["results"]
-    assert set(results) == {"transformers_padded", "fusion_padded", "fusion_packed"}
+    assert set(results) == set(FINETUNE_CONTESTANTS)
+    assert report["settings"]["rounds"] == 1  # --quick: one round unless --rounds
     assert report["first_step_losses_agree"]  # same weights, samples and loss on every side
+    assert_padding_free_matches_padded(report, rounds=1)
     tokens = {name: r["tokens"] for name, r in results.items()}
     assert len({tuple(t) for t in tokens.values()}) == 1  # the same samples for everyone
     assert results["fusion_packed"]["padding_fraction"] == 0.0
     assert results["fusion_padded"]["positions"] == results["transformers_padded"]["positions"]
     assert results["fusion_padded"]["padding_fraction"] > 0
+    packed_positions = results["fusion_packed"]["positions"]  # the same rows
+    assert results["transformers_padding_free"]["positions"] == packed_positions
     for name, r in results.items():
         assert r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
-        assert r["x_transformers_tokens_per_s"] > 0
         assert name in stdout
+    # The paired ratios: to transformers padded (everyone else), to transformers padding-free
+    # (fusion's), and fusion packed to fusion padded.
+    has = {
+        prefix: {name for name, r in results.items() if f"x_{prefix}_tokens_per_s" in r}
+        for prefix in ("transformers", "padding_free", "fusion_padded")
+    }
+    assert has == {
+        "transformers": set(FINETUNE_CONTESTANTS) - {"transformers_padded"},
+        "padding_free": {"fusion_padded", "fusion_packed"},
+        "fusion_padded": {"fusion_packed"},
+    }
+    packed, padded = results["fusion_packed"], results["fusion_padded"]
+    for key, ratio in (("tokens_per_s", "tokens_per_s"), ("peak_memory_bytes", "peak_memory")):
+        assert packed[f"x_fusion_padded_{ratio}"] == pytest.approx(packed[key] / padded[key])
+        free = results["transformers_padding_free"][key]
+        assert packed[f"x_padding_free_{ratio}"] == pytest.approx(packed[key] / free)
+    assert "fusion_packed / fusion_padded" in stdout
     assert (tmp_path / "finetune_cpu.txt").read_text() in stdout
 
 
