@@ -12,8 +12,8 @@
 - :mod:`~fusion.training.safe_dcp`: reading DCP directories without executing code from them.
 - :mod:`~fusion.training.distributed`: one process or ``torchrun``; DDP or FSDP2;
   :func:`agree_on_rank0` (rank 0 decides, every process gets its verdict or its error).
-- :mod:`~fusion.training.report`: log lines and warnings, the progress bar, ``metrics.json``,
-  the loss plot.
+- :mod:`~fusion.training.report`: log lines and warnings, the progress bar, ``metrics.json``
+  (with :func:`peak_memory`), the loss plot.
 - :mod:`~fusion.training.config`: a recipe's config dataclass as its flags, read back from a
   checkpoint and merged on ``--resume``.
 - :mod:`~fusion.training.job`: a recipe's start (:func:`plan_start`, :func:`agree_on_start`:
@@ -26,7 +26,10 @@
   position alone (:class:`EpochSampler`) or of a token budget (``plan_steps``).
 - :mod:`~fusion.training.fingerprint`: a cheap fingerprint of a model directory's weights, so
   checkpoints that hold only what trains (``save_checkpoint(trainable_only=True)``) can
-  refuse a changed base.
+  refuse a changed base (:func:`check_base_model`).
+- :mod:`~fusion.training.export`: the end of a fine-tuning run, :func:`export_trained`: a
+  Hugging Face directory (LoRA merged) with the PEFT adapter beside it, written whole or not
+  at all (the trained tensors read back with :func:`load_model_tensors`).
 
 Every problem with a job's input is a :class:`TrainingError` whose message is one line
 naming the file (and key) or flag at fault; a recipe prints it and exits with status 1.
@@ -40,6 +43,7 @@ from fusion.training.checkpoint import (
     checkpoint_root,
     latest_checkpoint,
     list_checkpoints,
+    load_model_tensors,
     load_training_checkpoint,
     newest_intact_checkpoint,
     read_model_state_dict,
@@ -60,6 +64,8 @@ from fusion.training.distributed import (
     wrap_model,
 )
 from fusion.training.errors import TrainingError, one_line
+from fusion.training.export import export_trained
+from fusion.training.fingerprint import check_base_model
 from fusion.training.job import (
     Start,
     agree_on_start,
@@ -74,6 +80,7 @@ from fusion.training.report import (
     INSTALL_TRAIN_EXTRA,
     flat,
     log,
+    peak_memory,
     plot_if_available,
     plot_losses,
     plotting_unavailable,
@@ -98,6 +105,7 @@ __all__ = [
     "agree_on_rank0",
     "agree_on_start",
     "atomic_write_bytes",
+    "check_base_model",
     "check_config_model",
     "check_model_tensors",
     "check_optimizer_state",
@@ -105,12 +113,14 @@ __all__ = [
     "checkpoint_dir",
     "checkpoint_root",
     "default_output_dir",
+    "export_trained",
     "flat",
     "init_runtime",
     "key_error",
     "latest_checkpoint",
     "launched_by_torchrun",
     "list_checkpoints",
+    "load_model_tensors",
     "load_train_state",
     "load_training_checkpoint",
     "log",
@@ -119,6 +129,7 @@ __all__ = [
     "newest_intact_checkpoint",
     "one_line",
     "optimizer_step",
+    "peak_memory",
     "plan_start",
     "plot_if_available",
     "plot_losses",

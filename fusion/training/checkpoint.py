@@ -548,3 +548,24 @@ def read_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     with _quiet_single_process():
         safe_dcp.load(path, checked, wrapped, distributed=False)
     return wrapped["model"]
+
+
+def load_model_tensors(path: Path, model: nn.Module, *, trainable_only: bool = False) -> None:
+    """Load checkpoint ``path``'s model tensors into the plain single-process ``model`` in
+    place (say to export what a run trained): all of them, or with ``trainable_only`` (a
+    checkpoint :func:`save_checkpoint` wrote so) those of the parameters that train and the
+    buffers, the frozen base left as ``model`` holds it (loaded from where the run read it).
+
+    Raises:
+        TrainingError: the stored tensors are not exactly the ones ``model`` expects (keys,
+            shapes, dtypes), found before anything is allocated; a damaged checkpoint.
+    """
+    # The frozen parameters save_checkpoint leaves out (get_state_dict's ignore_frozen_params).
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    expected = {
+        key: (tuple(value.shape), value.dtype)
+        for key, value in model.state_dict().items()
+        if not (trainable_only and key in frozen)
+    }
+    check_tensors(path, expected, safe_dcp.read_metadata(path).tensors("model."), "model")
+    model.load_state_dict(read_model_state_dict(path), strict=not trainable_only)

@@ -18,6 +18,7 @@ from typing import Any
 from fusion._io import NotRegularFile, open_regular
 from fusion.checkpoint.files import _checkpoint_files
 from fusion.training.errors import TrainingError
+from fusion.training.state import TrainState
 
 CONFIG = "config.json"
 BLOCKS = 16
@@ -78,3 +79,31 @@ def fingerprint_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[
             what = "size" if was.get("size") != now.get("size") else "content"
             changes.append(f"{name} changed ({what})")
     return changes
+
+
+def check_base_model(
+    path: Path, state: TrainState, model_dir: str | os.PathLike, *, flag: str = "--model"
+) -> None:
+    """Refuse checkpoint ``path`` (its train state ``state``) when it holds only the tensors
+    that train (``state.trainable_only``) and ``model_dir``, the base given by ``flag``, is no
+    longer the one it was trained on (:func:`model_fingerprint` against
+    ``state.base_model``). A checkpoint of the whole model needs no base and passes.
+
+    Raises:
+        TrainingError: naming the checkpoint and the files that changed, or a checkpoint with
+            no fingerprint to check against.
+    """
+    if not state.trainable_only:
+        return
+    if state.base_model is None:
+        raise TrainingError(
+            f"--resume: {path} holds only the trained tensors but no fingerprint of its base "
+            f"model, so {flag} cannot be checked"
+        )
+    changes = fingerprint_changes(state.base_model, model_fingerprint(model_dir))
+    if changes:
+        raise TrainingError(
+            f"--resume: {path} holds only the trained tensors of a run on another base "
+            f"model: in {flag} {model_dir}, {'; '.join(changes)} since it was saved; "
+            "resume with the model directory it was trained on"
+        )

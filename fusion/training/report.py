@@ -9,10 +9,13 @@ The progress bar (tqdm) and the plot (matplotlib) come from the optional ``train
 
 import io
 import json
+import resource
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from fusion.training.checkpoint import atomic_write_bytes
 from fusion.training.distributed import Runtime
@@ -168,6 +171,16 @@ def plot_losses(
     fig.savefig(buffer, format="png")
     plt.close(fig)
     atomic_write_bytes(path, buffer.getvalue())
+
+
+def peak_memory(device: torch.device) -> dict[str, Any]:
+    """This process's peak memory, for ``metrics.json``: ``{"kind", "bytes"}``, the CUDA
+    allocator's peak on ``device`` (``cuda_max_allocated``) or else the peak resident set
+    (``cpu_max_rss``)."""
+    if device.type == "cuda":
+        return {"kind": "cuda_max_allocated", "bytes": torch.cuda.max_memory_allocated(device)}
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"kind": "cpu_max_rss", "bytes": kib * 1024}
 
 
 def write_json(data: dict[str, Any], path: Path) -> None:

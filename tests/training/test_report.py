@@ -1,5 +1,6 @@
 import io
 import json
+import os
 
 import pytest
 import torch
@@ -63,3 +64,18 @@ def test_the_progress_bar(monkeypatch):
     monkeypatch.setattr(report_module, "tqdm", None)
     assert isinstance(progress_bar(MAIN, total=10), NoBar)
     assert "tqdm is not installed" in report_module.progress_unavailable()
+
+
+def test_peak_memory_is_at_least_what_the_process_holds_now():
+    """On CPU the peak resident set, in bytes: not below the resident set now (Linux's
+    /proc/self/statm counts pages; the kernel updates the peak lazily, hence the margin, far
+    from the factor 1024 of a peak in KiB)."""
+    peak = report_module.peak_memory(torch.device("cpu"))
+    with open("/proc/self/statm") as statm:
+        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    assert peak["kind"] == "cpu_max_rss" and peak["bytes"] >= resident // 2 > 0
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+        held = torch.empty(2**20, device=device)  # 4 MiB
+        peak = report_module.peak_memory(device)
+        assert peak["kind"] == "cuda_max_allocated" and peak["bytes"] >= held.numel() * 4
