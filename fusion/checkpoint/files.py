@@ -50,6 +50,7 @@ TORCH_SINGLE = "pytorch_model.bin"
 TORCH_INDEX = "pytorch_model.bin.index.json"
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 MAX_JSON_BYTES = 32 * 2**20  # config.json and indexes: real ones are kilobytes
+MAX_TOKENIZER_BYTES = 256 * 2**20  # tokenizer.json: the largest real ones are tens of megabytes
 MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 
 _DTYPES = {  # safetensors' names
@@ -277,6 +278,28 @@ def read_bounded(file: Path, limit: int) -> bytes:
         raise CheckpointError(file, None, f"larger than {limit} bytes: refused") from None
     except OSError as error:
         raise CheckpointError(file, None, f"unreadable: {error.strerror}") from None
+
+
+def read_tokenizer(file: Path, *, missing: str | None = None) -> Any:
+    """``tokenizer.json`` (a regular file of at most :data:`MAX_TOKENIZER_BYTES`) as a
+    ``tokenizers.Tokenizer``: JSON data, nothing executed. With ``missing``, a file that does
+    not exist is refused as ``missing: {missing}``.
+
+    Raises:
+        ImportError: the ``tokenizers`` package is not installed.
+        CheckpointError: naming ``file``: missing, not a regular file, too large or unreadable.
+    """
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError("reading tokenizer.json needs the tokenizers package") from None
+    if missing is not None and not file.exists():
+        raise CheckpointError(file, None, f"missing: {missing}")
+    raw = read_bounded(file, MAX_TOKENIZER_BYTES)
+    try:
+        return Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as error:  # tokenizers raises plain Exception
+        raise CheckpointError(file, None, f"unreadable tokenizer: {error}") from None
 
 
 def read_json(file: Path, what: str) -> Any:

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from fusion._validation import describe
-from fusion.checkpoint.errors import CheckpointError, as_path
-from fusion.checkpoint.files import read_bounded
+from fusion.checkpoint.errors import as_path
+from fusion.checkpoint.files import MAX_TOKENIZER_BYTES as MAX_TOKENIZER_BYTES
+from fusion.checkpoint.files import read_tokenizer
 from fusion.data.chat_template import (
     GENERATION_END,
     GENERATION_START,
@@ -48,7 +49,6 @@ from fusion.labels import shift_targets
 IGNORE_INDEX = -100
 IMAGE_MARKER = "<image>"  # what the processor expands (fusion.preprocessing's IMAGE_TOKEN)
 TOKENIZER_FILE = "tokenizer.json"
-MAX_TOKENIZER_BYTES = 256 * 2**20  # the largest real ones are tens of megabytes
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,9 @@ class ConversationEncoder:
 
         directory = as_path(directory, "directory")
         template = ChatTemplate.from_directory(directory)
-        tokenizer = _load_tokenizer(directory / TOKENIZER_FILE)
+        tokenizer = read_tokenizer(
+            directory / TOKENIZER_FILE, missing="encoding conversations needs the tokenizer"
+        )
         encoder = cls(template, tokenizer)
         if hf_model_kind(directory) != "llama":
             processor = VisionLanguageProcessor.from_directory(
@@ -472,22 +474,6 @@ def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
         spans.append((start, start + len(head)))
         length += len(head) + len(tail)
     return "".join(out), spans
-
-
-def _load_tokenizer(file: Path) -> Any:
-    """``tokenizer.json`` (a regular file of at most :data:`MAX_TOKENIZER_BYTES`) as a
-    ``tokenizers.Tokenizer``: JSON data, nothing executed."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ImportError("reading tokenizer.json needs the tokenizers package") from None
-    if not file.exists():
-        raise CheckpointError(file, None, "missing: encoding conversations needs the tokenizer")
-    raw = read_bounded(file, MAX_TOKENIZER_BYTES)
-    try:
-        return Tokenizer.from_str(raw.decode("utf-8"))
-    except Exception as error:  # tokenizers raises plain Exception
-        raise CheckpointError(file, None, f"unreadable tokenizer: {error}") from None
 
 
 def fit_sample(

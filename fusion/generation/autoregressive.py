@@ -4,7 +4,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Generator, Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,16 +16,15 @@ from fusion._arguments import (
     same_device,
     show,
 )
-from fusion._validation import check_values, host_reads_are_free
+from fusion._validation import check_values, describe, host_reads_are_free
 from fusion._wrappers import unwrap
 from fusion.decoder import TransformerDecoder
 from fusion.decoder_kinds import FUSION, HUGGING_FACE, embedding_module, vocab_size
 from fusion.early_fusion import EarlyFusion
 from fusion.generation import foreign
-from fusion.generation.sampling import check_generator, draw, sampling_args
+from fusion.generation.sampling import check_generator, check_sampling_args, draw
 from fusion.generation.steps import (
     EAGER,
-    Steps,
     bucket,
     compile_options,
     compiled_steps,
@@ -68,8 +67,8 @@ def generate(
         the step at which the last one did, whatever ``stop_check_interval``. After its stop
         token, a sample's slots hold ``pad_id``.
     """
-    plan = _prepare(**locals())  # the arguments, as given
-    new = torch.stack(list(_run(plan)), dim=1)
+    plan = _Plan(**locals())  # the arguments, as given
+    new = torch.stack(list(plan.run()), dim=1)
     if plan.stop_tokens:
         # The host looked for the end only every few steps: drop the steps after it (one
         # synchronisation, here at the end).
@@ -104,12 +103,11 @@ def generate_stream(
     Args:
         model: a decoder, or an ``EarlyFusion`` over any decoder it takes (decoding steps
             bypass the merge: generated ids are text). A Hugging Face causal LM runs through a
-            ``DynamicCache`` made for the call, passed as ``cache`` (``past_key_values`` in
-            older transformers) with a 2-D ``attention_mask`` and ``position_ids``, as
-            ``transformers``' ``generate`` does (greedy tokens equal its
+            ``DynamicCache`` made for the call with a 2-D ``attention_mask`` and
+            ``position_ids``, as transformers' ``generate`` does (greedy tokens equal its
             ``generate(inputs_embeds=..., attention_mask=...)``); a torchtune-style decoder
-            through its ``setup_caches`` / ``reset_caches`` caches with this library's masks
-            and positions (torn down after where it has ``teardown_caches``). Both eager only.
+            through its ``setup_caches`` / ``reset_caches`` caches (torn down after where it
+            has ``teardown_caches``). Both eager only.
         tokens: prompts [b, s] on the model's device, left-padded with ``pad_id`` (see
             :func:`fusion.generation.left_pad`): leading ``pad_id`` tokens are padding, so no
             prompt may begin with one. Rotary positions start at 0 at each first real token.
@@ -123,15 +121,13 @@ def generate_stream(
         pad_id: the padding id, inside the vocabulary and not a placeholder id.
         generator: randomness for sampling, on the model's device.
         compile: False runs eagerly. True compiles the prefill and the decoding step with
-            ``torch.compile(fullgraph=True)``: inductor, static shapes, CUDA graphs on CUDA
-            (``mode="reduce-overhead"``); a mapping passes ``backend``, ``mode``, ``options``,
-            ``dynamic`` or ``recompile_limit``. Prompts are left-padded to a bucket length (a
-            power of two from 16 to 256, a multiple of 256 above), and so are caches set up
-            here: each new batch size, bucket or dtype compiles once, then steps, calls and
-            prompts of the same buckets never recompile. A greedy step is one graph, sampling
-            draws outside it; an ``EarlyFusion``'s prefill (encoders, merge) runs eagerly.
-            Greedy tokens equal eager ones up to the last bits of fused kernels. On CUDA, set
-            the caches up once and reuse them: new caches re-record the CUDA graphs.
+            ``torch.compile(fullgraph=True)``: inductor, static shapes, CUDA graphs on CUDA; a
+            mapping passes ``backend``, ``mode``, ``options``, ``dynamic`` or
+            ``recompile_limit`` (:func:`fusion.generation.steps.compile_options`). Prompts and
+            caches set up here are padded to bucket lengths: each new batch size, bucket or
+            dtype compiles once, then nothing recompiles. An ``EarlyFusion``'s prefill
+            (encoders, merge) runs eagerly. On CUDA, set the caches up once and reuse them: new
+            caches re-record the CUDA graphs. See ``docs/generation.md``.
 
     The KV cache: without caches, the model gets one of ``s + max_new_tokens - 1`` slots
     (bucketed when compiled), removed when the iterator ends (exhausted, closed, collected or
@@ -139,111 +135,139 @@ def generate_stream(
     From its first ``next()`` to its end a stream holds the model's one cache: another stream on
     it (or on an ``EarlyFusion`` sharing its decoder) raises ``RuntimeError`` before doing
     anything. Gradients are off; the train/eval mode is the caller's (``model.eval()`` first).
-    A ``torch.compile`` wrapper is called as it is, or with ``compile`` set, its module is
-    compiled instead. Nothing in a step reads a value on the host: the cache slot is the
-    cache's fill level (a device tensor), positions and masks are computed on the device.
+    A ``torch.compile`` wrapper is called as it is (with ``compile``, its module is compiled).
+    Nothing in a step reads a value on the host.
 
     Raises:
         TypeError: ``model`` is neither a ``TransformerDecoder`` nor an ``EarlyFusion``.
         RuntimeError: another stream on this model is in progress.
-        ValueError: naming the argument: a Hugging Face base model without an output layer; a
-            torchtune-style decoder without ``setup_caches``, ``caches_are_setup`` and
-            ``reset_caches``; ``compile`` set for either; ``tokens`` not non-empty integer
-            [b, s] on the model's device, or (on the CPU) with ids outside the vocabulary that
-            are not placeholders of encoders given input; a sample all padding; prompt plus
-            ``max_new_tokens`` longer than the cache or ``max_seq_len``; invalid numbers (see
-            :func:`fusion.generation.check_sampling_args`); stop tokens or ``pad_id`` not ids
-            of the vocabulary, or ``pad_id`` a placeholder; ``generator`` on another device;
-            ``encoder_input`` not a mapping, without encoders, or with unknown names; weights
-            on the meta device; caches set up for another batch size or dtype, or disabled;
-            ``compile`` not a bool or a mapping of these options, or refused by torch.
+        ValueError: naming the argument, before anything runs: a decoder generation cannot
+            drive (a Hugging Face base model, a torchtune-style one without its cache methods,
+            either with ``compile``); weights on the meta device; ``tokens`` not non-empty
+            integer [b, s] on the model's device, a sample all padding, or (on the CPU) ids
+            neither text nor placeholders of encoders given input; prompts plus
+            ``max_new_tokens`` longer than the cache; caches set up for another batch size or
+            dtype, or disabled; any other argument out of its range or of the wrong type
+            (sampling: :func:`fusion.generation.check_sampling_args`; ``compile``: a bool or a
+            mapping of those options that torch accepts).
     """
-    return _run(_prepare(**locals()))
+    return _Plan(**locals()).run()
 
 
-class _Plan(NamedTuple):
-    """A generation's checked arguments; ``call`` is what generation calls (a
-    ``torch.compile`` wrapper stays one), ``inner`` the module it is, whose attributes are read
-    and set, ``decoder`` its decoder, of ``kind`` (see :mod:`fusion.decoder_kinds`)."""
+class _Plan:
+    """A generation's arguments, all checked when built, before anything is allocated or run;
+    :meth:`run` is the decoding loop. ``call`` is what is called (a ``torch.compile`` wrapper
+    stays one), ``inner`` the module it is, ``decoder`` its decoder, of ``kind``."""
 
-    call: nn.Module
-    inner: TransformerDecoder | EarlyFusion
-    kind: str
-    decoder: Any  # a TransformerDecoder, or another library's decoder
-    tokens: torch.Tensor  # int64 [b, s]
-    pad_counts: torch.Tensor  # [b]
-    encoder_input: Mapping[str, Any] | None
-    max_new_tokens: int
-    sampling: tuple[float, int | None, float | None]  # temperature, top_k, top_p
-    stop_tokens: tuple[int, ...]
-    pad_id: int
-    generator: torch.Generator | None
-    steps: Steps
-    stop_check_interval: int
-
-
-def _prepare(
-    model: Any,
-    tokens: Any,
-    encoder_input: Any,
-    max_new_tokens: Any,
-    temperature: Any,
-    top_k: Any,
-    top_p: Any,
-    stop_tokens: Any,
-    pad_id: Any,
-    generator: Any,
-    compile: Any,
-    stop_check_interval: Any,
-) -> _Plan:
-    """Every argument checked, before anything is allocated or run."""
-    call, inner, kind, decoder = _unwrap(model)
-    if kind != FUSION:
-        foreign.check_decoder(decoder, kind)
-    _refuse_if_busy(decoder)
-    if _weights(decoder, kind).device.type == "meta":
-        raise ValueError(
-            "model: its weights are on the meta device (no data); load or materialise them first"
+    def __init__(
+        self, model: Any, tokens: Any, encoder_input: Any, max_new_tokens: Any, temperature: Any,
+        top_k: Any, top_p: Any, stop_tokens: Any, pad_id: Any, generator: Any, compile: Any,
+        stop_check_interval: Any,
+    ) -> None:  # fmt: skip
+        self.call, self.inner, self.kind, decoder = _unwrap(model)
+        self.decoder: Any = decoder  # a TransformerDecoder, or another library's decoder
+        if self.kind != FUSION:
+            foreign.check_decoder(decoder, self.kind)
+        _refuse_if_busy(decoder)
+        weights = _weights(decoder, self.kind)
+        if weights.device.type == "meta":
+            raise ValueError(
+                "model: its weights are on the meta device (no data); load or materialise "
+                "them first"
+            )
+        self.dtype = weights.dtype
+        self.max_new_tokens = as_positive_int(max_new_tokens, "max_new_tokens")
+        self.stop_check_interval = as_positive_int(stop_check_interval, "stop_check_interval")
+        vocab = vocab_size(decoder, self.kind, embedding_module(decoder, self.kind))
+        if vocab is None:
+            raise ValueError(
+                f"model: the vocabulary size of its decoder {type(decoder).__name__} is unknown "
+                "(no num_embeddings on its embedding, no vocab_size): ids cannot be checked"
+            )
+        self.pad_id = as_id(pad_id, "pad_id", vocab)
+        self.stop_tokens = _checked_stop_tokens(stop_tokens, vocab)
+        if (
+            isinstance(self.inner, EarlyFusion)
+            and self.pad_id in self.inner.encoder_tokens.values()
+        ):
+            raise ValueError(
+                f"pad_id: {self.pad_id} is a placeholder id of the encoders "
+                f"{self.inner.encoder_tokens}"
+            )
+        self.sampling = check_sampling_args(temperature, top_k, top_p, vocab)
+        self.tokens = _checked_tokens(self.inner, weights.device, tokens, encoder_input, vocab)
+        self.extra = {} if encoder_input is None else {"encoder_input": encoder_input}
+        check_generator(generator, self.tokens.device)
+        self.generator = generator
+        options = compile_options(compile, self.tokens.device)
+        batch_size, seq_len = self.tokens.shape
+        if self.kind == FUSION:
+            _check_caches(decoder, batch_size, seq_len, self.max_new_tokens)
+        elif options is not None:
+            raise ValueError(
+                f"compile: compiled generation needs this library's TransformerDecoder; this "
+                f"EarlyFusion holds a {self.kind} decoder ({type(decoder).__name__}): pass "
+                "compile=False"
+            )
+        else:
+            _check_capacity(seq_len, self.max_new_tokens, *foreign.capacity(decoder, self.kind))
+        self.pad_counts = leading_pad_counts(self.tokens, self.pad_id)
+        check_values(
+            (self.pad_counts < seq_len).all(),
+            f"tokens: a prompt is all padding (pad_id={self.pad_id}); each needs a real token",
+            eager=host_reads_are_free(self.pad_counts.device),
         )
-    max_new_tokens = as_positive_int(max_new_tokens, "max_new_tokens")
-    stop_check_interval = as_positive_int(stop_check_interval, "stop_check_interval")
-    vocab = vocab_size(decoder, kind, embedding_module(decoder, kind))
-    if vocab is None:
-        raise ValueError(
-            f"model: the vocabulary size of its decoder {type(decoder).__name__} is unknown "
-            "(no num_embeddings on its embedding, no vocab_size): ids cannot be checked"
+        self.steps = EAGER if options is None else compiled_steps(options)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        return draw(logits, *self.sampling, self.generator)
+
+    def run(self) -> Generator[torch.Tensor, None, None]:
+        """The decoding loop, the same for every kind of decoder (each has its own session,
+        which allocates nothing before its prefill)."""
+        session = (
+            _FusionSession(self)
+            if self.kind == FUSION
+            else foreign.HuggingFaceSteps(self)
+            if self.kind == HUGGING_FACE
+            else foreign.TorchtuneSteps(self)
         )
-    pad_id = as_id(pad_id, "pad_id", vocab)
-    stop_tokens = _checked_stop_tokens(stop_tokens, vocab)
-    if isinstance(inner, EarlyFusion) and pad_id in inner.encoder_tokens.values():
-        raise ValueError(
-            f"pad_id: {pad_id} is a placeholder id of the encoders {inner.encoder_tokens}"
-        )
-    sampling = sampling_args(temperature, top_k, top_p, vocab)
-    tokens = _checked_tokens(inner, decoder, kind, tokens, encoder_input, vocab)
-    check_generator(generator, tokens.device)
-    options = compile_options(compile, tokens.device)
-    if kind == FUSION:
-        _check_caches(decoder, tokens.size(0), tokens.size(1), max_new_tokens)
-    elif options is not None:
-        raise ValueError(
-            f"compile: compiled generation needs this library's TransformerDecoder; this "
-            f"EarlyFusion holds a {kind} decoder ({type(decoder).__name__}): pass compile=False"
-        )
-    else:
-        capacity, what = foreign.capacity(decoder, kind)
-        _check_capacity(tokens.size(1), max_new_tokens, capacity, what)
-    pad_counts = leading_pad_counts(tokens, pad_id)
-    check_values(
-        (pad_counts < tokens.size(1)).all(),
-        f"tokens: a prompt is all padding (pad_id={pad_id}); each needs a real token",
-        eager=host_reads_are_free(pad_counts.device),
-    )
-    steps = EAGER if options is None else compiled_steps(options)
-    return _Plan(
-        call, inner, kind, decoder, tokens, pad_counts, encoder_input, max_new_tokens, sampling,
-        stop_tokens, pad_id, generator, steps, stop_check_interval,
-    )  # fmt: skip
+        # A fusion decoder's greedy step: one graph when compiled, its choice included.
+        fused = session.greedy_step if isinstance(session, _FusionSession) else None
+        fused = fused if self.sampling[0] == 0 else None
+        held = self.kind != HUGGING_FACE  # a Hugging Face decoder gets a cache per call
+        # Claimed when the stream starts (its first next()), not when it is created: a generator
+        # that never starts never runs its finally block, so it could never give the model back.
+        if held:
+            _refuse_if_busy(self.decoder, claim=True)
+        try:
+            device, n_stop = self.tokens.device, len(self.stop_tokens)
+            # Stop ids padded with -1 (never an id) to a multiple of 8: one graph for 0 to 8 ids.
+            stop = torch.full((-(-n_stop // 8) * 8 or 8,), -1, device=device)
+            stop[:n_stop] = torch.tensor(self.stop_tokens, dtype=torch.long)
+            done = torch.zeros(len(self.tokens), dtype=torch.bool, device=device)
+            with torch.no_grad():
+                token, done = settle(self.choose(session.prefill()), done, stop, self.pad_id)
+            for step in range(self.max_new_tokens):
+                yield token
+                if step == self.max_new_tokens - 1:
+                    return
+                # The only host look of the loop: whether all samples stopped, every few steps.
+                if n_stop and (step + 1) % self.stop_check_interval == 0 and bool(done.all()):
+                    return
+                with torch.no_grad():
+                    if fused is not None:
+                        token, done = fused(token, done, stop)
+                    else:
+                        logits = session.step(token)
+                        token, done = settle(self.choose(logits), done, stop, self.pad_id)
+        finally:  # also on close(), garbage collection and errors: nothing of ours stays behind
+            try:
+                session.close()
+            finally:
+                if held:
+                    with _LIVE_LOCK:
+                        _LIVE.discard(self.decoder)
 
 
 # Decoders with a live stream: their KV caches are in use. One cache per decoder, so at most
@@ -266,74 +290,13 @@ def _refuse_if_busy(decoder: nn.Module, *, claim: bool = False) -> None:
             _LIVE.add(decoder)
 
 
-def _run(plan: _Plan) -> Generator[torch.Tensor, None, None]:
-    """The decoding loop, the same for every kind of decoder (each has its own session)."""
-    decoder, kind = plan.decoder, plan.kind
-    held = kind != HUGGING_FACE  # a Hugging Face decoder gets a cache per call
-    # Claimed when the stream starts (its first next()), not when it is created: a generator
-    # that never starts never runs its finally block, so it could never give the model back.
-    if held:
-        _refuse_if_busy(decoder, claim=True)
-    session: _FusionSession | foreign.HuggingFaceSteps | foreign.TorchtuneSteps | None = None
-    fused = None  # a fusion decoder's greedy step: one graph when compiled, its choice included
-    try:
-        extra = {} if plan.encoder_input is None else {"encoder_input": plan.encoder_input}
-        if kind == FUSION:
-            session = _FusionSession(plan, extra)
-            fused = session.greedy_step if plan.sampling[0] == 0 else None
-        elif kind == HUGGING_FACE:
-            session = foreign.HuggingFaceSteps(
-                plan.call, decoder, plan.tokens, plan.pad_counts, extra
-            )
-        else:
-            dtype = _weights(decoder, kind).dtype
-            session = foreign.TorchtuneSteps(
-                plan.call, decoder, plan.tokens, plan.pad_counts, extra,
-                max_new_tokens=plan.max_new_tokens, dtype=dtype,
-            )  # fmt: skip
-        device = plan.tokens.device
-        # Stop ids padded with -1 (never an id) to a multiple of 8: one graph for 0 to 8 ids.
-        stop = torch.full((-(-len(plan.stop_tokens) // 8) * 8 or 8,), -1, device=device)
-        stop[: len(plan.stop_tokens)] = torch.tensor(plan.stop_tokens, dtype=torch.long)
-        done = torch.zeros(len(plan.tokens), dtype=torch.bool, device=device)
-        with torch.no_grad():
-            logits = session.prefill()
-        token, done = settle(_choose(logits, plan), done, stop, plan.pad_id)
-        for step in range(plan.max_new_tokens):
-            yield token
-            if step == plan.max_new_tokens - 1:
-                return
-            # The only host look of the loop: whether every sample has stopped, every few steps.
-            if plan.stop_tokens and (step + 1) % plan.stop_check_interval == 0 and bool(done.all()):
-                return
-            with torch.no_grad():
-                if fused is not None:
-                    token, done = fused(token, done, stop)
-                else:
-                    logits = session.step(token)
-                    token, done = settle(_choose(logits, plan), done, stop, plan.pad_id)
-    finally:  # also on close(), garbage collection and errors: nothing of ours stays behind
-        try:
-            if session is not None:
-                session.close()
-        finally:
-            if held:
-                with _LIVE_LOCK:
-                    _LIVE.discard(decoder)
-
-
-def _choose(logits: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    temperature, top_k, top_p = plan.sampling
-    return draw(logits, temperature, top_k, top_p, plan.generator)
-
-
 class _FusionSession:
     """Prefill and decoding steps through this library's decoder and its KV caches: set up at
     the prefill (bucketed when compiled) and torn down in :meth:`close`, unless the model has
     its own, which are then reset and kept."""
 
-    def __init__(self, plan: _Plan, extra: Mapping[str, Any]) -> None:
-        self.plan, self.extra, self.decoder, self.steps = plan, extra, plan.decoder, plan.steps
+    def __init__(self, plan: _Plan) -> None:
+        self.plan, self.decoder, self.steps = plan, plan.decoder, plan.steps
         decoder_only = isinstance(plan.inner, TransformerDecoder)
         # Compiled: an EarlyFusion's prefill runs eagerly (encoders), a decoder's compiled.
         self.compiled_prefill = self.steps.compiled and decoder_only
@@ -341,7 +304,7 @@ class _FusionSession:
         # compiled, the module itself is compiled (not a torch.compile wrapper around it).
         self.step_call = plan.call if decoder_only and not self.steps.compiled else plan.decoder
         self.graphs = self.steps.compiled and plan.tokens.device.type == "cuda"
-        self.pad_counts = plan.pad_counts
+        self.pad_counts, self.extra = plan.pad_counts, plan.extra
         self.created = False
 
     def prefill(self) -> torch.Tensor:
@@ -389,10 +352,9 @@ class _FusionSession:
 
     @contextlib.contextmanager
     def _one_call(self) -> Iterator[None]:
-        """For one call, the decoder returns final hidden states (the caller projects only the
-        last slot) and no intermediate ones; its settings are restored after, so that the
-        user's own calls between two steps of a stream get what they set. With CUDA graphs,
-        the previous replay's outputs may be overwritten (those still needed were cloned)."""
+        """For one call, the decoder returns final hidden states (only the last slot is
+        projected) and no intermediate ones; the user's settings are restored after. With CUDA
+        graphs, the previous replay's outputs may be overwritten (those needed were cloned)."""
         decoder = self.decoder
         saved = decoder.skip_output_layer, decoder.output_hidden_states
         decoder.skip_output_layer, decoder.output_hidden_states = True, []
@@ -432,27 +394,22 @@ def _weights(decoder: Any, kind: str) -> torch.Tensor:
 
 def _checked_tokens(
     inner: TransformerDecoder | EarlyFusion,
-    decoder: Any,
-    kind: str,
+    device: torch.device,
     tokens: Any,
     encoder_input: Any,
     vocab: int,
 ) -> torch.Tensor:
     """``tokens`` as int64 after the checks (any integer dtype is accepted: ids are widened,
     never narrowed); ``encoder_input`` is checked along, since it decides the valid ids."""
+    is_tensor = isinstance(tokens, torch.Tensor)
     if (
-        not isinstance(tokens, torch.Tensor)
+        not is_tensor
         or tokens.dim() != 2
         or tokens.dtype not in INTEGER_DTYPES
-        or tokens.numel() == 0
+        or not tokens.numel()
     ):
-        given = (
-            f"shape {list(tokens.shape)}, dtype {tokens.dtype}"
-            if isinstance(tokens, torch.Tensor)
-            else type(tokens).__name__
-        )
+        given = describe(tokens) if is_tensor else type(tokens).__name__
         raise ValueError(f"tokens: expected non-empty integer ids [b, s], got {given}")
-    device = _weights(decoder, kind).device
     if not same_device(tokens.device, device):
         raise ValueError(
             f"tokens: expected them on the model's device {device}, got {tokens.device}"
@@ -505,16 +462,14 @@ def _check_ids(
 
 
 def _checked_stop_tokens(stop_tokens: Any, vocab: int) -> tuple[int, ...]:
-    if isinstance(stop_tokens, str | bytes | Mapping) or (
+    items = None
+    if not isinstance(stop_tokens, str | bytes | Mapping) and not (
         isinstance(stop_tokens, torch.Tensor) and stop_tokens.dim() != 1
     ):
+        with contextlib.suppress(TypeError):  # not iterable: a single id, say
+            items = tuple(stop_tokens)
+    if items is None:
         raise ValueError(f"stop_tokens: expected a sequence of ids, got {show(stop_tokens)}")
-    try:
-        items = tuple(stop_tokens)
-    except TypeError:  # not iterable: a single id, say
-        raise ValueError(
-            f"stop_tokens: expected a sequence of ids, got {show(stop_tokens)}"
-        ) from None
     return tuple(as_id(token, "stop_tokens", vocab) for token in items)
 
 

@@ -11,6 +11,7 @@ is checked before they are loaded.
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -25,8 +26,8 @@ from typing import Any, NamedTuple, NoReturn, TextIO, cast
 import torch
 
 from fusion._arguments import as_device
-from fusion._io import FileTooLarge, NotRegularFile, read_regular
 from fusion.checkpoint import CheckpointError, load_hf_llama, load_hf_vlm
+from fusion.checkpoint.files import read_bounded, read_tokenizer
 from fusion.generation.autoregressive import generate_stream
 from fusion.generation.sampling import check_sampling_args
 from fusion.padding import left_pad
@@ -34,8 +35,7 @@ from fusion.preprocessing import detect_model_kind, load_image, prepare_inputs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_JSON_BYTES = 16 << 20  # config.json and generation_config.json are a few KiB
-_MAX_TOKENIZER_BYTES = 1 << 30  # tokenizer.json of a large vocabulary is tens of MiB
-_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+_SEED_LOW, _SEED_HIGH = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,31 +45,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {_one_line(message)} (see --help)\n")
 
 
-def _int_type(low: int, high: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+def _number(kind: type, check: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)`` (int or float, finite), refused unless ``check``."""
+
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"expected an integer {bounds}, got {text}")
-        return value
-
-    return parse
-
-
-def _float_type(check: Callable[[float], bool], expected: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or not check(value):
+            a = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {a}, got {text!r}") from None
+        if (kind is float and not math.isfinite(value)) or not check(value):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
         return value
 
     return parse
+
+
+_POSITIVE = _number(int, lambda n: n >= 1, "an integer >= 1")
+_ID = _number(int, lambda n: n >= 0, "an integer >= 0")
+_SEED = _number(
+    int, lambda n: _SEED_LOW <= n <= _SEED_HIGH, f"an integer in [{_SEED_LOW}, {_SEED_HIGH}]"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-pixels",
-        type=_int_type(1),
+        type=_POSITIVE,
         default=None,
         help="the most pixels an --image may have, checked from its header before decoding, and "
         "at every step of its preprocessing (default: Pillow's decompression-bomb limit, "
@@ -113,32 +109,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="print token ids instead of text: one JSON line per prompt, "
         '{"prompt_ids": [...], "new_ids": [...]} (image markers expanded)',
     )
-    parser.add_argument(
-        "--max-new-tokens", type=_int_type(1), default=32, help="default: %(default)s"
-    )
+    parser.add_argument("--max-new-tokens", type=_POSITIVE, default=32, help="default: %(default)s")
     parser.add_argument(
         "--temperature",
-        type=_float_type(lambda t: t >= 0, "a finite number >= 0"),
+        type=_number(float, lambda t: t >= 0, "a finite number >= 0"),
         default=1.0,
         help="0 is greedy",
     )
-    parser.add_argument("--top-k", type=_int_type(1), default=None)
+    parser.add_argument("--top-k", type=_POSITIVE, default=None)
     parser.add_argument(
-        "--top-p", type=_float_type(lambda p: 0 < p <= 1, "a number in (0, 1]"), default=None
+        "--top-p", type=_number(float, lambda p: 0 < p <= 1, "a number in (0, 1]"), default=None
     )
     parser.add_argument(
-        "--seed", type=_int_type(*_SEED_RANGE), default=0, help="seed of the sampling generator"
+        "--seed",
+        type=_SEED,
+        default=0,
+        help="seed of the sampling generator",
     )
     parser.add_argument(
         "--stop-token",
-        type=_int_type(0),
+        type=_ID,
         action="append",
         help="an id that ends a prompt's generation (repeatable); default: the config's EOS ids",
     )
     parser.add_argument("--ignore-eos", action="store_true", help="no stop tokens")
     parser.add_argument(
         "--pad-id",
-        type=_int_type(0),
+        type=_ID,
         default=None,
         help="left-padding id (default: pad_token_id of generation_config.json, else of "
         "config.json, else of its text config, as transformers reads them; one outside the "
@@ -150,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument(
-        "--max-seq-len", type=_int_type(1), default=None, help="override max_position_embeddings"
+        "--max-seq-len", type=_POSITIVE, default=None, help="override max_position_embeddings"
     )
     parser.add_argument(
         "--compile",
@@ -315,21 +312,12 @@ def load_tokenizer(directory: Path) -> Tokenizer | None:
 def _load_tokenizer(directory: Path) -> tuple[Tokenizer | None, str]:
     """The tokenizer, or None and why not."""
     file = directory / "tokenizer.json"
-    if file.exists():
-        try:
-            from tokenizers import Tokenizer as HFTokenizer
-        except ImportError:
-            pass
-        else:
-            data = _read_regular_file(file, _MAX_TOKENIZER_BYTES)
-            try:
-                fast = HFTokenizer.from_str(data.decode("utf-8"))
-            except Exception as error:  # `tokenizers` raises plain Exception
-                raise CheckpointError(file, None, f"unreadable tokenizer: {error}") from error
-            return Tokenizer(
-                lambda text: fast.encode(text).ids,
-                lambda ids: fast.decode(ids, skip_special_tokens=True),
-            ), ""
+    if file.exists() and importlib.util.find_spec("tokenizers") is not None:
+        fast = read_tokenizer(file)
+        return Tokenizer(
+            lambda text: fast.encode(text).ids,
+            lambda ids: fast.decode(ids, skip_special_tokens=True),
+        ), ""
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -512,18 +500,6 @@ def _check_directory(directory: Path) -> None:
         )
 
 
-def _read_regular_file(file: Path, limit: int) -> bytes:
-    """The bytes of ``file``, which must be a regular file of at most ``limit`` bytes."""
-    try:
-        return read_regular(file, limit)
-    except NotRegularFile:
-        raise CheckpointError(file, None, "not a regular file (a FIFO or device?)") from None
-    except FileTooLarge:
-        raise CheckpointError(
-            file, None, f"larger than the {limit} bytes this file may have"
-        ) from None
-
-
 def _generation_config(directory: Path) -> dict[str, Any]:
     """``generation_config.json`` over ``config.json``, for the EOS and pad ids, the vocabulary
     size and the maximum length (the loader checks the rest of ``config.json``).
@@ -538,7 +514,7 @@ def _generation_config(directory: Path) -> dict[str, Any]:
         if not file.exists():
             continue
         try:
-            content = json.loads(_read_regular_file(file, _MAX_JSON_BYTES).decode("utf-8"))
+            content = json.loads(read_bounded(file, _MAX_JSON_BYTES).decode("utf-8"))
         except CheckpointError:
             raise
         except (OSError, ValueError, RecursionError) as error:  # ValueError: bad UTF-8 or JSON
@@ -568,14 +544,11 @@ def _generation_config(directory: Path) -> dict[str, Any]:
 _TEXT_KEYS = ("vocab_size", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
 
-def _is_id(value: Any) -> bool:
-    # Not bool, not float; and an int64, as token ids are (10**30 names no token: refused,
-    # not taken for an id outside the vocabulary).
-    return type(value) is int and 0 <= value < 2**63
-
-
 def _is_ids(value: Any) -> bool:
-    return _is_id(value) or (isinstance(value, list) and all(_is_id(v) for v in value))
+    # Not bool, not float; and int64, as token ids are (10**30 names no token: refused, not
+    # taken for an id outside the vocabulary).
+    values = value if isinstance(value, list) else [value]
+    return all(type(v) is int and 0 <= v < 2**63 for v in values)
 
 
 def _positive_int_or_none(value: Any) -> int | None:
@@ -584,9 +557,7 @@ def _positive_int_or_none(value: Any) -> int | None:
 
 
 def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (value,)
+    return () if value is None else tuple(value) if isinstance(value, list) else (value,)
 
 
 def _short(value: Any) -> str:

@@ -1,19 +1,11 @@
-"""Generation steps for the decoders of other libraries that an ``EarlyFusion`` holds (eager).
-
-- A Hugging Face causal LM runs through its own cache: a ``DynamicCache`` made for the call
-  and passed as ``cache`` (``past_key_values`` where the forward takes no ``cache``), with a
-  2-D ``attention_mask`` (1 on real slots) and ``position_ids`` for left-padded prompts, as
-  ``transformers``' own ``generate`` does.
-- A torchtune-style decoder runs through the caches its ``setup_caches`` makes, with the
-  boolean ``[b, s, cache_len]`` masks and ``[b, s]`` positions of this library's decoder
-  (torchtune's protocol).
-
-The prefill goes through the ``EarlyFusion`` (encoders, merge); each decoding step feeds the
-generated ids to the decoder itself (always text).
+"""Generation steps for the decoders of other libraries that an ``EarlyFusion`` holds (eager):
+a Hugging Face causal LM through a ``DynamicCache`` made for the call, as transformers'
+``generate`` runs it; a torchtune-style decoder through the caches its ``setup_caches`` makes,
+with this library's masks and positions (torchtune's protocol). The prefill goes through the
+``EarlyFusion`` (encoders, merge); each decoding step feeds the generated ids to the decoder.
 """
 
 import inspect
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,13 +19,8 @@ CACHE_METHODS = ("setup_caches", "caches_are_setup", "reset_caches")
 
 
 def check_decoder(decoder: nn.Module, kind: str) -> None:
-    """Whether generation can drive ``decoder``, before anything runs.
-
-    Raises:
-        ValueError: a Hugging Face model without an output layer (a base model returns hidden
-            states, not logits); a torchtune-style decoder without the cache methods
-            ``setup_caches``, ``caches_are_setup``, ``reset_caches``.
-    """
+    """Raise ``ValueError`` unless generation can drive ``decoder`` (a Hugging Face model with
+    an output layer, a torchtune-style one with :data:`CACHE_METHODS`), before anything runs."""
     name = type(decoder).__name__
     if kind == HUGGING_FACE:
         output = getattr(decoder, "get_output_embeddings", None)
@@ -77,29 +64,21 @@ def _cache_len(decoder: nn.Module) -> int:
 
 
 class _Steps:
-    """What both kinds keep: ``tokens`` [b, s], left-padded (sample ``i`` with
-    ``pad_counts[i]`` pads), and the slot the next token goes to."""
+    """What both kinds keep of a generation's ``plan``: ``tokens`` [b, s], left-padded (sample
+    ``i`` with ``pad_counts[i]`` pads), and the slot the next token goes to."""
 
-    def __init__(
-        self,
-        call: nn.Module,
-        decoder: Any,
-        tokens: torch.Tensor,
-        pad_counts: torch.Tensor,
-        extra: Mapping[str, Any],
-    ) -> None:
-        self.call, self.decoder, self.extra = call, decoder, extra
-        self.tokens, self.pad_counts = tokens, pad_counts
-        self.slot = tokens.size(1)
+    def __init__(self, plan: Any) -> None:
+        self.call, self.decoder, self.extra = plan.call, plan.decoder, plan.extra
+        self.tokens, self.pad_counts = plan.tokens, plan.pad_counts
+        self.slot = self.tokens.size(1)
 
     def logits(self, output: Any) -> torch.Tensor:
         """Float32 logits [b, vocab] of the last slot of the decoder's output [b, s, vocab]
         (or a ``ModelOutput`` with ``logits``)."""
         logits = getattr(output, "logits", output)
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-            got = (
-                f"shape {list(logits.shape)}" if isinstance(logits, torch.Tensor) else type(logits)
-            )
+        tensor = isinstance(logits, torch.Tensor)
+        if not tensor or logits.dim() != 3:
+            got = f"shape {list(logits.shape)}" if tensor else type(logits)
             raise ValueError(
                 f"model: its decoder {type(self.decoder).__name__} returned {got}; generation "
                 "needs logits [b, s, vocab]"
@@ -112,48 +91,38 @@ class HuggingFaceSteps(_Steps):
     is 1 on real slots and grows by one column per step; positions start at 0 at each
     sample's first real token (pads get 0: they are never attended to)."""
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, plan: Any) -> None:
+        super().__init__(plan)
         from transformers import DynamicCache  # the decoder is a transformers model
 
         slots = torch.arange(self.slot, device=self.tokens.device)
         self.attention = (slots[None, :] >= self.pad_counts[:, None]).long()  # [b, s]
-        self.cache: Any = DynamicCache(config=self.decoder.config)
         takes = inspect.signature(self.decoder.forward).parameters
         # transformers 5.x names the cache ``cache`` (``past_key_values`` is deprecated there);
         # earlier versions only ``past_key_values``.
-        self.cache_arg = "cache" if "cache" in takes else "past_key_values"
+        cache_arg = "cache" if "cache" in takes else "past_key_values"
+        self.options: dict[str, Any] = {cache_arg: DynamicCache(config=self.decoder.config)}
+        self.options["use_cache"] = True
         # Only the last slot's logits: the output projection of the others is never computed.
-        self.options: dict[str, Any] = {"use_cache": True}
         if "logits_to_keep" in takes:
             self.options["logits_to_keep"] = 1
 
     def prefill(self) -> torch.Tensor:
         positions = prompt_positions(self.pad_counts, self.tokens.size(1))
-        out = self.call(
-            self.tokens,
-            attention_mask=self.attention,
-            position_ids=positions,
-            **{self.cache_arg: self.cache},
-            **self.options,
-            **self.extra,
-        )
-        return self.logits(out)
+        return self._logits(self.call, positions, self.tokens, **self.extra)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         self.attention = torch.cat([self.attention, self.attention.new_ones(len(token), 1)], 1)
-        out = self.decoder(
-            input_ids=token[:, None],
-            attention_mask=self.attention,
-            position_ids=(self.slot - self.pad_counts)[:, None],
-            **{self.cache_arg: self.cache},
-            **self.options,
-        )
+        positions = (self.slot - self.pad_counts)[:, None]
         self.slot += 1
-        return self.logits(out)
+        return self._logits(self.decoder, positions, input_ids=token[:, None])
+
+    def _logits(self, call: Any, positions: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        kw |= self.options
+        return self.logits(call(*args, attention_mask=self.attention, position_ids=positions, **kw))
 
     def close(self) -> None:
-        self.cache = None
+        self.options.clear()  # the cache
 
 
 class TorchtuneSteps(_Steps):
@@ -161,10 +130,10 @@ class TorchtuneSteps(_Steps):
     (and torn down in :meth:`close`, where the decoder has ``teardown_caches``) unless the
     decoder has them, which are then reset and kept."""
 
-    def __init__(self, *args: Any, max_new_tokens: int, dtype: torch.dtype) -> None:
-        super().__init__(*args)
-        self.needed = self.slot + max_new_tokens - 1  # the last token is never fed back
-        self.dtype, self.created, self.cache_len = dtype, False, 0
+    def __init__(self, plan: Any) -> None:
+        super().__init__(plan)
+        self.needed = self.slot + plan.max_new_tokens - 1  # the last token is never fed back
+        self.dtype, self.created, self.cache_len = plan.dtype, False, 0
 
     def prefill(self) -> torch.Tensor:
         batch, seq_len = self.tokens.shape
@@ -175,22 +144,15 @@ class TorchtuneSteps(_Steps):
             self.created = True  # before setup: one that fails half-way is torn down too
             self.decoder.setup_caches(batch, self.dtype, decoder_max_seq_len=self.needed)
             self.cache_len = self.needed
-        out = self.call(
-            self.tokens,
-            mask=prefill_mask(self.pad_counts, seq_len, self.cache_len),
-            input_pos=prompt_positions(self.pad_counts, seq_len),
-            **self.extra,
-        )
-        return self.logits(out)
+        mask = prefill_mask(self.pad_counts, seq_len, self.cache_len)
+        positions = prompt_positions(self.pad_counts, seq_len)
+        return self.logits(self.call(self.tokens, mask=mask, input_pos=positions, **self.extra))
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
-        out = self.decoder(
-            token[:, None],
-            mask=step_mask(self.pad_counts, self.slot, self.cache_len),
-            input_pos=(self.slot - self.pad_counts)[:, None],
-        )
+        mask = step_mask(self.pad_counts, self.slot, self.cache_len)
+        positions = (self.slot - self.pad_counts)[:, None]
         self.slot += 1
-        return self.logits(out)
+        return self.logits(self.decoder(token[:, None], mask=mask, input_pos=positions))
 
     def close(self) -> None:
         teardown = getattr(self.decoder, "teardown_caches", None)

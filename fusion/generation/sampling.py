@@ -10,20 +10,14 @@ from fusion._arguments import as_finite_float, as_int, same_device, show
 
 def check_sampling_args(
     temperature: float, top_k: int | None, top_p: float | None, vocab_size: int
-) -> None:
-    """Raise ``ValueError`` naming the argument unless the sampling arguments are valid.
+) -> tuple[float, int | None, float | None]:
+    """The sampling arguments as plain Python numbers; ``ValueError`` naming the argument
+    unless they are valid.
 
     ``temperature`` a finite number >= 0; ``top_k`` None or an integer in ``[1, vocab_size]``;
     ``top_p`` None or a number in ``(0, 1]``. Numbers may be Python or NumPy scalars; bools
     are refused, and so is a float ``top_k``.
     """
-    sampling_args(temperature, top_k, top_p, vocab_size)
-
-
-def sampling_args(
-    temperature: Any, top_k: Any, top_p: Any, vocab_size: int
-) -> tuple[float, int | None, float | None]:
-    """:func:`check_sampling_args`, returning the arguments as plain Python numbers."""
     temperature = as_finite_float(temperature, "temperature")
     if temperature < 0:
         raise ValueError(f"temperature: expected a finite number >= 0, got {temperature}")
@@ -65,19 +59,11 @@ def sample_next_token(
         ValueError: bad arguments (see :func:`check_sampling_args`); ``logits`` not a float
             [b, vocab] tensor; ``generator`` not a ``torch.Generator`` on ``logits``' device.
     """
-    if (
-        not isinstance(logits, torch.Tensor)
-        or logits.dim() != 2
-        or not logits.is_floating_point()
-        or logits.size(-1) == 0
-    ):
-        given = (
-            f"shape {list(logits.shape)}, {logits.dtype}"
-            if isinstance(logits, torch.Tensor)
-            else type(logits).__name__
-        )
+    tensor = isinstance(logits, torch.Tensor)
+    if not tensor or logits.dim() != 2 or not logits.is_floating_point() or not logits.size(-1):
+        given = f"shape {list(logits.shape)}, {logits.dtype}" if tensor else type(logits).__name__
         raise ValueError(f"logits: expected float [b, vocab] with vocab >= 1, got {given}")
-    temperature, top_k, top_p = sampling_args(temperature, top_k, top_p, logits.size(-1))
+    temperature, top_k, top_p = check_sampling_args(temperature, top_k, top_p, logits.size(-1))
     check_generator(generator, logits.device)
     return draw(logits, temperature, top_k, top_p, generator)
 

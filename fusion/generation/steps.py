@@ -123,17 +123,13 @@ _COMPILED_LOCK = threading.Lock()
 
 def compile_options(value: Any, device: torch.device) -> dict[str, Any] | None:
     """The ``compile`` argument of ``generate`` as ``torch.compile`` keyword arguments, or None
-    for eager generation.
+    for eager generation (``ValueError`` naming what is wrong otherwise; torch.compile refuses
+    other bad values: :func:`compiled_steps`).
 
     ``True`` means inductor with static shapes (``dynamic=False``) and, on CUDA, CUDA graphs
     (``mode="reduce-overhead"``). A mapping sets any of ``backend``, ``mode``, ``options``,
     ``dynamic`` and ``recompile_limit`` (default 64 per compiled function, where torch takes
     it; else torch's own limit applies); ``fullgraph`` is always True.
-
-    Raises:
-        ValueError: not a bool or a mapping; unknown keys; ``mode`` and ``options`` both set;
-            a backend neither a name nor a callable; ``dynamic`` or ``recompile_limit`` of
-            the wrong type (torch.compile refuses other bad values: :func:`compiled_steps`).
     """
     if value is False:
         return None
@@ -181,11 +177,8 @@ def compile_options(value: Any, device: torch.device) -> dict[str, Any] | None:
 
 
 def compiled_steps(options: dict[str, Any]) -> Steps:
-    """The step functions compiled with ``options`` (from :func:`compile_options`).
-
-    Raises:
-        ValueError: ``torch.compile`` refuses the options (an unknown backend or mode).
-    """
+    """The step functions compiled with ``options`` (from :func:`compile_options`);
+    ``ValueError`` when ``torch.compile`` refuses them (an unknown backend or mode)."""
     key = _freeze(options)
     with _COMPILED_LOCK:
         steps = _COMPILED.get(key)
