@@ -1,10 +1,19 @@
 """Targets for next-token training of a decoder or an early-fusion model."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from fusion._validation import check_token_ids, describe
+from fusion._validation import (
+    check_token_ids,
+    check_values,
+    describe,
+    host_reads_are_free,
+    is_dtensor,
+)
 
 
 def shift_targets(targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -124,3 +133,172 @@ def masked_token_loss(
             reduction="sum",
         )
     return total, (labels != ignore_index).sum()
+
+
+_SHARDED_OUTPUT = (
+    "the output projection failed on sharded parameters (DTensors): called after the "
+    "model's forward, it reads them outside any forward that gathers them. Under FSDP2 make "
+    "the output its own unit (fusion.parallel.apply_fsdp's per-module plan with an untied "
+    "output), or keep the root unit gathered after its forward: call "
+    "root.set_reshard_after_forward(False, recurse=False) once after sharding (needed for a "
+    "tied output, which reads tok_embeddings.weight, and with per_module=False). A "
+    "tensor-parallel output (fusion.parallel.apply_tp) works as it is"
+)
+
+
+def chunked_token_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    unembed: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    ignore_index: int = -100,
+    chunk_size: int = 1024,
+    num_targets: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`masked_token_loss` without the full logits: the output projection and the
+    cross-entropy run only at target positions, ``chunk_size`` of them at a time.
+
+    No ``[tokens, vocab]`` tensor ever exists: the forward keeps one chunk's logits at a time,
+    and each chunk is recomputed in the backward (``torch.utils.checkpoint``, non-reentrant),
+    so forward and backward both peak at ``O(chunk_size x vocab)`` besides the hidden states.
+    Same sum, count and gradients as ``masked_token_loss(unembed(hidden), labels)``.
+
+    With a decoder: set ``decoder.skip_output_layer = True`` (it then returns the normed
+    hidden states) and pass ``decoder.unembed``, which calls an untied output as a module (so
+    FSDP2 gathers it, a tensor-parallel one gathers the chunk's logits) or projects with the
+    tied embedding's weight.
+
+    Args:
+        hidden: floating hidden states [b, s, d] (after the final norm), a plain tensor.
+        labels: integer targets [b, s], aligned with ``hidden`` (``labels[i, t]`` is what
+            position ``t`` predicts, as :func:`next_token_labels` makes them), ``ignore_index``
+            where no loss belongs.
+        unembed: rows [1, n, d] -> logits [1, n, vocab] (upcast to float32 here), e.g.
+            ``decoder.unembed`` or an ``nn.Linear``. Called once per chunk in the forward and
+            again in the backward, at least once even without targets (so that every process
+            of a sharded model makes the same collective calls and gradients are zeros, not
+            missing).
+        ignore_index: the label skipped.
+        chunk_size: target positions per chunk.
+        num_targets: how many labels are not ``ignore_index``, when the caller knows it on the
+            host (``Batch.num_targets``): then nothing reads the device back. None: counted
+            here, one host-device synchronisation (and not possible on the meta device). A
+            wrong count is an error (eagerly on CPU, a device-side assertion on
+            accelerators).
+
+    Returns:
+        (float32 scalar sum, int64 scalar count), both on ``labels``' device.
+
+    Raises:
+        ValueError: ``hidden`` not floating [b, s, d]; ``labels`` not integer [b, s] matching
+            it; ``ignore_index`` not an int; ``chunk_size`` not a positive int;
+            ``num_targets`` not None or an int in ``[0, b * s]``, None on the meta device, or
+            (on CPU) not the number of targets; ``unembed`` returned something other than
+            logits [1, n, vocab].
+        TypeError: ``hidden`` is a DTensor (sequence-parallel hidden states), or ``unembed``
+            is not callable.
+        RuntimeError: ``unembed`` failed on sharded parameters it cannot gather: under FSDP2
+            a tied output, or an output in the root unit, once the root resharded after its
+            forward (the message says what to change).
+    """
+    if not isinstance(hidden, torch.Tensor) or is_dtensor(hidden):
+        kind = "a DTensor" if is_dtensor(hidden) else type(hidden).__name__
+        raise TypeError(
+            f"hidden: expected a plain tensor [b, s, d] (gather sequence-parallel hidden "
+            f"states first), got {kind}"
+        )
+    if hidden.dim() != 3 or not hidden.dtype.is_floating_point:
+        raise ValueError(
+            f"hidden: expected floating hidden states [b, s, d], got {describe(hidden)}"
+        )
+    batch, seq_len, _ = hidden.shape
+    if (
+        not isinstance(labels, torch.Tensor)
+        or labels.dim() != 2
+        or labels.dtype.is_floating_point
+        or labels.dtype == torch.bool
+        or tuple(labels.shape) != (batch, seq_len)
+    ):
+        got = describe(labels) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(
+            f"labels: expected integer targets [{batch}, {seq_len}] (hidden's [b, s]), got {got}"
+        )
+    if not callable(unembed):
+        raise TypeError(
+            f"unembed: expected a callable [1, n, d] -> [1, n, vocab] (e.g. decoder.unembed), "
+            f"got {type(unembed).__name__}"
+        )
+    for name, value, low in (("ignore_index", ignore_index, None), ("chunk_size", chunk_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or (low and value < low):
+            expected = "a Python int" if low is None else f"an int >= {low}"
+            raise ValueError(f"{name}: expected {expected}, got {value!r:.40}")
+    tokens = batch * seq_len
+    if num_targets is not None and (
+        isinstance(num_targets, bool)
+        or not isinstance(num_targets, int)
+        or not 0 <= num_targets <= tokens
+    ):
+        raise ValueError(
+            f"num_targets: expected None or an int in [0, {tokens}] (the labels' positions), "
+            f"got {num_targets!r:.40}"
+        )
+
+    if num_targets is None and labels.device.type == "meta":
+        raise ValueError(
+            "num_targets: expected an int on the meta device (no labels to count), got None"
+        )
+    flat_labels = labels.reshape(tokens)
+    targeted = flat_labels != ignore_index
+    count = targeted.sum()
+    if num_targets is None:
+        positions = targeted.nonzero().squeeze(1)  # the one synchronisation: its size
+    else:
+        check_values(
+            count == num_targets,
+            f"num_targets: expected the number of labels that are not {ignore_index}, "
+            f"got {num_targets}",
+            eager=host_reads_are_free(labels.device),
+            details=lambda: f" for {int(count)} targets",
+        )
+        # A static size: no host read. Fill with a valid index (a wrong count fails above).
+        positions = torch.nonzero_static(targeted, size=num_targets, fill_value=0).squeeze(1)
+    # Gathered once: chunks are slices of these, whose gradients the backward concatenates.
+    rows = hidden.reshape(tokens, hidden.size(-1)).index_select(0, positions)  # [n, d]
+    targets = flat_labels.index_select(0, positions).long()  # [n]
+    pieces = zip(rows.split(chunk_size), targets.split(chunk_size), strict=True)
+    total = torch.zeros((), dtype=torch.float32, device=labels.device)
+    for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
+        if torch.is_grad_enabled():
+            # Saves only the chunk's rows and targets; its logits are recomputed in backward.
+            part = checkpoint(
+                _chunk_loss, chunk_rows, chunk_targets, unembed, ignore_index, use_reentrant=False
+            )
+        else:
+            part = _chunk_loss(chunk_rows, chunk_targets, unembed, ignore_index)
+        total = total + part
+    return total, count
+
+
+def _chunk_loss(
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    unembed: Callable[[torch.Tensor], torch.Tensor],
+    ignore_index: int,
+) -> torch.Tensor:
+    """The summed float32 cross-entropy of one chunk: rows [n, d], targets [n]."""
+    try:
+        logits = unembed(rows[None])
+    except RuntimeError as error:
+        owner = unembed if isinstance(unembed, nn.Module) else getattr(unembed, "__self__", None)
+        if isinstance(owner, nn.Module) and any(is_dtensor(p) for p in owner.parameters()):
+            raise RuntimeError(f"unembed: {_SHARDED_OUTPUT} ({error})") from error
+        raise
+    if (
+        not isinstance(logits, torch.Tensor)
+        or logits.dim() != 3
+        or logits.shape[:2] != (1, rows.size(0))
+        or not logits.dtype.is_floating_point
+    ):
+        got = describe(logits) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"unembed: expected logits [1, {rows.size(0)}, vocab], got {got}")
+    return F.cross_entropy(logits[0].float(), targets, ignore_index=ignore_index, reduction="sum")
