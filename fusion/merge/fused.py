@@ -32,9 +32,7 @@ def _interpreting() -> bool:
 
 
 def check_fused(device: torch.device, dtype: torch.dtype) -> None:
-    """Raise unless ``impl="fused"`` can run on ``device`` and ``dtype``: ImportError without
-    Triton, ValueError off CUDA (but for CPU under Triton's interpreter) or for elements of
-    other than 1, 2, 4 or 8 bytes."""
+    """Raise unless ``impl="fused"`` can run on ``device`` and ``dtype``."""
     if triton is None:
         raise ImportError(
             "impl: 'fused' needs Triton, which is not installed (pip install 'triton>=3.3'); "
@@ -51,33 +49,20 @@ def check_fused(device: torch.device, dtype: torch.dtype) -> None:
 
 def fused_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :func:`check_fused` passes."""
-    try:
+    with contextlib.suppress(ImportError, ValueError):
         check_fused(device, dtype)
-    except (ImportError, ValueError):
-        return False
-    return True
+        return True
+    return False
 
 
 if triton is not None:
 
     def _merge_rows_kernel(
-        out_ptr,
-        weight_ptr,
-        ids_ptr,
-        source_ptr,
-        rows_ptrs,
-        rows_stride0,
-        rows_stride1,
-        rows_offsets,
-        rows_counts,
-        n,
-        dim,
-        weight_stride0,
-        weight_stride1,
-        NUM_ENCODERS: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-    ):
+        out_ptr, weight_ptr, ids_ptr, source_ptr,
+        rows_ptrs, rows_stride0, rows_stride1, rows_offsets, rows_counts,  # per encoder
+        n, dim, weight_stride0, weight_stride1,
+        NUM_ENCODERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
         """out[i] = rows_e[source[i] - offset_e] where source[i] >= 0, else weight[ids[i]], by
         programs of ``BLOCK_R`` rows x ``BLOCK_D`` columns (masked loads touch no memory)."""
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -133,24 +118,12 @@ def launch(
     offsets = [sum(counts[:e]) for e in range(len(used))]
     grid = (triton.cdiv(n, block_r), triton.cdiv(dim, block_d))
     _kernel(_interpreting())[grid](
-        out.view(bits),
-        weight.view(bits),
-        text_ids,
-        source,
-        tuple(used),
-        tuple(r.stride(0) for r in used),
-        tuple(r.stride(1) for r in used),
-        tuple(offsets),
-        tuple(counts),
-        n,
-        dim,
-        weight.stride(0),
-        weight.stride(1),
-        NUM_ENCODERS=len(used),
-        BLOCK_R=block_r,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-    )
+        out.view(bits), weight.view(bits), text_ids, source,
+        tuple(used), tuple(r.stride(0) for r in used), tuple(r.stride(1) for r in used),
+        tuple(offsets), tuple(counts),
+        n, dim, weight.stride(0), weight.stride(1),
+        NUM_ENCODERS=len(used), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("fusion::merge_rows", mutates_args=())
@@ -161,11 +134,10 @@ def merge_rows(
     rows: list[torch.Tensor],
     destinations: list[torch.Tensor],
 ) -> torch.Tensor:
-    """The fused merge as an operator (opaque to ``torch.compile``, differentiable): [n, d]
-    from ``text_ids`` [n] into ``weight`` [vocab, d], or where ``source`` [n] is not -1, from
-    that row of the encoders' ``rows`` concatenated in order. ``destinations``: per encoder,
-    the output row of each row (n: dropped), for the backward pass."""
-    check_fused(weight.device, weight.dtype)
+    """The fused merge as an operator (opaque to ``torch.compile``, differentiable; callers
+    checked :func:`check_fused`): [n, d] from ``text_ids`` [n] into ``weight`` [vocab, d], or
+    where ``source`` [n] is not -1, from that row of the encoders' ``rows`` in order;
+    ``destinations``: per encoder, each row's output row (n: dropped), for the backward."""
     out = weight.new_empty(text_ids.numel(), weight.size(1))
     cuda = weight.device.type == "cuda"  # Triton launches on the current device
     with torch.cuda.device(weight.device) if cuda else contextlib.nullcontext():

@@ -24,14 +24,3 @@ class Padded:
 
 
 EncoderRows = torch.Tensor | Packed | Padded
-
-
-def as_layout(rows: EncoderRows, name: str = "rows") -> Packed | Padded:
-    """A bare tensor is :class:`Packed`; layouts pass through. TypeError (naming ``name``)
-    for anything else."""
-    layout = Packed(rows) if isinstance(rows, torch.Tensor) else rows
-    if not isinstance(layout, Packed | Padded) or not isinstance(layout.rows, torch.Tensor):
-        raise TypeError(
-            f"{name}: expected a tensor, or a Packed or Padded of a tensor, got {rows!r:.80}"
-        )
-    return layout

@@ -43,12 +43,9 @@ def embedding_table(embedding: Embedding) -> torch.Tensor | None:
 
 
 def default_impl(device: torch.device, embedding: Embedding) -> str:
-    """What ``impl="auto"`` picks for ``embedding`` on ``device``: ``"fused"`` (one Triton
-    kernel writing each output row once, the fewest bytes moved) on CUDA with Triton, when
-    :func:`embedding_table` finds a plain table of 1, 2, 4 or 8-byte elements; ``"index"``
-    everywhere else, which calls the embedding as a module (so FSDP, tensor parallel, LoRA or
-    quantized embeddings behave as in the decoder) and writes the rows into its output.
-    Neither synchronises with the host (measurements in ``benchmarks/README.md``)."""
+    """What ``impl="auto"`` picks: ``"fused"`` on CUDA with Triton when :func:`embedding_table`
+    finds a table of 1, 2, 4 or 8-byte elements, else ``"index"``, which calls the embedding as
+    the decoder does. Neither synchronises with the host (``benchmarks/README.md``)."""
     table = embedding_table(embedding)
     fused = table is not None and device.type == "cuda" and fused_supported(device, table.dtype)
     return "fused" if fused else "index"
@@ -69,21 +66,19 @@ def merge_embeddings(
     Args:
         tokens: ids [b, s]. Placeholder ids may lie inside or outside the vocabulary; they
             never reach the embedding (placeholders are embedded as id 0, then overwritten).
-        embedding: what embeds text ids: a module (or callable) mapping ids [b, s] to
-            [b, s, d], e.g. ``decoder.tok_embeddings`` whatever wraps it, called exactly like
-            the decoder calls it; or a table tensor [vocab, d].
+        embedding: a module (or callable) mapping ids [b, s] to [b, s, d], called exactly as
+            the decoder calls it (``decoder.tok_embeddings``, whatever wraps it), or a table
+            tensor [vocab, d].
         encoder_rows: encoder name -> rows, a :class:`Packed` or :class:`Padded` layout (a
             bare tensor is packed). An encoder in ``encoder_tokens`` without rows has none.
         encoder_tokens: encoder name -> placeholder id (a Python int).
-        impl: ``"auto"`` (see :func:`default_impl`), ``"reference"`` (embed, then
+        impl: ``"auto"`` (:func:`default_impl`), ``"reference"`` (embed, then
             ``masked_scatter``), ``"index"`` (embed, then ``index_copy_``) or ``"fused"`` (one
-            Triton kernel reading the table itself; CUDA, needs Triton and a plain table, see
-            :func:`embedding_table`).
+            Triton kernel reading the table itself: CUDA, a plain table).
         vocab_size: text ids must lie in ``[0, vocab_size)``. Default: the table's rows, or
             the module's ``num_embeddings``; unchecked if neither exists.
-        eager_checks: check placeholder counts on the host and raise ``ValueError`` (a host
-            synchronisation on accelerators). Default: eager on CPU; elsewhere a device-side
-            assertion that fails as ``RuntimeError`` without synchronising.
+        eager_checks: check placeholder counts on the host, raising ``ValueError`` (a sync on
+            accelerators). Default: on CPU; elsewhere a device-side assertion (``RuntimeError``).
 
     Returns:
         embeddings [b, s, d] in the text embeddings' dtype, differentiable w.r.t. the embedding
@@ -91,10 +86,10 @@ def merge_embeddings(
         of another floating dtype are cast under ``torch.autocast`` and refused outside it.
 
     Raises:
-        ValueError: unknown ``impl`` (``"compiled"`` was removed); bad shapes, dtypes or
-            devices; unknown encoder names; packed row counts other than the placeholder count;
-            more placeholders in a sample than the padded width; text ids outside the vocab;
-            an embedding output that is not [b, s, d] floating. All before any row is written.
+        ValueError: before any row is written, naming the argument: an unknown ``impl``
+            (``"compiled"`` was removed); bad shapes, dtypes, devices or encoder names; row
+            counts that do not fit the placeholders (packed: as many; padded: at most the
+            width); text ids outside the vocabulary; an embedding output not [b, s, d] floating.
         TypeError: an argument of the wrong type (e.g. rows that are not tensors).
         ImportError: ``impl="fused"`` without Triton installed.
     """
@@ -118,9 +113,8 @@ def _check_inputs(
     vocab_size: int | None,
     eager_checks: bool | None,
 ) -> tuple[str, torch.Tensor | None, list[Placement], torch.Tensor]:
-    """Every check of :func:`merge_embeddings` but the embedding's output, in this order: the
-    tokens, the impl (``auto`` resolved), the embedding, the rows against the tokens. Returns
-    the impl, the plain table (None: call the embedding), the placements and the text ids."""
+    """Every check of :func:`merge_embeddings` but the embedding's output, in order (tokens,
+    impl, embedding, rows); the impl, the table to read (None: call it), placements, text ids."""
     check_token_ids(tokens)
     if impl == "auto":
         impl = default_impl(tokens.device, embedding)
@@ -171,12 +165,8 @@ def _checked(
 
     def embed(ids: torch.Tensor) -> torch.Tensor:
         out = embedding(ids)
-        if (
-            not isinstance(out, torch.Tensor)
-            or out.shape[:-1] != ids.shape
-            or out.dim() != ids.dim() + 1
-            or not out.is_floating_point()
-        ):
+        shaped = isinstance(out, torch.Tensor) and out.shape[:-1] == ids.shape  # one more dim
+        if not shaped or not out.is_floating_point():
             got = describe(out) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(
                 f"embedding: expected floating rows [{', '.join(map(str, ids.shape))}, d] for "

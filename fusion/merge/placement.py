@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from fusion._validation import check_in_range, check_values, describe, host_reads_are_free
-from fusion.merge.layouts import EncoderRows, Padded, as_layout
+from fusion.merge.layouts import EncoderRows, Packed, Padded
 
 
 @dataclass(frozen=True)
@@ -23,11 +23,10 @@ class Placement:
 
     def destinations(self, *, spill_column: bool = False) -> torch.Tensor:
         """Output row of each of ``rows`` in the flat ``[b * s]`` output (with ``spill_column``:
-        ``[b * (s + 1)]``, its last column dropped). Row ``r`` goes to the ``r``-th placeholder
-        (per sample when padded), found by a binary search in the running placeholder count:
-        O(tokens), no host synchronisation, no data-dependent shape. Padding rows (and missing
-        placeholders when counts were not checked on the host) go to a spill row that the
-        implementations allocate and drop: row ``b * s``, or their sample's spill column."""
+        ``[b * (s + 1)]``, its last column dropped): the ``r``-th placeholder (per sample when
+        padded), by a binary search in the running count (O(tokens), sync-free, static shapes).
+        Padding rows, and placeholders missing when counts went unchecked on the host, go to a
+        spill row that the implementations allocate and drop (``b * s``, or the spill column)."""
         batch, seq_len = self.is_placeholder.shape
         stride = seq_len + spill_column
         device = self.rows.device
@@ -37,9 +36,8 @@ class Placement:
             flat = torch.searchsorted(running, wanted)  # b * s when missing
             if not spill_column:
                 return flat
-            sample = torch.div(flat, max(seq_len, 1), rounding_mode="floor")
-            moved = sample * stride + flat - sample * seq_len
-            return torch.where(flat < batch * seq_len, moved, batch * stride - 1)
+            sample = torch.div(flat, max(seq_len, 1), rounding_mode="floor")  # a spill column each
+            return torch.where(flat < batch * seq_len, flat + sample, batch * stride - 1)
         running = self.is_placeholder.cumsum(1)
         wanted = torch.arange(1, self.width + 1, device=device).expand(batch, self.width)
         position = torch.searchsorted(running, wanted.contiguous())  # [b, width], s when missing
@@ -167,7 +165,11 @@ def _checked_rows(
 ) -> tuple[torch.Tensor, int | None]:
     """An encoder's rows checked against the tokens, as [n_rows, d], and the padded width."""
     what = f"encoder {name!r} rows"
-    layout = as_layout(given, what)
+    layout = Packed(given) if isinstance(given, torch.Tensor) else given  # a bare tensor: packed
+    if not isinstance(layout, Packed | Padded) or not isinstance(layout.rows, torch.Tensor):
+        raise TypeError(
+            f"{what}: expected a tensor, or a Packed or Padded of a tensor, got {given!r:.80}"
+        )
     rows, padded = layout.rows, isinstance(layout, Padded)
     if padded:
         expected = f"padded rows [{tokens.size(0)}, max_tokens, d]"
@@ -190,18 +192,13 @@ def _check_counts(p: Placement, eager: bool) -> None:
     """Placeholder counts against rows: exact for packed, at most ``width`` per padded sample."""
     per_sample = p.is_placeholder.sum(1)
     if p.width is None:
-        n_rows = p.rows.size(0)
-        ok = per_sample.sum() == n_rows
-        message = (
-            f"encoder {p.name!r}: the tokens' placeholder count (id {p.token_id}) must equal "
-            f"the {n_rows} packed rows given"
-        )
+        ok = per_sample.sum() == p.rows.size(0)
+        wrong = f"the tokens' placeholder count (id {p.token_id}) must equal the {p.rows.size(0)}"
+        message = f"encoder {p.name!r}: {wrong} packed rows given"
     else:
         ok = (per_sample <= p.width).all()
-        message = (
-            f"encoder {p.name!r}: a sample holds more placeholders (id {p.token_id}) than the "
-            f"padded width {p.width}"
-        )
+        wrong = f"a sample holds more placeholders (id {p.token_id}) than the padded width"
+        message = f"encoder {p.name!r}: {wrong} {p.width}"
 
     def counts() -> str:
         shown: list = per_sample.tolist()
