@@ -50,7 +50,8 @@ def apply_fsdp(
     """Shard ``model`` in place with FSDP2 ``fully_shard``, one call per unit of
     :func:`fsdp_units` (same ``per_module``), all on ``mesh``. Returns ``model``.
 
-    Parameter names and state-dict keys do not change. Compose with tensor parallelism by
+    ``reshard_after_forward`` applies to every unit but the root, which stays gathered from
+    forward to backward. Parameter names and state-dict keys do not change. Compose with tensor parallelism by
     calling :func:`fusion.parallel.apply_tp` first, on the other dimension of a 2-D mesh.
 
     Raises:
@@ -69,6 +70,9 @@ def apply_fsdp(
             unit,
             mesh=mesh,
             mp_policy=mp_policy or MixedPrecisionPolicy(),
-            reshard_after_forward=reshard_after_forward,
+            # The root stays gathered from forward to backward (FSDP2's own choice for a root,
+            # which backward gathers first anyway): a tied output or a per_module=False output
+            # called after the forward, as fusion.chunked_token_loss does, then works.
+            reshard_after_forward=reshard_after_forward and unit is not model,
         )
     return model

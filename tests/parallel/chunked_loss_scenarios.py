@@ -44,23 +44,24 @@ class Case:
     ``plan``: ``fsdp`` (:func:`fusion.parallel.apply_fsdp`, per module, the recipe's),
     ``fsdp_root`` (``per_module=False``: blocks, then the root), ``ddp``, ``tp``
     (:func:`fusion.parallel.apply_tp`: both ranks see the whole batch), ``fsdp_tp`` (a 2-D
-    mesh of 1 data-parallel and 2 tensor-parallel ranks). ``gathered_root``: the root FSDP
-    unit stays gathered after its forward (``set_reshard_after_forward(False,
-    recurse=False)``), which a tied output or ``per_module=False`` needs.
+    mesh of 1 data-parallel and 2 tensor-parallel ranks). ``resharded_root``: the root FSDP
+    unit is resharded after its forward (``set_reshard_after_forward(True, recurse=False)``;
+    ``apply_fsdp`` keeps it gathered), which a tied output or ``per_module=False`` cannot
+    work with.
     """
 
     plan: str
     model: str  # "decoder" or "fusion"
     tied: bool
     starved: bool = False  # rank 1's samples have no target
-    gathered_root: bool = False
+    resharded_root: bool = False
 
     @property
     def name(self) -> str:
         tied = "tied" if self.tied else "untied"
         return (
             f"{self.plan}-{self.model}-{tied}"
-            + ("-gathered" if self.gathered_root else "")
+            + ("-resharded" if self.resharded_root else "")
             + ("-starved" if self.starved else "")
         )
 
@@ -77,11 +78,11 @@ CASES = [
     Case("fsdp", "decoder", tied=False),
     Case("fsdp", "fusion", tied=False),
     Case("fsdp", "fusion", tied=False, starved=True),
-    Case("fsdp", "decoder", tied=True, gathered_root=True),
-    Case("fsdp", "fusion", tied=True, gathered_root=True),
-    Case("fsdp", "decoder", tied=True, gathered_root=True, starved=True),
-    Case("fsdp_root", "fusion", tied=False, gathered_root=True),
-    Case("fsdp_root", "fusion", tied=True, gathered_root=True, starved=True),
+    Case("fsdp", "decoder", tied=True),
+    Case("fsdp", "fusion", tied=True),
+    Case("fsdp", "decoder", tied=True, starved=True),
+    Case("fsdp_root", "fusion", tied=False),
+    Case("fsdp_root", "fusion", tied=True, starved=True),
     Case("ddp", "fusion", tied=False, starved=True),
     Case("ddp", "decoder", tied=True),
     Case("tp", "decoder", tied=False),
@@ -90,9 +91,9 @@ CASES = [
 ]
 # Sharded where the output projection cannot gather its weight: refused by name.
 REFUSED = [
-    Case("fsdp", "decoder", tied=True),
-    Case("fsdp", "fusion", tied=True),
-    Case("fsdp_root", "fusion", tied=False),
+    Case("fsdp", "decoder", tied=True, resharded_root=True),
+    Case("fsdp", "fusion", tied=True, resharded_root=True),
+    Case("fsdp_root", "fusion", tied=False, resharded_root=True),
 ]
 
 
@@ -145,8 +146,8 @@ def run_case(case: Case, mesh: DeviceMesh) -> dict:
     per_rank = BATCH // WORLD_SIZE
     rows = slice(rank * per_rank, (rank + 1) * per_rank) if case.data_parallel else slice(None)
     model = shard(build(case.model, case.tied), case.plan, mesh)
-    if case.gathered_root:
-        model.set_reshard_after_forward(False, recurse=False)
+    if case.resharded_root:
+        model.set_reshard_after_forward(True, recurse=False)
     decoder = decoder_of(model)
     decoder.skip_output_layer = True
     step_targets = int((labels_of(case, slice(None)) != -100).sum())
