@@ -9,13 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion._arguments import (
-    INTEGER_DTYPES,
-    as_id,
-    as_positive_int,
-    same_device,
-    show,
-)
+from fusion._arguments import INTEGER_DTYPES, as_id, as_positive_int, same_device, show
 from fusion._validation import check_values, describe, host_reads_are_free
 from fusion._wrappers import unwrap
 from fusion.decoder import TransformerDecoder
@@ -32,29 +26,16 @@ from fusion.generation.steps import (
     mark_static,
     settle,
 )
-from fusion.padding import (
-    leading_pad_counts,
-    pad_left_to,
-    prefill_mask,
-    prompt_positions,
-)
+from fusion.padding import leading_pad_counts, pad_left_to, prefill_mask, prompt_positions
 
 
 def generate(
-    model: TransformerDecoder | EarlyFusion,
-    tokens: torch.Tensor,
-    *,
-    encoder_input: Mapping[str, Any] | None = None,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_tokens: Iterable[int] = (),
-    pad_id: int = 0,
-    generator: torch.Generator | None = None,
-    compile: bool | Mapping[str, Any] = False,
-    stop_check_interval: int = 8,
-) -> torch.Tensor:
+    model: TransformerDecoder | EarlyFusion, tokens: torch.Tensor, *,
+    encoder_input: Mapping[str, Any] | None = None, max_new_tokens: int,
+    temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+    stop_tokens: Iterable[int] = (), pad_id: int = 0, generator: torch.Generator | None = None,
+    compile: bool | Mapping[str, Any] = False, stop_check_interval: int = 8,
+) -> torch.Tensor:  # fmt: skip
     """Generate up to ``max_new_tokens`` tokens after each prompt of ``tokens``.
 
     The prompts run once through the model (the prefill, the only time encoders run), filling
@@ -80,76 +61,55 @@ def generate(
 
 
 def generate_stream(
-    model: TransformerDecoder | EarlyFusion,
-    tokens: torch.Tensor,
-    *,
-    encoder_input: Mapping[str, Any] | None = None,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_tokens: Iterable[int] = (),
-    pad_id: int = 0,
-    generator: torch.Generator | None = None,
-    compile: bool | Mapping[str, Any] = False,
-    stop_check_interval: int = 8,
-) -> Generator[torch.Tensor, None, None]:
+    model: TransformerDecoder | EarlyFusion, tokens: torch.Tensor, *,
+    encoder_input: Mapping[str, Any] | None = None, max_new_tokens: int,
+    temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+    stop_tokens: Iterable[int] = (), pad_id: int = 0, generator: torch.Generator | None = None,
+    compile: bool | Mapping[str, Any] = False, stop_check_interval: int = 8,
+) -> Generator[torch.Tensor, None, None]:  # fmt: skip
     """Like :func:`generate`, but yield each step's new tokens [b] (int64) as they come.
 
     Every argument is checked when this is called, before anything is allocated; the model
     runs as the iterator advances. Ids may be of any integer dtype or type (Python, NumPy,
     0-dim tensors) and numbers Python or NumPy scalars; bools and floats are never integers.
+    ``docs/generation.md`` tells the rest: other libraries' decoders, compiling, the cache.
 
     Args:
         model: a decoder, or an ``EarlyFusion`` over any decoder it takes (decoding steps
-            bypass the merge: generated ids are text). A Hugging Face causal LM runs through a
-            ``DynamicCache`` made for the call with a 2-D ``attention_mask`` and
-            ``position_ids``, as transformers' ``generate`` does (greedy tokens equal its
-            ``generate(inputs_embeds=..., attention_mask=...)``); a torchtune-style decoder
-            through its ``setup_caches`` / ``reset_caches`` caches (torn down after where it
-            has ``teardown_caches``). Both eager only.
+            bypass the merge: generated ids are text); one over a Hugging Face causal LM or a
+            torchtune-style decoder runs through that decoder's own cache, eagerly.
         tokens: prompts [b, s] on the model's device, left-padded with ``pad_id`` (see
             :func:`fusion.generation.left_pad`): leading ``pad_id`` tokens are padding, so no
             prompt may begin with one. Rotary positions start at 0 at each first real token.
         encoder_input: for ``EarlyFusion`` only, as in ``EarlyFusion.forward``; used at prefill.
         max_new_tokens: >= 1.
         temperature, top_k, top_p: see :func:`fusion.generation.sample_next_token`; 0 is greedy.
-        stop_tokens: ids that end a sample (kept). Tracked on the device; the host looks whether
-            all samples have stopped every ``stop_check_interval`` steps (an integer >= 1; one
-            synchronisation each, none without stop tokens), so a stream may yield up to
-            ``stop_check_interval - 1`` steps of ``pad_id`` past the last stop.
+        stop_tokens: ids that end a sample (kept), tracked on the device; the host looks whether
+            all samples stopped every ``stop_check_interval`` steps (an integer >= 1; one
+            synchronisation each), so a stream may yield up to ``stop_check_interval - 1``
+            steps of ``pad_id`` past the last stop.
         pad_id: the padding id, inside the vocabulary and not a placeholder id.
         generator: randomness for sampling, on the model's device.
-        compile: False runs eagerly. True compiles the prefill and the decoding step with
-            ``torch.compile(fullgraph=True)``: inductor, static shapes, CUDA graphs on CUDA; a
-            mapping passes ``backend``, ``mode``, ``options``, ``dynamic`` or
-            ``recompile_limit`` (:func:`fusion.generation.steps.compile_options`). Prompts and
-            caches set up here are padded to bucket lengths: each new batch size, bucket or
-            dtype compiles once, then nothing recompiles. An ``EarlyFusion``'s prefill
-            (encoders, merge) runs eagerly. On CUDA, set the caches up once and reuse them: new
-            caches re-record the CUDA graphs. See ``docs/generation.md``.
+        compile: False runs eagerly; True compiles the prefill and the decoding step
+            (``torch.compile(fullgraph=True)``, static shapes, bucketed lengths, CUDA graphs on
+            CUDA), a mapping with these options (:func:`fusion.generation.steps.compile_options`).
 
-    The KV cache: without caches, the model gets one of ``s + max_new_tokens - 1`` slots
-    (bucketed when compiled), removed when the iterator ends (exhausted, closed, collected or
-    failed); caches set up on the model (this batch size, the model's dtype) are reset and kept.
-    From its first ``next()`` to its end a stream holds the model's one cache: another stream on
-    it (or on an ``EarlyFusion`` sharing its decoder) raises ``RuntimeError`` before doing
-    anything. Gradients are off; the train/eval mode is the caller's (``model.eval()`` first).
-    A ``torch.compile`` wrapper is called as it is (with ``compile``, its module is compiled).
-    Nothing in a step reads a value on the host.
+    Without caches, the model gets one of ``s + max_new_tokens - 1`` slots (bucketed when
+    compiled), removed when the iterator ends (exhausted, closed, collected or failed); caches
+    set up on the model are reset and kept (a torchtune-style decoder's are torn down where it
+    has ``teardown_caches``). A stream holds the model's one cache from its first ``next()`` to
+    its end. A ``torch.compile`` wrapper is called as it is (with ``compile``, its module is
+    compiled). Gradients are off; the train/eval mode is the caller's (``model.eval()`` first).
 
     Raises:
         TypeError: ``model`` is neither a ``TransformerDecoder`` nor an ``EarlyFusion``.
-        RuntimeError: another stream on this model is in progress.
+        RuntimeError: another stream on this model (or its decoder) is in progress.
         ValueError: naming the argument, before anything runs: a decoder generation cannot
-            drive (a Hugging Face base model, a torchtune-style one without its cache methods,
-            either with ``compile``); weights on the meta device; ``tokens`` not non-empty
-            integer [b, s] on the model's device, a sample all padding, or (on the CPU) ids
-            neither text nor placeholders of encoders given input; prompts plus
-            ``max_new_tokens`` longer than the cache; caches set up for another batch size or
-            dtype, or disabled; any other argument out of its range or of the wrong type
-            (sampling: :func:`fusion.generation.check_sampling_args`; ``compile``: a bool or a
-            mapping of those options that torch accepts).
+            drive; weights on the meta device; ``tokens`` not non-empty integer [b, s] on the
+            model's device, a sample all padding, or (on the CPU) ids neither text nor
+            placeholders of encoders given input; prompts plus ``max_new_tokens`` longer than
+            the cache; caches set up for another batch size or dtype, or disabled; any other
+            argument out of range or of the wrong type.
     """
     return _Plan(**locals()).run()
 
@@ -186,10 +146,7 @@ class _Plan:
             )
         self.pad_id = as_id(pad_id, "pad_id", vocab)
         self.stop_tokens = _checked_stop_tokens(stop_tokens, vocab)
-        if (
-            isinstance(self.inner, EarlyFusion)
-            and self.pad_id in self.inner.encoder_tokens.values()
-        ):
+        if self.pad_id in getattr(self.inner, "encoder_tokens", {}).values():  # an EarlyFusion
             raise ValueError(
                 f"pad_id: {self.pad_id} is a placeholder id of the encoders "
                 f"{self.inner.encoder_tokens}"
@@ -270,10 +227,8 @@ class _Plan:
                         _LIVE.discard(self.decoder)
 
 
-# Decoders with a live stream: their KV caches are in use. One cache per decoder, so at most
-# one stream per decoder (an ``EarlyFusion`` counts as its decoder; a Hugging Face decoder gets
-# a cache per call and is never held). Weak: a model that is garbage-collected leaves the set
-# by itself.
+# Decoders with a live stream (one cache each, so one stream each; a Hugging Face decoder gets a
+# cache per call and is never held). Weak: a collected model leaves the set by itself.
 _LIVE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
 
@@ -291,9 +246,8 @@ def _refuse_if_busy(decoder: nn.Module, *, claim: bool = False) -> None:
 
 
 class _FusionSession:
-    """Prefill and decoding steps through this library's decoder and its KV caches: set up at
-    the prefill (bucketed when compiled) and torn down in :meth:`close`, unless the model has
-    its own, which are then reset and kept."""
+    """Steps through this library's decoder: its KV caches set up at the prefill (bucketed when
+    compiled) and torn down in :meth:`close`, unless it has its own, then reset and kept."""
 
     def __init__(self, plan: _Plan) -> None:
         self.plan, self.decoder, self.steps = plan, plan.decoder, plan.steps
@@ -386,19 +340,15 @@ def _unwrap(model: Any) -> tuple[nn.Module, TransformerDecoder | EarlyFusion, st
 
 
 def _weights(decoder: Any, kind: str) -> torch.Tensor:
-    """A tensor with the decoder's device and compute dtype: the embedding table (caches are
-    set up in its dtype), or a wrapper's first parameter."""
+    """The decoder's embedding table (its device and compute dtype), or its first parameter."""
     weight = getattr(embedding_module(decoder, kind), "weight", None)
     return weight if isinstance(weight, torch.Tensor) else next(decoder.parameters())
 
 
 def _checked_tokens(
-    inner: TransformerDecoder | EarlyFusion,
-    device: torch.device,
-    tokens: Any,
-    encoder_input: Any,
+    inner: TransformerDecoder | EarlyFusion, device: torch.device, tokens: Any, encoder_input: Any,
     vocab: int,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """``tokens`` as int64 after the checks (any integer dtype is accepted: ids are widened,
     never narrowed); ``encoder_input`` is checked along, since it decides the valid ids."""
     is_tensor = isinstance(tokens, torch.Tensor)

@@ -71,15 +71,12 @@ _SEED = _number(
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m fusion.generation",
-        description=(
-            "Load a Hugging Face Llama, LLaVA, Idefics3 / SmolVLM, Qwen2-VL or Qwen2.5-VL "
-            "directory (config.json + safetensors) and generate. "
-            "Prompts are text (needs tokenizer.json in the directory and the `tokenizers` "
-            "package, or a tokenizer `transformers` can load offline without running code from "
-            "the directory) or comma-separated token ids. One prompt streams its tokens as they "
-            "come; several print one line each. Errors are one line on stderr: exit status 2 "
-            "for a bad command line, 1 for a bad checkpoint or input."
-        ),
+        description="Load a Hugging Face Llama, LLaVA, Idefics3 / SmolVLM, Qwen2-VL or "
+        "Qwen2.5-VL directory (config.json + safetensors) and generate. Prompts are text (needs "
+        "tokenizer.json and `tokenizers`, or a tokenizer `transformers` loads offline without "
+        "running the directory's code) or token ids. One prompt streams its tokens; several "
+        "print a line each. Errors are one line on stderr: exit status 2 for a bad command "
+        "line, 1 for a bad checkpoint or input.",
     )
     parser.add_argument("--checkpoint", required=True, type=Path, help="the model directory")
     prompts = parser.add_mutually_exclusive_group(required=True)
@@ -120,12 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--top-p", type=_number(float, lambda p: 0 < p <= 1, "a number in (0, 1]"), default=None
     )
-    parser.add_argument(
-        "--seed",
-        type=_SEED,
-        default=0,
-        help="seed of the sampling generator",
-    )
+    parser.add_argument("--seed", type=_SEED, default=0, help="seed of the sampling generator")
     parser.add_argument(
         "--stop-token",
         type=_ID,
@@ -137,10 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--pad-id",
         type=_ID,
         default=None,
-        help="left-padding id (default: pad_token_id of generation_config.json, else of "
-        "config.json, else of its text config, as transformers reads them; one outside the "
-        "vocabulary, such as SmolVLM's 128002, is passed over as transformers passes it over, "
-        "for the first EOS id, as transformers falls back; 0 when none is named)",
+        help="left-padding id (default, as transformers reads it: pad_token_id of "
+        "generation_config.json, else of config.json or its text config; one outside the "
+        "vocabulary, such as SmolVLM's 128002, gives way to the first EOS id; else 0)",
     )
     parser.add_argument(
         "--dtype", choices=["auto", *_DTYPES], default="auto", help="auto: as stored"
@@ -255,21 +246,12 @@ def _run(
     load = load_hf_llama if kind == "llama" else load_hf_vlm
     model = load(directory, dtype=dtype, device=device, max_seq_len=args.max_seq_len).eval()
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    options = ("max_new_tokens", "temperature", "top_k", "top_p", "compile")
     steps = generate_stream(
-        model,
-        tokens.to(device),
-        encoder_input=encoder_input,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop_tokens=stop_tokens,
-        pad_id=pad_id,
-        generator=generator,
-        compile=args.compile,
-        # Each step's tokens are read here anyway (to print them): look for the end each time.
-        stop_check_interval=1,
-    )
+        model, tokens.to(device), encoder_input=encoder_input, stop_tokens=stop_tokens,
+        pad_id=pad_id, generator=generator, **{key: getattr(args, key) for key in options},
+        stop_check_interval=1,  # each step's tokens are read here anyway (to print them)
+    )  # fmt: skip
     try:
         if args.print_ids:
             _print_ids(steps, prompts, stop_tokens, out)
@@ -298,14 +280,9 @@ class Tokenizer(NamedTuple):
 
 def load_tokenizer(directory: Path) -> Tokenizer | None:
     """The directory's tokenizer, loaded offline, or None when there is none or no library.
-
     No code from the directory is ever run, and stdin is never read: a tokenizer that needs
-    its own code (an ``auto_map`` in ``tokenizer_config.json`` or ``config.json``) is not
-    loaded (None).
-
-    Raises:
-        CheckpointError: ``tokenizer.json`` is there but unreadable, too large or corrupt.
-    """
+    its own code (an ``auto_map``) is not loaded (None). ``CheckpointError``: a
+    ``tokenizer.json`` that is unreadable, too large or corrupt."""
     return _load_tokenizer(Path(directory))[0]
 
 
@@ -513,11 +490,10 @@ def _generation_config(directory: Path) -> dict[str, Any]:
         file = directory / name
         if not file.exists():
             continue
+        raw = read_bounded(file, _MAX_JSON_BYTES)
         try:
-            content = json.loads(read_bounded(file, _MAX_JSON_BYTES).decode("utf-8"))
-        except CheckpointError:
-            raise
-        except (OSError, ValueError, RecursionError) as error:  # ValueError: bad UTF-8 or JSON
+            content = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as error:  # ValueError: bad UTF-8 or JSON
             raise CheckpointError(file, None, f"unreadable: {_one_line(str(error))}") from error
         if not isinstance(content, dict):
             raise CheckpointError(file, None, "expected a JSON object")

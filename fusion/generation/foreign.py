@@ -64,8 +64,7 @@ def _cache_len(decoder: nn.Module) -> int:
 
 
 class _Steps:
-    """What both kinds keep of a generation's ``plan``: ``tokens`` [b, s], left-padded (sample
-    ``i`` with ``pad_counts[i]`` pads), and the slot the next token goes to."""
+    """What both kinds keep of a generation's ``plan``, and the slot the next token goes to."""
 
     def __init__(self, plan: Any) -> None:
         self.call, self.decoder, self.extra = plan.call, plan.decoder, plan.extra
@@ -87,9 +86,8 @@ class _Steps:
 
 
 class HuggingFaceSteps(_Steps):
-    """Prefill and decoding steps through a Hugging Face model's own cache: the attention mask
-    is 1 on real slots and grows by one column per step; positions start at 0 at each
-    sample's first real token (pads get 0: they are never attended to)."""
+    """Steps through a Hugging Face model's own cache: the attention mask is 1 on real slots and
+    grows by a column per step; positions start at 0 at each sample's first real token."""
 
     def __init__(self, plan: Any) -> None:
         super().__init__(plan)
@@ -126,9 +124,8 @@ class HuggingFaceSteps(_Steps):
 
 
 class TorchtuneSteps(_Steps):
-    """Prefill and decoding steps through a torchtune-style decoder's own caches: set up here
-    (and torn down in :meth:`close`, where the decoder has ``teardown_caches``) unless the
-    decoder has them, which are then reset and kept."""
+    """Steps through a torchtune-style decoder's caches: set up here (torn down in :meth:`close`
+    where it has ``teardown_caches``) unless it has them, which are then reset and kept."""
 
     def __init__(self, plan: Any) -> None:
         super().__init__(plan)

@@ -69,12 +69,9 @@ def sample_next_token(
 
 
 def draw(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
     generator: torch.Generator | None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """:func:`sample_next_token` without the argument checks, for callers that checked them
     once (a decoding loop): nothing here reads a value on the host."""
     if temperature == 0:

@@ -21,13 +21,9 @@ from fusion.padding import step_mask
 
 
 def prefill_logits(
-    call: nn.Module,
-    decoder: TransformerDecoder,
-    tokens: torch.Tensor,
-    mask: torch.Tensor,
-    input_pos: torch.Tensor,
-    extra: Mapping[str, Any],
-) -> torch.Tensor:
+    call: nn.Module, decoder: TransformerDecoder, tokens: torch.Tensor, mask: torch.Tensor,
+    input_pos: torch.Tensor, extra: Mapping[str, Any],
+) -> torch.Tensor:  # fmt: skip
     """Run the prompts [b, s] through ``call`` (the decoder, or a model around it, returning
     hidden states); float32 logits [b, vocab] of the last slot only: the output projection of
     the other slots (a [b, s, vocab] tensor) is never computed."""
@@ -82,14 +78,9 @@ def settle(
 
 
 def greedy_step(
-    call: nn.Module,
-    decoder: TransformerDecoder,
-    token: torch.Tensor,
-    pad_counts: torch.Tensor,
-    done: torch.Tensor,
-    stop: torch.Tensor,
-    pad_id: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    call: nn.Module, decoder: TransformerDecoder, token: torch.Tensor, pad_counts: torch.Tensor,
+    done: torch.Tensor, stop: torch.Tensor, pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """A whole greedy step: the next token [b] and the done flags [b] (one graph when
     compiled: nothing of the step runs outside it)."""
     return settle(step_logits(call, decoder, token, pad_counts).argmax(-1), done, stop, pad_id)
@@ -151,7 +142,8 @@ def compile_options(value: Any, device: torch.device) -> dict[str, Any] | None:
     backend = options.setdefault("backend", "inductor")
     if not (isinstance(backend, str) or callable(backend)):
         raise ValueError(f"compile: backend: expected a name or a callable, got {show(backend)}")
-    if options.get("mode") is not None and options.get("options") is not None:
+    tuned = [key for key in ("mode", "options") if options.get(key) is not None]
+    if len(tuned) == 2:
         raise ValueError("compile: expected mode or options, not both (torch.compile takes one)")
     dynamic = options.setdefault("dynamic", False)
     if dynamic is not None and not isinstance(dynamic, bool):
@@ -164,12 +156,7 @@ def compile_options(value: Any, device: torch.device) -> dict[str, Any] | None:
             "compile: recompile_limit needs a torch whose torch.compile takes it "
             f"(this is {torch.__version__}); set torch._dynamo.config.recompile_limit instead"
         )
-    if (
-        backend == "inductor"
-        and device.type == "cuda"
-        and options.get("mode") is None
-        and options.get("options") is None
-    ):
+    if backend == "inductor" and device.type == "cuda" and not tuned:
         options["mode"] = "reduce-overhead"  # CUDA graphs: a decoding step is launch-bound
     if isinstance(options.get("options"), Mapping):
         options["options"] = dict(options["options"])
