@@ -16,6 +16,10 @@ rendered in a sandbox, samples with assistant-only labels, and packed or padded 
     rows = pack_samples(samples, max_seq_len=2048)           # greedy first fit
     batch = collate_packed(rows[:8], pad_id=pad_id)          # e.g. 8 rows a micro-batch
     loss_sum, count = masked_token_loss(model(**batch.model_inputs()), batch.labels)
+
+A run's micro-batches, made ahead in worker processes (:mod:`fusion.data.loader`):
+``StepBatches(samples, steps, Collate(pad_id, max_seq_len, encoder=encoder), ...)`` and
+``with MicroBatches(batches, num_workers=2, device=device) as stream: for item in stream``.
 """
 
 from fusion.data.chat_template import (
@@ -35,6 +39,17 @@ from fusion.data.conversations import (
     read_conversations,
 )
 from fusion.data.hf_datasets import EmbeddedImage, read_hf_dataset
+from fusion.data.loader import (
+    Collate,
+    LoaderError,
+    MicroBatch,
+    MicroBatches,
+    StepBatches,
+    fill,
+    has_images,
+    ignored,
+    image_filler,
+)
 from fusion.data.packing import Batch, collate_packed, collate_padded, pack, pack_samples
 from fusion.data.samples import (
     IGNORE_INDEX,
@@ -52,6 +67,7 @@ __all__ = [
     "Batch",
     "ChatTemplate",
     "ChatTemplateError",
+    "Collate",
     "Conversation",
     "ConversationEncoder",
     "ConversationFile",
@@ -59,12 +75,20 @@ __all__ = [
     "EmbeddedImage",
     "EncodedData",
     "ImageRef",
+    "LoaderError",
+    "MicroBatch",
+    "MicroBatches",
     "RenderedChat",
     "Sample",
+    "StepBatches",
     "collate_packed",
     "collate_padded",
     "encode_conversations",
+    "fill",
     "fit_sample",
+    "has_images",
+    "ignored",
+    "image_filler",
     "load_chat_template",
     "load_conversation_image",
     "load_special_tokens",

@@ -55,6 +55,21 @@ def plan_steps(
     return plan[:steps] if steps > 0 else plan
 
 
+def plan_in_order(lengths: Sequence[int], *, batch_tokens: int) -> list[Step]:
+    """One pass over the samples in their order (e.g. evaluation's), cut into steps of whole
+    samples holding at most ``batch_tokens`` tokens each; a longer sample is a step alone."""
+    plan: list[Step] = []
+    current: list[int] = []
+    tokens = 0
+    for index, length in enumerate(lengths):
+        if current and tokens + length > batch_tokens:
+            plan.append(Step(tuple(current), 0))
+            current, tokens = [], 0
+        current.append(index)
+        tokens += length
+    return [*plan, Step(tuple(current), 0)] if current else plan
+
+
 def split_step(samples: Sequence[int], lengths: Sequence[int], parts: int) -> list[list[int]]:
     """Deal a step's samples into ``parts`` groups of about equal tokens: longest first, each
     to the group with the fewest tokens so far (ties: the lower group). Each group keeps the

@@ -154,6 +154,13 @@ class FinetuneConfig:
         choices=("auto", "cpu", "cuda"),
     )
     threads: int = _opt(0, "CPU threads per process (0: torch's default)", "session")
+    num_workers: int = _opt(
+        2,
+        "data loader worker processes per process that make the next micro-batches (decode "
+        "and process the images, pack, collate) while one trains; 0: in the training process, "
+        "when needed (the losses are the same)",
+        "session",
+    )
     progress: bool = _opt(True, "show the progress bar", "session")
 
     def group(self, name: str) -> dict[str, Any]:
@@ -182,7 +189,9 @@ _NON_NEGATIVE = (
     "threads",
     "eval_every",
     "seed",
+    "num_workers",
 )
+MAX_WORKERS = 64  # each worker makes whole micro-batches: more would wait on the training
 
 
 # The flags that name files or directories: resolved against the working directory when
@@ -216,6 +225,8 @@ def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name)
         fail("init_adapter", f"{name('train')} lora (it starts LoRA adapters)")
     if config.batch_tokens < config.max_seq_len:
         fail("batch_tokens", f"at least {name('max_seq_len')}={config.max_seq_len}")
+    if config.num_workers > MAX_WORKERS:
+        fail("num_workers", f"at most {MAX_WORKERS} worker processes")
     for path in PATH_FIELDS:
         if getattr(config, path) == "":
             fail(path, "a path")

@@ -4,8 +4,8 @@ eval loss, :func:`train` the loop with its checkpoints."""
 
 import dataclasses
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,17 +17,18 @@ from fusion._wrappers import decoder_of
 from fusion.checkpoint import CheckpointError
 from fusion.checkpoint.files import read_json
 from fusion.data import (
-    IGNORE_INDEX,
     Batch,
     ChatTemplateError,
+    Collate,
     ConversationEncoder,
     DataError,
     EncodedData,
-    Sample,
-    collate_packed,
-    collate_padded,
+    LoaderError,
+    MicroBatches,
+    StepBatches,
     encode_conversations,
-    pack_samples,
+    has_images,
+    image_filler,
     read_conversations,
 )
 from fusion.lora import apply_lora, lora_linears
@@ -38,15 +39,16 @@ from fusion.training import (
     checkpoint_root,
     log,
     one_line,
+    optimizer_step,
     progress_bar,
-    restore_checkpoint,
-    save_checkpoint,
+    resume_checkpoint,
+    save_step,
     warmup_cosine,
     wrap_model,
 )
 from fusion.training.fingerprint import fingerprint_changes, model_fingerprint
 from fusion.training.modules import checkpoint_activations, trainable_parameters
-from fusion.training.steps import Step, plan_steps, split_step
+from fusion.training.steps import Step, plan_in_order, plan_steps
 from recipes.finetune.config import FinetuneConfig, config_to_json
 from recipes.finetune.model import load_base_model, load_init_adapter, set_trainable
 
@@ -111,7 +113,9 @@ def check_base_model(path: Path, state: TrainState, config: FinetuneConfig) -> N
 
 @dataclass
 class Setup:
-    """What a run trains with, the same on every process."""
+    """What a run trains with, the same on every process: its micro-batches (this process's
+    share of each step, :class:`fusion.data.StepBatches`) and, while :func:`train` runs,
+    ``stream``, which makes them ahead in ``--num-workers`` processes."""
 
     config: FinetuneConfig
     runtime: Runtime
@@ -121,12 +125,11 @@ class Setup:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    pad_id: int
     num_params: int
     num_trainable: int
-    lengths: list[int] = field(default_factory=list)
-    image_filler: Sample | None = None
-    encoder: ConversationEncoder | None = None
+    batches: StepBatches
+    eval_batches: StepBatches | None = None
+    stream: MicroBatches | None = None
 
 
 def _pad_id(encoder: ConversationEncoder, vocab: int, directory: str) -> int:
@@ -228,24 +231,23 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
             f"{config.lora_alpha:g}, dropout {config.lora_dropout:g}, on "
             f"{len(lora_linears(model))} layers",
         )
-    if config.train == "projector" and not _has_images(train_data.samples):
+    if config.train == "projector" and not has_images(train_data.samples):
         raise TrainingError("--train: 'projector' trains on images, but --data holds none")
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in trainable_parameters(model))
     # DDP wants a gradient for every trained parameter at every step: with trained encoder
     # parameters, every micro-batch shows an image (a filler with no target if need be).
-    image_filler = None
+    filler = None
     encoders_train = any(
         p.requires_grad for n, p in model.named_parameters() if n.startswith("encoders.")
     )
     if runtime.distributed and config.parallel == "ddp" and encoders_train:
-        with_images = [s for s in train_data.samples if s.has_images]
-        if not with_images:
+        filler = image_filler(train_data.samples)
+        if filler is None:
             raise TrainingError(
                 f"--parallel: 'ddp' with --train {config.train} trains the connector, which "
                 "needs images in --data; use --parallel fsdp, or --train lora"
             )
-        image_filler = _ignored(min(with_images, key=len))
     if config.activation_checkpointing:
         checkpoint_activations(model)
     wrapped = wrap_model(model, runtime, config.parallel)
@@ -255,8 +257,26 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
         betas=(0.9, 0.95),
         weight_decay=config.weight_decay,
     )
-    total = len(plan)
-    scheduler = warmup_cosine(optimizer, config.warmup_steps, total)
+    scheduler = warmup_cosine(optimizer, config.warmup_steps, len(plan))
+    collate = Collate(pad_id, config.max_seq_len, config.packing, encoder)
+
+    def share(data: EncodedData, steps: list[Step], micro_batches: int = 1) -> StepBatches:
+        """This process's micro-batches of ``steps``."""
+        indices = [step.samples for step in steps]
+        return StepBatches(
+            data.samples,
+            indices,
+            collate,
+            micro_batches=micro_batches,
+            world_size=runtime.world_size,
+            rank=runtime.rank,
+            filler=filler,
+        )
+
+    eval_batches = None
+    if eval_data is not None:  # file order, --batch-tokens per step
+        lengths = [len(sample) for sample in eval_data.samples]
+        eval_batches = share(eval_data, plan_in_order(lengths, batch_tokens=config.batch_tokens))
     return Setup(
         config,
         runtime,
@@ -266,63 +286,14 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
         wrapped,
         optimizer,
         scheduler,
-        pad_id,
         num_params,
         num_trainable,
-        lengths,
-        image_filler,
-        encoder,
+        share(train_data, plan, config.grad_accum),
+        eval_batches,
     )
 
 
-# ------------------------------------------------------------------------------------ batches
-
-
-def _ignored(sample: Sample) -> Sample:
-    return dataclasses.replace(sample, labels=torch.full_like(sample.labels, IGNORE_INDEX))
-
-
-def _has_images(samples: Sequence[Sample]) -> bool:
-    return any(s.has_images for s in samples)
-
-
-def micro_batch(
-    run: Setup, groups: Sequence[Sequence[Sample]], rank: int
-) -> tuple[Batch | None, int]:
-    """Process ``rank``'s batch among the ``groups`` of one micro-batch (one group per
-    process), and how many of its tokens are real samples' (not fillers).
-
-    Every process must run the same modules (FSDP2 gathers each block's weights
-    collectively), so a process whose group is empty, or has no images when another's has
-    (or when DDP needs them, ``run.image_filler``), adds a filler: a sample with no target
-    (its loss and gradients are zero). One process skips an empty group (None).
-
-    The samples hold their images by file (:func:`fusion.data.encode_conversations`): their
-    pixels are decoded and processed here, for this micro-batch only.
-    """
-    mine = list(groups[rank])
-    real = sum(len(s) for s in mine)
-    everyone = [s for group in groups for s in group]
-    if not everyone or (not mine and len(groups) == 1):
-        return None, 0
-    if not mine:
-        mine.append(_ignored(min(everyone, key=len)))
-    if not _has_images(mine):
-        if _has_images(everyone):
-            mine.append(_ignored(min((s for s in everyone if s.has_images), key=len)))
-        elif run.image_filler is not None:
-            mine.append(run.image_filler)
-    if run.encoder is not None:  # this micro-batch's pixels, made now and freed with it
-        try:
-            mine = run.encoder.load_pixels(mine)
-        except ValueError as error:
-            raise TrainingError(f"--data: {one_line(error)}") from None
-    config = run.config
-    if config.packing:
-        batch = collate_packed(pack_samples(mine, config.max_seq_len), pad_id=run.pad_id)
-    else:
-        batch = collate_padded(mine, pad_id=run.pad_id)
-    return batch.to(run.runtime.device), real
+# ------------------------------------------------------------------------------------ steps
 
 
 def _forward_loss(run: Setup, batch: Batch) -> torch.Tensor:
@@ -343,74 +314,71 @@ class StepStats:
 
 
 def train_step(run: Setup, step: int) -> tuple[torch.Tensor, StepStats]:
-    """One optimizer step on ``run.plan[step]``; returns its mean loss per target token
-    (0-d on the device, summed over processes, not read back) and its token counts.
+    """One optimizer step on ``run.plan[step]``, over its micro-batches from ``run.stream``;
+    returns its mean loss per target token (0-d on the device, summed over processes, not
+    read back) and its token counts.
 
     The step's samples are dealt into ``grad_accum`` micro-batches per process
-    (:func:`split_step`). Each micro-batch's summed loss is divided by the step's number of
-    targets over all processes (known on the host), so gradients accumulate by tokens and do
-    not depend on how the step is split; processes average gradients, hence the factor
-    ``world``.
+    (:class:`fusion.data.StepBatches`). Each micro-batch's summed loss is divided by the
+    step's number of targets over all processes (known on the host), so gradients accumulate
+    by tokens and do not depend on how the step is split; processes average gradients, hence
+    the factor ``world``.
     """
     config, runtime = run.config, run.runtime
-    world, rank = runtime.world_size, runtime.rank
+    assert run.stream is not None
     samples = run.train_data.samples
-    indices = run.plan[step].samples
-    num_targets = sum(samples[i].num_targets for i in indices)
-    groups = split_step(indices, run.lengths, world * config.grad_accum)
+    num_targets = sum(samples[i].num_targets for i in run.plan[step].samples)
     total = torch.zeros((), device=runtime.device)
     stats = StepStats()
-    for k in range(config.grad_accum):
-        micro = [[samples[i] for i in groups[k * world + r]] for r in range(world)]
-        batch, real = micro_batch(run, micro, rank)
-        if batch is None:
+    for _ in range(config.grad_accum):
+        item = next(run.stream)  # made ahead by the loader's workers
+        assert item.step == step, f"the loader is at step {item.step}, the loop at {step}"
+        if item.batch is None:
             continue
-        loss_sum = _forward_loss(run, batch)
-        (loss_sum * (world / num_targets)).backward()
+        loss_sum = _forward_loss(run, item.batch)
+        (loss_sum * (runtime.world_size / num_targets)).backward()
         total += loss_sum.detach()
-        stats.tokens += real
-        stats.slots += batch.tokens.numel()
-    if config.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(trainable_parameters(run.model), config.grad_clip)
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    step_loss = total / num_targets
-    if runtime.distributed:
-        dist.all_reduce(step_loss)
-    return step_loss, stats
+        stats.tokens += item.tokens
+        stats.slots += item.batch.tokens.numel()
+    parameters = trainable_parameters(run.model)
+    loss = optimizer_step(
+        runtime,
+        parameters,
+        run.optimizer,
+        run.scheduler,
+        grad_clip=config.grad_clip,
+        loss_sum=total,
+        num_targets=num_targets,
+    )
+    return loss, stats
 
 
 @torch.no_grad()
 def evaluate(run: Setup) -> float | None:
     """The mean loss per target token over the eval data (every process takes its share),
-    or None without eval data."""
-    if run.eval_data is None:
+    or None without eval data. Its batches are made in this process, as they are needed.
+
+    Raises:
+        TrainingError: an eval image that can no longer be read.
+    """
+    if run.eval_batches is None:
         return None
-    config, runtime = run.config, run.runtime
-    samples = run.eval_data.samples
-    lengths = [len(s) for s in samples]
+    device = run.runtime.device
     run.model.eval()
-    sums = torch.zeros(2, device=runtime.device, dtype=torch.float64)  # loss, targets
+    sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss, targets
     try:
-        start = 0
-        while start < len(samples):  # file order, batch_tokens per chunk
-            end, tokens = start, 0
-            while end < len(samples) and (
-                end == start or tokens + lengths[end] <= config.batch_tokens
-            ):
-                tokens += lengths[end]
-                end += 1
-            groups = split_step(range(start, end), lengths, runtime.world_size)
-            micro = [[samples[i] for i in group] for group in groups]
-            batch, _ = micro_batch(run, micro, runtime.rank)
-            if batch is not None:
-                sums[0] += _forward_loss(run, batch).double()
-                sums[1] += batch.num_targets
-            start = end
+        with MicroBatches(run.eval_batches, device=device) as stream:
+            for item in stream:
+                if item.batch is not None:
+                    sums[0] += _forward_loss(run, item.batch).double()
+                    sums[1] += item.batch.num_targets
+    except LoaderError as error:
+        if error.died:  # a worker of the training's loader
+            raise
+        raise TrainingError(f"--eval-data: {error}") from None
     finally:
         run.model.train()
-    if runtime.distributed:
+    if run.runtime.distributed:
         dist.all_reduce(sums)
     return float(sums[0] / sums[1])
 
@@ -454,12 +422,16 @@ def train(
     flags on the command line (:func:`setup`).
 
     Raises:
-        TrainingError: bad data or model (before any step), or a checkpoint that does not fit.
+        TrainingError: bad data or model (before any step), a checkpoint that does not fit, an
+            image that can no longer be read or a data loader worker that died (the
+            checkpoints saved before are intact).
     """
     run = setup(config, runtime, given)
     total = len(run.plan)
     start_step, losses, eval_losses = 0, [], []
-    if resume is not None:
+    if resume is None:  # dropout's random numbers, from --seed (a resumed run restores them)
+        torch.manual_seed(config.seed)
+    else:
         path, state = resume
         check_base_model(path, state, config)
         expected = _position(run, state.step)
@@ -469,22 +441,10 @@ def train(
                 f"epoch {state.epoch}), which the run's data plan of {total} steps does not "
                 f"have (expected samples {expected[0]}, epoch {expected[1]}): was --data changed?"
             )
-        restore_checkpoint(
-            path,
-            state,
-            run.model,
-            run.optimizer,
-            run.scheduler,
-            rank=runtime.rank,
-            device=runtime.device,
+        resume_checkpoint(
+            path, state, run.model, run.optimizer, run.scheduler, runtime, total=total
         )
-        start_step, losses = state.step, list(state.losses)
-        eval_losses = list(state.eval_losses)
-        log(
-            runtime,
-            f"resumed from {path} at step {start_step} of {total} (saved by "
-            f"{state.world_size} process(es), now {runtime.world_size})",
-        )
+        start_step, losses, eval_losses = state.step, list(state.losses), list(state.eval_losses)
     log(
         runtime,
         f"model: {run.num_params:,} parameters, {run.num_trainable:,} trained ({config.train}); "
@@ -500,50 +460,66 @@ def train(
     run.model.train()
     started = time.perf_counter()
     bar = progress_bar(runtime, total=total, initial=start_step, enabled=config.progress)
+    # The loader makes the next micro-batches in --num-workers processes while one trains.
+    run.stream = MicroBatches(
+        run.batches,
+        start=start_step * config.grad_accum,
+        num_workers=config.num_workers,
+        device=runtime.device,
+    )
     try:
-        for step in range(start_step, total):
-            loss, stats = train_step(run, step)
-            pending.append(loss)
-            tokens, slots = tokens + stats.tokens, slots + stats.slots
-            done = step + 1
-            save = done % config.checkpoint_every == 0 or done == total
-            evaluate_now = save or (config.eval_every and done % config.eval_every == 0)
-            if save or evaluate_now or done % 10 == 0:
-                losses += torch.stack(pending).tolist()
-                pending.clear()
-                rate = tokens * runtime.world_size / max(time.perf_counter() - started, 1e-9)
-                bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
-            bar.update(1)
-            if evaluate_now and run.eval_data is not None:
-                value = evaluate(run)
-                assert value is not None
-                eval_losses.append((done, value))
-                log(runtime, f"step {done}: eval loss {value:.4f}")
-            if save:
-                seen, epoch = _position(run, done)
-                state = TrainState(
-                    step=done,
-                    samples_seen=seen,
-                    epoch=epoch,
-                    losses=losses,
-                    config=config_to_json(config),
-                    world_size=runtime.world_size,
-                    parallel=config.parallel if runtime.distributed else "none",
-                    scheduler=run.scheduler.state_dict(),
-                    eval_losses=eval_losses,
-                    base_model=base_model,
-                )
-                checkpoint = save_checkpoint(
-                    root,
-                    run.model,
-                    run.optimizer,
-                    state,
-                    device=runtime.device,
-                    keep=config.keep_checkpoints,
-                    trainable_only=base_model is not None,
-                )
-                log(runtime, f"saved checkpoint {checkpoint} (step {done}, loss {losses[-1]:.4f})")
+        with run.stream:
+            for step in range(start_step, total):
+                loss, stats = train_step(run, step)
+                pending.append(loss)
+                tokens, slots = tokens + stats.tokens, slots + stats.slots
+                done = step + 1
+                save = done % config.checkpoint_every == 0 or done == total
+                evaluate_now = save or (config.eval_every and done % config.eval_every == 0)
+                if save or evaluate_now or done % 10 == 0:
+                    losses += torch.stack(pending).tolist()
+                    pending.clear()
+                    rate = tokens * runtime.world_size / max(time.perf_counter() - started, 1e-9)
+                    bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
+                bar.update(1)
+                if evaluate_now and run.eval_data is not None:
+                    value = evaluate(run)
+                    assert value is not None
+                    eval_losses.append((done, value))
+                    log(runtime, f"step {done}: eval loss {value:.4f}")
+                if save:
+                    seen, epoch = _position(run, done)
+                    state = TrainState(
+                        step=done,
+                        samples_seen=seen,
+                        epoch=epoch,
+                        losses=losses,
+                        config=config_to_json(config),
+                        world_size=runtime.world_size,
+                        parallel=config.parallel if runtime.distributed else "none",
+                        scheduler=run.scheduler.state_dict(),
+                        eval_losses=eval_losses,
+                        base_model=base_model,
+                    )
+                    keep, only = config.keep_checkpoints, base_model is not None
+                    checkpoint = save_step(
+                        root,
+                        run.model,
+                        run.optimizer,
+                        state,
+                        runtime,
+                        keep=keep,
+                        trainable_only=only,
+                    )
+    except LoaderError as error:
+        if not error.died:
+            raise TrainingError(f"--data: {error}") from None
+        raise TrainingError(
+            f"--num-workers: {error}; the checkpoints saved before are intact (--resume "
+            "continues from the newest)"
+        ) from None
     finally:
+        run.stream = None
         bar.close()
     seconds = time.perf_counter() - started
     if runtime.distributed:  # every process's real tokens and slots
