@@ -161,6 +161,12 @@ class FinetuneConfig:
         "when needed (the losses are the same)",
         "session",
     )
+    compile: bool = _opt(
+        False,
+        "compile each decoder layer (torch.compile, dynamic shapes: one graph for every layer "
+        "and row length)",
+        "session",
+    )
     progress: bool = _opt(True, "show the progress bar", "session")
 
     def group(self, name: str) -> dict[str, Any]:

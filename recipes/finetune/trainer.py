@@ -7,12 +7,13 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusion import masked_token_loss
+from fusion import chunked_token_loss
 from fusion._wrappers import decoder_of
 from fusion.checkpoint import CheckpointError
 from fusion.checkpoint.files import read_json
@@ -31,6 +32,7 @@ from fusion.data import (
     image_filler,
     read_conversations,
 )
+from fusion.decoder import TransformerDecoder
 from fusion.lora import apply_lora, lora_linears
 from fusion.training import (
     Runtime,
@@ -47,7 +49,11 @@ from fusion.training import (
     wrap_model,
 )
 from fusion.training.fingerprint import fingerprint_changes, model_fingerprint
-from fusion.training.modules import checkpoint_activations, trainable_parameters
+from fusion.training.modules import (
+    checkpoint_activations,
+    compile_layers,
+    trainable_parameters,
+)
 from fusion.training.steps import Step, plan_in_order, plan_steps
 from recipes.finetune.config import FinetuneConfig, config_to_json
 from recipes.finetune.model import load_base_model, load_init_adapter, set_trainable
@@ -130,6 +136,7 @@ class Setup:
     batches: StepBatches
     eval_batches: StepBatches | None = None
     stream: MicroBatches | None = None
+    decoder: TransformerDecoder | None = None
 
 
 def _pad_id(encoder: ConversationEncoder, vocab: int, directory: str) -> int:
@@ -248,8 +255,11 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
                 f"--parallel: 'ddp' with --train {config.train} trains the connector, which "
                 "needs images in --data; use --parallel fsdp, or --train lora"
             )
+    decoder.skip_output_layer = True  # hidden states for the chunked loss (_forward_loss)
     if config.activation_checkpointing:
         checkpoint_activations(model)
+    if config.compile:
+        compile_layers(model)
     wrapped = wrap_model(model, runtime, config.parallel)
     optimizer = torch.optim.AdamW(
         trainable_parameters(wrapped),
@@ -290,6 +300,7 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
         num_trainable,
         share(train_data, plan, config.grad_accum),
         eval_batches,
+        decoder=decoder,
     )
 
 
@@ -297,12 +308,15 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
 
 
 def _forward_loss(run: Setup, batch: Batch) -> torch.Tensor:
-    """The summed cross-entropy of ``batch``'s targets (0-d, float32)."""
-    inputs = batch.model_inputs()
+    """The summed cross-entropy of ``batch``'s targets (0-d, float32): the model returns
+    hidden states (``skip_output_layer``), which are projected to the vocabulary only where a
+    target is, a chunk at a time (:func:`fusion.chunked_token_loss`; the count is the host's,
+    so there is no device sync)."""
     enabled = run.config.dtype == "bfloat16"
     with torch.autocast(run.runtime.device.type, dtype=torch.bfloat16, enabled=enabled):
-        logits = run.model(**inputs)
-    return masked_token_loss(logits, batch.labels)[0]
+        hidden = run.model(**batch.model_inputs())
+        unembed = cast(TransformerDecoder, run.decoder).unembed  # the wrapped model's own
+        return chunked_token_loss(hidden, batch.labels, unembed, num_targets=batch.num_targets)[0]
 
 
 @dataclass
