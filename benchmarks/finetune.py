@@ -13,12 +13,15 @@ ours). Every contestant trains the decoder and the connector (vision tower froze
 SmolVLM's and LLaVA's fine-tuning) with AdamW, one optimizer step per ``--samples-per-step``
 samples (the same samples, in the same order, for everyone):
 
-- ``fusion_packed``: the step's samples packed into rows of at most ``--max-seq-len`` tokens
-  (``fusion.data.pack_samples``, block-causal mask, positions restarting per sample), one row
-  per forward/backward, gradients accumulated (``fusion.masked_token_loss`` sums divided by
-  the step's target count: the gradients of one big batch);
-- ``fusion_padded``: the step's samples in one batch, right-padded to the longest
-  (``fusion.data.collate_padded``);
+- ``fusion_packed``: the fine-tuning recipe's path: the step's samples packed into rows of at
+  most ``--max-seq-len`` tokens (``fusion.data.Collate``: ``pack_samples``, positions
+  restarting per sample, the rows' sample boundaries for attention instead of a dense mask),
+  one micro-batch per step made ahead by the recipe's data loader (``fusion.data
+  .MicroBatches`` over ``StepBatches``, one worker process), the model's hidden states and
+  ``fusion.chunked_token_loss`` (the output layer applied at the targets only), divided by the
+  step's target count;
+- ``fusion_padded``: the same, with the step's samples right-padded to the longest
+  (``Collate(packing=False)``: ``collate_padded``);
 - ``transformers_padded``: the same padded batch through ``Idefics3ForConditionalGeneration``
   (SDPA attention, ``attention_mask``, ``labels`` with -100: its own loss), as the Hugging Face
   Trainer trains with ``per_device_train_batch_size = samples_per_step``;
@@ -71,10 +74,12 @@ its answer cut to 16 tokens, which sets up the same state in a fraction of the t
 the range, and each ratio (to ``transformers_padded``, to ``transformers_padding_free``, and
 ``fusion_packed`` to ``fusion_padded``) is the median over rounds of the ratio within a round,
 with its range. Reported: non-padding tokens per second over the timed steps (wall clock, and
-per CPU-second of the process: user and system time of all its threads, which time-slicing by
+per CPU-second of the process: user and system time of all its threads and of fusion's data
+loader worker, which time-slicing by
 other jobs on shared cores moves less than the wall clock, though spinning threads still
 count), the positions computed per step (padding included), the peak resident memory of the
-process (``ru_maxrss``; CPU) or the peak CUDA memory allocated (GPU), the first timed step's
+process (``ru_maxrss``, the training process alone: the loader worker is forked from it and
+shares its pages; CPU) or the peak CUDA memory allocated (GPU), the first timed step's
 loss (all must agree: same weights, same samples), and the load average at each process's start
 and end.
 
@@ -89,7 +94,10 @@ Writes ``finetune.json`` (and ``finetune_<device>.txt``, the table) to ``--out``
 """
 
 import argparse
+import dataclasses
+import itertools
 import json
+import multiprocessing
 import os
 import resource
 import shutil
@@ -98,7 +106,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,8 +115,17 @@ from typing import Any
 import torch
 from common import add_out_argument, idefics3_hf_config, machine, output_dir
 
-from fusion import masked_token_loss
-from fusion.data import IGNORE_INDEX, Sample, collate_packed, collate_padded, pack_samples
+from fusion import chunked_token_loss
+from fusion.data import (
+    IGNORE_INDEX,
+    Collate,
+    MicroBatch,
+    MicroBatches,
+    Sample,
+    StepBatches,
+    collate_padded,
+    pack_samples,
+)
 from fusion.models.idefics3 import (
     SMOLVLM_256M_IMAGE_TOKEN_ID,
     SMOLVLM_256M_SCALE_FACTOR,
@@ -439,9 +457,17 @@ def step_samples(args: argparse.Namespace, config: dict) -> list[list[Sample]]:
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process so far, every thread, user and system."""
+    """CPU time of this process so far, every thread, user and system, and of its live child
+    processes (fusion's data loader worker; Linux: ``/proc/<pid>/stat``)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    total = usage.ru_utime + usage.ru_stime
+    for child in multiprocessing.active_children():
+        try:
+            fields = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone, or not Linux
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
 
 
 def rss_bytes() -> int:
@@ -470,6 +496,7 @@ class StepSettings:
     device: torch.device
     pad: int  # the pad id of padded batches
     max_seq_len: int  # the most tokens per packed row
+    feed: Iterator[MicroBatch] | None = None  # fusion's micro-batches, step by step
 
 
 #: A contestant's training step: (model, the step's samples, settings) -> (the step's loss, a
@@ -578,39 +605,42 @@ def transformers_padding_free_step(
     return total, positions
 
 
-def fusion_padded_step(
-    model, samples: list[Sample], settings: StepSettings
-) -> tuple[torch.Tensor, int]:
-    """The step's samples as one right-padded batch, ``fusion.masked_token_loss``."""
-    batch = collate_padded(samples, pad_id=settings.pad).to(settings.device)
-    loss_sum, count = masked_token_loss(model(**batch.model_inputs()), batch.labels)
-    loss = loss_sum / count
+def fusion_step(model, samples: list[Sample], settings: StepSettings) -> tuple[torch.Tensor, int]:
+    """The fine-tuning recipe's step: its micro-batch from its data loader (``settings.feed``,
+    :class:`fusion.data.MicroBatches` over :class:`fusion.data.StepBatches`, one worker
+    process making the next step's batch: packed rows with sample boundaries, or padded), the
+    model's hidden states and :func:`fusion.chunked_token_loss` at the targets only, divided by
+    the step's target count."""
+    assert settings.feed is not None
+    item = next(settings.feed)
+    assert item.batch is not None and item.tokens == sum(len(s) for s in samples)
+    batch = item.batch
+    hidden = model(**batch.model_inputs())
+    loss_sum, _ = chunked_token_loss(
+        hidden, batch.labels, model.decoder.unembed, num_targets=batch.num_targets
+    )
+    loss = loss_sum / sum(sample.num_targets for sample in samples)
     loss.backward()
     return loss.detach(), batch.tokens.numel()
 
 
-def fusion_packed_step(
-    model, samples: list[Sample], settings: StepSettings
-) -> tuple[torch.Tensor, int]:
-    """Rows of packed samples, one forward/backward each; the loss is divided by the step's
-    target count (known before the step), so the gradients are those of one batch."""
-    targets = sum(sample.num_targets for sample in samples)
-    total, positions = torch.zeros((), device=settings.device), 0
-    for row in pack_samples(samples, settings.max_seq_len):
-        batch = collate_packed([row], pad_id=settings.pad).to(settings.device)
-        loss_sum, _ = masked_token_loss(model(**batch.model_inputs()), batch.labels)
-        (loss_sum / targets).backward()
-        total += loss_sum.detach() / targets
-        positions += batch.tokens.numel()
-    return total, positions
+def fusion_feed(steps: list[list[Sample]], settings: StepSettings, packing: bool) -> "MicroBatches":
+    """The recipe's loader over the run's steps (warm-up included), one micro-batch each."""
+    samples = [sample for step in steps for sample in step]
+    bounds = [0, *itertools.accumulate(len(step) for step in steps)]
+    indices = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+    collate = Collate(settings.pad, settings.max_seq_len, packing)
+    return MicroBatches(
+        StepBatches(samples, indices, collate), num_workers=1, device=settings.device
+    )
 
 
 #: Each contestant's step, one function each (what changes when a contestant's path does).
 STEPS: dict[str, Step] = {
     "transformers_padded": transformers_padded_step,
     "transformers_padding_free": transformers_padding_free_step,
-    "fusion_padded": fusion_padded_step,
-    "fusion_packed": fusion_packed_step,
+    "fusion_padded": fusion_step,
+    "fusion_packed": fusion_step,
 }
 
 
@@ -700,6 +730,11 @@ def run_worker(args: argparse.Namespace) -> None:
         with autocast:
             checks["same_weights_check"] = check_padding_free(model, steps[1][:2], settings)
     times, cpu_times, losses, positions = [], [], [], []
+    stack = ExitStack()
+    if args.worker.startswith("fusion_"):
+        model.skip_output_layer = True  # hidden states for the chunked loss
+        feed = stack.enter_context(fusion_feed(steps, settings, args.worker == "fusion_packed"))
+        settings = dataclasses.replace(settings, feed=feed)
     for i, samples in enumerate(steps):
         sync(device)
         start, cpu_start = time.perf_counter(), cpu_seconds()
@@ -713,6 +748,7 @@ def run_worker(args: argparse.Namespace) -> None:
             cpu_times.append(cpu_seconds() - cpu_start)
             losses.append(float(loss))
             positions.append(computed)
+    stack.close()
     tokens = [sum(len(s) for s in samples) for samples in steps[1:]]
     result = {
         "step_s": times,
