@@ -50,7 +50,15 @@ from fusion.data.loader import (
     ignored,
     image_filler,
 )
-from fusion.data.packing import Batch, collate_packed, collate_padded, pack, pack_samples
+from fusion.data.packing import (
+    ATTENTION_CHOICES,
+    Batch,
+    PackedSegments,
+    collate_packed,
+    collate_padded,
+    pack,
+    pack_samples,
+)
 from fusion.data.samples import (
     IGNORE_INDEX,
     ConversationEncoder,
@@ -62,6 +70,7 @@ from fusion.data.samples import (
 )
 
 __all__ = [
+    "ATTENTION_CHOICES",
     "IGNORE_INDEX",
     "IMAGE_MARKER",
     "Batch",
@@ -78,6 +87,7 @@ __all__ = [
     "LoaderError",
     "MicroBatch",
     "MicroBatches",
+    "PackedSegments",
     "RenderedChat",
     "Sample",
     "StepBatches",

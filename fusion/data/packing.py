@@ -1,13 +1,18 @@
 """Samples -> batches: packed (several samples per row, apart) or padded (one per row).
 
 A packed row holds whole samples one after the other, then padding. Positions restart at 0
-at every sample, and the attention mask is block-causal: a token sees the earlier tokens of
-its own sample only (padding sees earlier padding, so no row of the mask is empty). The
-images of all samples are concatenated in order of appearance across the batch (row by row,
-sample by sample), which is where :class:`fusion.EarlyFusion` puts packed encoder rows: each
-sample's rows land at its own placeholders. The mask is a boolean ``[b, s, s]`` tensor that
-``TransformerDecoder.forward(mask=..., input_pos=...)`` passes to
-``scaled_dot_product_attention`` (CPU and GPU alike).
+at every sample, and attention is block-causal: a token sees the earlier tokens of its own
+sample only. The images of all samples are concatenated in order of appearance across the
+batch (row by row, sample by sample), which is where :class:`fusion.EarlyFusion` puts packed
+encoder rows: each sample's rows land at its own placeholders.
+
+The batch's ``mask`` is the rows' :class:`fusion.decoder.PackedSegments` (each sample's
+length on the host, segment ids and cumulative lengths on the device: O(b * s) memory), which
+``TransformerDecoder.forward(mask=..., input_pos=...)`` attends with the backend its
+``attention`` names: by default per-sample ``scaled_dot_product_attention`` on CPU,
+``varlen_attn`` or FlexAttention on CUDA (see :mod:`fusion.decoder.packed_attention`).
+``attention="mask"`` gives the boolean ``[b, s, s]`` block-causal mask instead (O(b * s^2);
+padding sees earlier padding there, so no row of it is empty).
 
 So a sample's logits in a packed row equal its logits alone (tested to 1e-5 in fp32), and
 :func:`fusion.masked_token_loss` over a packed batch sums the same per-token losses.
@@ -20,6 +25,10 @@ from typing import Any
 import torch
 
 from fusion.data.samples import IGNORE_INDEX, Sample
+from fusion.decoder.packed import PACKED_BACKENDS, PackedSegments
+
+#: What ``collate_packed(attention=...)`` takes: a packed-attention backend, or ``"mask"``.
+ATTENTION_CHOICES = (*PACKED_BACKENDS, "mask")
 
 
 @dataclass(frozen=True)
@@ -30,9 +39,10 @@ class Batch:
         tokens: int64 [b, s], padded with the pad id.
         labels: int64 [b, s]: the target of each position or ``IGNORE_INDEX`` (prompt,
             placeholders, padding, each sample's last token).
-        mask: bool [b, s, s], True where a query may attend to a key (packed); None for a
-            padded batch (plain causal attention: right padding is never seen by a real
-            token).
+        mask: the rows' :class:`~fusion.decoder.PackedSegments` (packed; O(b * s)), or with
+            ``collate_packed(attention="mask")`` a bool [b, s, s] tensor, True where a query
+            may attend to a key; None for a padded batch (plain causal attention: right
+            padding is never seen by a real token).
         input_pos: int64 [b, s] positions restarting at every sample (packed); None for a
             padded batch (0, 1, ... in every row).
         encoder_input: ``{"image": {"pixel_values": float32 [tiles, 3, h, w]}}`` in order of
@@ -46,7 +56,7 @@ class Batch:
 
     tokens: torch.Tensor
     labels: torch.Tensor
-    mask: torch.Tensor | None
+    mask: PackedSegments | torch.Tensor | None
     input_pos: torch.Tensor | None
     encoder_input: dict[str, Any]
     num_tokens: int
@@ -76,9 +86,11 @@ class Batch:
     ) -> "Batch":
         """The batch on ``device`` (pixels cast to ``pixel_dtype`` if given)."""
 
-        def move(tensor: torch.Tensor | None, dtype: torch.dtype | None = None) -> Any:
+        def move(tensor: Any, dtype: torch.dtype | None = None) -> Any:
             if tensor is None:
                 return None
+            if isinstance(tensor, PackedSegments):
+                return tensor.to(device, non_blocking=non_blocking)
             return tensor.to(device=device, dtype=dtype, non_blocking=non_blocking)
 
         # Grids stay on the CPU: the vision tower reads them on the host (no synchronisation).
@@ -96,6 +108,25 @@ class Batch:
             mask=move(self.mask),
             input_pos=move(self.input_pos),
             encoder_input=encoder_input,
+        )
+
+    def pin_memory(self) -> "Batch":
+        """The batch with its tensors (the mask's included) in pinned host memory, what a
+        ``DataLoader`` with ``pin_memory=True`` calls, so that ``to(device,
+        non_blocking=True)`` copies asynchronously."""
+
+        def pin(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {key: pin(item) for key, item in value.items()}
+            return None if value is None else value.pin_memory()
+
+        return replace(
+            self,
+            tokens=pin(self.tokens),
+            labels=pin(self.labels),
+            mask=pin(self.mask),
+            input_pos=pin(self.input_pos),
+            encoder_input=pin(self.encoder_input),
         )
 
 
@@ -165,9 +196,10 @@ def collate_packed(
     pad_id: int,
     seq_len: int | None = None,
     encoder: str = "image",
+    attention: str = "auto",
 ) -> Batch:
-    """Packed rows (e.g. from :func:`pack_samples`) -> a :class:`Batch` with a block-causal
-    mask and positions restarting per sample.
+    """Packed rows (e.g. from :func:`pack_samples`) -> a :class:`Batch` with block-causal
+    attention and positions restarting per sample.
 
     Args:
         rows: each row's samples, in order.
@@ -175,13 +207,20 @@ def collate_packed(
         seq_len: the row length (default: the longest row), e.g. ``max_seq_len`` for shapes
             that never change.
         encoder: the name of the image encoder in ``encoder_input``.
+        attention: how the decoder attends the rows: ``"auto"`` (per device and dtype),
+            ``"sdpa"``, ``"flex"`` or ``"varlen"`` (``Batch.mask`` is then the rows'
+            :class:`~fusion.decoder.PackedSegments` with that backend; see
+            :mod:`fusion.decoder.packed_attention`), or ``"mask"``: a boolean [b, s, s]
+            block-causal mask, the O(s^2) baseline.
 
     Raises:
         ValueError: no row, an empty row, a row longer than ``seq_len``, samples whose pixels
             differ in shape or dtype, a sample whose images are not loaded
-            (:meth:`ConversationEncoder.load_pixels`).
+            (:meth:`ConversationEncoder.load_pixels`), an unknown ``attention``.
     """
-    return _collate(rows, pad_id, seq_len, encoder, packed=True)
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention: expected one of {ATTENTION_CHOICES}, got {attention!r}")
+    return _collate(rows, pad_id, seq_len, encoder, attention=attention)
 
 
 def collate_padded(
@@ -194,7 +233,7 @@ def collate_padded(
     """One sample per row, right-padded (the ``--no-packing`` baseline): ``mask`` and
     ``input_pos`` are None (causal attention, positions from 0). Raises as
     :func:`collate_packed`."""
-    return _collate([[sample] for sample in samples], pad_id, seq_len, encoder, packed=False)
+    return _collate([[sample] for sample in samples], pad_id, seq_len, encoder, attention=None)
 
 
 def _collate(
@@ -203,8 +242,9 @@ def _collate(
     seq_len: int | None,
     encoder: str,
     *,
-    packed: bool,
+    attention: str | None,
 ) -> Batch:
+    """``attention``: what ``collate_packed`` takes; None for a padded batch."""
     if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
         raise ValueError(f"pad_id: expected an integer >= 0, got {pad_id!r}")
     if not rows:
@@ -223,7 +263,6 @@ def _collate(
     batch = len(rows)
     tokens = torch.full((batch, seq_len), pad_id, dtype=torch.int64)
     labels = torch.full((batch, seq_len), IGNORE_INDEX, dtype=torch.int64)
-    segments = torch.full((batch, seq_len), -1, dtype=torch.int64)  # -1: padding
     positions = torch.zeros(batch, seq_len, dtype=torch.int64)
     pixels, grids = [], []
     for r, row in enumerate(rows):
@@ -237,17 +276,20 @@ def _collate(
             end = start + len(sample)
             tokens[r, start:end] = sample.tokens
             labels[r, start:end] = sample.labels
-            segments[r, start:end] = s
             positions[r, start:end] = torch.arange(len(sample))
             if sample.pixel_values.numel():
                 pixels.append(sample.pixel_values)
                 grids.append(sample.image_grid_thw)
             start = end
         positions[r, start:] = torch.arange(seq_len - start)
-    mask = input_pos = None
-    if packed:
-        same = segments[:, :, None] == segments[:, None, :]
-        mask = same & torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    mask: PackedSegments | torch.Tensor | None = None
+    input_pos = None
+    if attention is not None:
+        backend = "auto" if attention == "mask" else attention
+        sample_lengths = [[len(sample) for sample in row] for row in rows]
+        mask = PackedSegments.from_lengths(sample_lengths, seq_len, backend=backend)
+        if attention == "mask":
+            mask = mask.dense_mask()
         input_pos = positions
     encoder_input: dict[str, Any] = {}
     if pixels:

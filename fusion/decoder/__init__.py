@@ -3,15 +3,18 @@
 from fusion.decoder.attention import MultiHeadAttention
 from fusion.decoder.feed_forward import FeedForward
 from fusion.decoder.kv_cache import KVCache
+from fusion.decoder.packed import PACKED_BACKENDS, PackedSegments
 from fusion.decoder.rms_norm import RMSNorm
 from fusion.decoder.rope import RotaryPositionalEmbeddings
 from fusion.decoder.transformer import TransformerDecoder
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
 __all__ = [
+    "PACKED_BACKENDS",
     "FeedForward",
     "KVCache",
     "MultiHeadAttention",
+    "PackedSegments",
     "RMSNorm",
     "RotaryPositionalEmbeddings",
     "TransformerDecoder",

@@ -3,6 +3,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion.decoder.kv_cache import KVCache
+from fusion.decoder.packed import PackedSegments
+from fusion.decoder.packed_attention import packed_attention
 from fusion.decoder.rope import RotaryPositionalEmbeddings
 
 
@@ -11,7 +13,9 @@ class MultiHeadAttention(nn.Module):
 
     ``num_heads`` query heads share ``num_kv_heads`` key/value heads
     (``num_heads % num_kv_heads == 0``). Attention itself is PyTorch's
-    ``scaled_dot_product_attention``.
+    ``scaled_dot_product_attention`` (GQA by its ``enable_gqa``, no repeated keys), or, for
+    packed rows given as :class:`~fusion.decoder.packed.PackedSegments`, one of the backends
+    of :func:`~fusion.decoder.packed_attention.packed_attention` (no dense mask).
 
     Args:
         embed_dim: model width ``d``.
@@ -62,14 +66,19 @@ class MultiHeadAttention(nn.Module):
         self.cache_enabled = True
 
     def forward(
-        self, x: torch.Tensor, *, mask: torch.Tensor | None, input_pos: torch.Tensor
+        self,
+        x: torch.Tensor,
+        *,
+        mask: torch.Tensor | PackedSegments | None,
+        input_pos: torch.Tensor,
     ) -> torch.Tensor:
         """Attend ``x`` [b, s, d] to itself (and to the cache, when enabled).
 
         Args:
             mask: boolean [b, 1, s, kv_len], True where attention is allowed; None means causal
                 over ``x`` (only valid without a cache). With a cache, attention reads its
-                first ``kv_len`` slots (the whole cache, or the filled part).
+                first ``kv_len`` slots (the whole cache, or the filled part). Or the
+                segments of packed rows ([b, s], without a cache): causal within each sample.
             input_pos: rotary positions, [b, s] or [s] (M-RoPE: also [3, b, s]).
 
         Returns:
@@ -83,6 +92,12 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.pos_embeddings(q, input_pos), self.pos_embeddings(k, input_pos)
+        dropout = self.attn_dropout if self.training else 0.0
+        if isinstance(mask, PackedSegments):  # the decoder has refused it with a cache
+            out = packed_attention(  # [b, s, h, hd]
+                q, k, v, mask, dropout_p=dropout, enable_gqa=heads != kv_heads
+            )
+            return self.output_proj(out.reshape(b, s, heads * head_dim))  # [b, s, d]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
         if self.kv_cache is not None and self.cache_enabled:
             k, v = self.kv_cache.update(k, v)  # [b, h_kv, cache_len, hd]
@@ -94,7 +109,7 @@ class MultiHeadAttention(nn.Module):
             v,
             attn_mask=mask,
             is_causal=mask is None,
-            dropout_p=self.attn_dropout if self.training else 0.0,
+            dropout_p=dropout,
             enable_gqa=heads != kv_heads,
         )
         return self.output_proj(out.transpose(1, 2).reshape(b, s, heads * head_dim))  # [b, s, d]

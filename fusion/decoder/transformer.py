@@ -17,6 +17,8 @@ from fusion._validation import (
 )
 from fusion.decoder.attention import MultiHeadAttention
 from fusion.decoder.kv_cache import KVCache
+from fusion.decoder.packed import PackedSegments
+from fusion.decoder.packed_attention import prepare
 from fusion.decoder.rms_norm import RMSNorm
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
@@ -221,7 +223,7 @@ class TransformerDecoder(nn.Module):
         self,
         tokens: torch.Tensor | None = None,
         *,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | PackedSegments | None = None,
         input_pos: torch.Tensor | None = None,
         input_embeds: torch.Tensor | None = None,
         embed: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
@@ -234,7 +236,12 @@ class TransformerDecoder(nn.Module):
             mask: boolean, True where a query may attend to a key. Without an enabled cache,
                 [b, s, s] or [1, s, s] (None: causal). With one, [b, s, cache_len] or
                 [1, s, cache_len] over cache slots (None: causal over the slots filled so far
-                plus these).
+                plus these). Or, without an enabled cache, the segments of packed rows
+                (:class:`~fusion.decoder.packed.PackedSegments` of b rows of s positions, on
+                the decoder's device, as ``fusion.data.collate_packed`` makes them): causal
+                attention within each sample, with no [b, s, s] mask; its backend is resolved
+                here once for the compute dtype (autocast's, else the embeddings') and shared
+                by every layer (see :mod:`fusion.decoder.packed_attention`).
             input_pos: positions [b, s], [1, s] or [s] for the rotary embeddings (packed
                 samples, left-padded batches, decoding); [b] for a one-token step. None:
                 ``0..s-1``, or the cache fill onward. M-RoPE decoders also take
@@ -266,12 +273,15 @@ class TransformerDecoder(nn.Module):
 
         Raises:
             ValueError: bad shapes, dtypes, ids or positions, too long a sequence, or more
-                tokens than the cache has free slots, before any computation (on accelerators
+                tokens than the cache has free slots, packed segments of another shape or
+                device, or with an enabled cache, before any computation (on accelerators
                 and while compiling, out-of-range ids or positions and a full cache fail as a
                 device-side assertion instead, to avoid a host synchronisation).
             RuntimeError: the cache's batch size differs from the input's.
         """
         batch_size, seq_len, device = self._validate_inputs(tokens, input_embeds, embed)
+        if isinstance(mask, PackedSegments):
+            self._validate_segments(mask, batch_size, seq_len)
         # The cache slots this call writes, as a device tensor: no host integer that changes
         # from call to call, so compiled decoding steps keep static shapes and constants.
         slots = self._cache_slots(batch_size, seq_len)
@@ -283,10 +293,10 @@ class TransformerDecoder(nn.Module):
         if slots is not None and self.mrope_deltas is not None and input_pos.dim() < 3:
             # Text after a cached prompt: continue from where its images left the positions.
             input_pos = input_pos.reshape(-1, seq_len) + self.mrope_deltas[:, None]
-        if mask is not None:
+        if mask is not None and not isinstance(mask, PackedSegments):  # those: checked above
             self._validate_mask(mask, batch_size, seq_len, kv_len)
             mask = mask[:, None]  # [b or 1, 1, s, kv_len]: one mask for every head
-        elif slots is not None:
+        elif mask is None and slots is not None:
             mask = (torch.arange(kv_len, device=device) <= slots[:, None])[None, None]
         if slots is not None and host_reads_are_free(device):
             filled = self._first_cache().size + seq_len  # after this call's writes
@@ -303,6 +313,8 @@ class TransformerDecoder(nn.Module):
                 )
         else:
             h = self.tok_embeddings(tokens)
+        if isinstance(mask, PackedSegments):
+            mask = prepare(mask, self._compute_dtype(h), dropout=self._dropout())
         hidden = []
         for i, layer in enumerate(self.layers):
             if i in self.output_hidden_states:
@@ -454,6 +466,32 @@ class TransformerDecoder(nn.Module):
         if input_pos.device != self.device:
             raise ValueError(f"input_pos: expected device {self.device}, got {input_pos.device}")
         check_in_range(input_pos, "input_pos", 0, self.max_seq_len)
+
+    def _validate_segments(self, segments: PackedSegments, batch_size: int, seq_len: int) -> None:
+        """Packed segments for this call: b rows of s positions on the decoder's device, and
+        no enabled cache (they describe whole packed rows, not steps over cache slots)."""
+        if self.caches_are_enabled():
+            raise ValueError(
+                "mask: packed segments are for forwards without a KV cache, and the cache is "
+                "enabled; run under caches_disabled(), or give a boolean mask over the cache "
+                "slots"
+            )
+        if (segments.batch_size, segments.seq_len) != (batch_size, seq_len):
+            raise ValueError(
+                f"mask: expected packed segments of {batch_size} rows of {seq_len} positions, "
+                f"got {segments.batch_size} rows of {segments.seq_len}"
+            )
+        if segments.device != self.device:
+            raise ValueError(f"mask: expected device {self.device}, got {segments.device}")
+
+    def _compute_dtype(self, h: torch.Tensor) -> torch.dtype:
+        """The dtype the layers compute attention in: autocast's on ``h``'s device, else
+        ``h``'s."""
+        kind = h.device.type
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
+
+    def _dropout(self) -> bool:
+        return self.training and any(attn.attn_dropout > 0 for attn in self.attentions())
 
     def _validate_mask(
         self, mask: torch.Tensor, batch_size: int, seq_len: int, kv_len: int

@@ -3,6 +3,7 @@ from torch import nn
 
 from fusion.decoder.attention import MultiHeadAttention
 from fusion.decoder.feed_forward import FeedForward
+from fusion.decoder.packed import PackedSegments
 from fusion.decoder.rms_norm import RMSNorm
 
 
@@ -22,7 +23,11 @@ class TransformerSelfAttentionLayer(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, x: torch.Tensor, *, mask: torch.Tensor | None, input_pos: torch.Tensor
+        self,
+        x: torch.Tensor,
+        *,
+        mask: torch.Tensor | PackedSegments | None,
+        input_pos: torch.Tensor,
     ) -> torch.Tensor:
         h = x + self.attn(self.sa_norm(x), mask=mask, input_pos=input_pos)
         return h + self.mlp(self.mlp_norm(h))

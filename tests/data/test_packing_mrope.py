@@ -1,7 +1,8 @@
 """Packing with M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL with DeepStack): over random sets of
 samples (text only, one image, several images of random sizes, several answered turns), every
 sample's logits and loss in a packed or padded batch equal the sample run alone, and the
-batch's gradients the sum of the samples' (fp32, 1e-5). Planted bugs of the kinds other tools
+batch's gradients the sum of the samples' (fp32, 1e-5), with the dense mask, per-sample SDPA
+and (logits and loss: no backward on CPU) FlexAttention. Planted bugs of the kinds other tools
 shipped make the property fail, and Hypothesis shrinks each to a minimal batch: 1-D positions
 for an M-RoPE model, positions that restart only in the text row, DeepStack rows added one
 position off or into the wrong sample."""
@@ -153,12 +154,18 @@ def row_length(samples: list[Sample], share: float) -> int:
 
 
 def check_batch_equals_alone(
-    model: EarlyFusion, samples: list[Sample], share: float, packed: bool, positions: Positions
+    model: EarlyFusion,
+    samples: list[Sample],
+    share: float,
+    packed: bool,
+    positions: Positions,
+    attention: str = "auto",
+    gradients: bool = True,
 ) -> None:
     max_seq_len = row_length(samples, share)
     if packed:
         rows = pack_samples(samples, max_seq_len)
-        batch = collate_packed(rows, pad_id=PAD, seq_len=max_seq_len)
+        batch = collate_packed(rows, pad_id=PAD, seq_len=max_seq_len, attention=attention)
         placed = [sample for row in rows for sample in row]
         starts = [
             (r, sum(len(s) for s in row[:k])) for r, row in enumerate(rows) for k in range(len(row))
@@ -169,8 +176,10 @@ def check_batch_equals_alone(
     inputs = batch.model_inputs()
     inputs["input_pos"] = positions(model, inputs)
     logits = model(**inputs)
+    assert bool(logits.isfinite().all())  # padding's too
     loss_sum, _ = masked_token_loss(logits, batch.labels)
-    loss_sum.backward()
+    if gradients:
+        loss_sum.backward()
     batch_grads = {
         name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None
     }
@@ -181,10 +190,11 @@ def check_batch_equals_alone(
         own = alone(model, sample, positions)
         torch.testing.assert_close(logits[row, start : start + len(sample)], own, atol=1e-5, rtol=0)
         own_sum, _ = masked_token_loss(own[None], sample.labels[None])
-        own_sum.backward()
+        if gradients:
+            own_sum.backward()
         total = total + own_sum.detach()
     torch.testing.assert_close(loss_sum.detach(), total, atol=1e-5, rtol=1e-6)
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters() if gradients else ():
         if param.grad is not None or name in batch_grads:
             theirs = torch.zeros_like(param) if param.grad is None else param.grad
             torch.testing.assert_close(
@@ -210,13 +220,28 @@ def model(model_type) -> EarlyFusion:
     return tiny_model(model_type)
 
 
+@pytest.mark.parametrize("attention", ["mask", "sdpa"])
 @SETTINGS
 @given(data=st.data(), share=st.floats(0, 1), packed=st.booleans())
 def test_packed_and_padded_batches_equal_samples_alone(
-    one_thread, model_type, model, data, share, packed
+    one_thread, model_type, model, attention, data, share, packed
 ):
     samples = data.draw(qwen_samples(PATCH_WIDTHS[model_type]))
-    check_batch_equals_alone(model, samples, share, packed, fusion_positions)
+    check_batch_equals_alone(model, samples, share, packed, fusion_positions, attention)
+
+
+@settings(SETTINGS, max_examples=3)
+@given(data=st.data(), share=st.floats(0, 1))
+def test_packed_batches_with_flex_attention_equal_samples_alone(
+    one_thread, model_type, model, data, share
+):
+    """Logits and loss only (CPU FlexAttention has no backward); few examples, each new shape
+    compiles."""
+    samples = data.draw(qwen_samples(PATCH_WIDTHS[model_type]))
+    with torch.no_grad():
+        check_batch_equals_alone(
+            model, samples, share, True, fusion_positions, "flex", gradients=False
+        )
 
 
 def packed_differs(

@@ -1,0 +1,339 @@
+"""Attention over packed rows from their :class:`~fusion.decoder.packed.PackedSegments`,
+without a dense ``[b, s, s]`` mask, by one of three backends:
+
+- ``"sdpa"``: one ``F.scaled_dot_product_attention(is_causal=True)`` call per sample, on
+  slices of q, k and v cut at the host-known lengths (no synchronisation), written into one
+  output; on CPU each call takes the flash kernel. Runs on every device, with dropout.
+  Padding is not computed: its outputs are zeros.
+- ``"flex"``: compiled FlexAttention (``torch.compile(flex_attention)``) with a
+  document-causal ``BlockMask`` made from the segment ids on the device, in
+  O(s + (s / 128)^2) (no ``s x s`` evaluation of the mask); blocks that no sample attends are
+  skipped. CUDA, forward and backward; on CPU torch 2.13 runs its forward only (no backward).
+  Padding attends to nothing: its outputs are zeros.
+- ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over cumulative
+  lengths, causal), CUDA with float16 or bfloat16 only, no dropout. Every token is in a
+  segment, so padding attends causally among itself there (as the dense mask has it).
+
+``"auto"`` picks per device and compute dtype (:func:`resolve_backend`): on CUDA varlen where
+it runs, else flex; elsewhere per-sample SDPA, the fastest measured on CPU (forward and
+backward, SmolVLM-256M's attention shape, rows of 1024-4096 tokens of LLaVA-Instruct-like
+samples: ``python benchmarks/packed_attention.py``, see benchmarks/README.md). Dropout in
+training takes per-sample SDPA under ``"auto"``.
+
+Under ``torch.compile`` (e.g. of each decoder layer): the per-sample SDPA loop runs in a
+``torch.compiler.disable``'d function, a graph break, so the compiled graphs never see the
+host lengths and layouts of any shape recompile nothing. Flex and varlen trace: they read
+device tensors (segment ids, the block mask, cumulative lengths) and one host integer
+(``max_length``, a power of two; ``cu_seqlens``'s length varies with the segment count), so a
+graph is reused across layouts once those are dynamic (one recompile when they first change,
+under automatic dynamic shapes). Importing this module imports neither ``torch._dynamo`` nor
+FlexAttention: they come when first used.
+"""
+
+import functools
+import importlib.util
+import sys
+from dataclasses import replace
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from fusion.decoder.packed import PackedSegments
+
+#: FlexAttention's block size: the block mask is made at this granularity.
+FLEX_BLOCK = 128
+
+_compiled_flex: Any = None
+_disabled_per_sample: Any = None
+
+
+def resolve_backend(
+    backend: str, device: torch.device, dtype: torch.dtype, *, dropout: bool = False
+) -> str:
+    """The backend that runs ``backend`` (one of ``PACKED_BACKENDS``) on ``device`` for
+    queries of ``dtype``, with attention dropout or not.
+
+    ``"auto"``: per-sample SDPA with dropout; on CUDA ``"varlen"`` where it runs
+    (:func:`varlen_supported`), else ``"flex"``; elsewhere (CPU, ...) ``"sdpa"``, which
+    measured fastest on CPU (benchmarks/README.md, "Packed attention").
+
+    Raises:
+        ValueError: ``"flex"`` or ``"varlen"`` with dropout (neither has any), ``"varlen"``
+            where it cannot run.
+    """
+    if backend == "auto":
+        if dropout:
+            return "sdpa"
+        if device.type == "cuda":
+            return "varlen" if varlen_supported(device, dtype) else "flex"
+        return "sdpa"
+    if dropout and backend in ("flex", "varlen"):
+        raise ValueError(
+            f"mask: the {backend!r} backend has no attention dropout; use 'sdpa' or 'auto', "
+            "or attn_dropout=0"
+        )
+    if backend == "varlen" and not varlen_supported(device, dtype):
+        raise ValueError(
+            "mask: the 'varlen' backend needs torch.nn.attention.varlen, a CUDA device of "
+            f"compute capability 8.0 or more and float16 or bfloat16; got {device} and {dtype}"
+        )
+    return backend
+
+
+def varlen_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``varlen_attn`` runs here: this torch has it, ``device`` is CUDA with flash
+    attention (compute capability 8.0 or more), ``dtype`` is float16 or bfloat16."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _flash_capable(index)
+
+
+@functools.cache
+def _flash_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def prepare(
+    segments: PackedSegments, dtype: torch.dtype, *, dropout: bool = False
+) -> PackedSegments:
+    """``segments`` with a concrete backend for queries of ``dtype`` on their device, and for
+    ``"flex"`` its block mask: made once per decoder forward, shared by every layer.
+
+    Raises:
+        ValueError: see :func:`resolve_backend`.
+    """
+    backend = resolve_backend(segments.backend, segments.device, dtype, dropout=dropout)
+    # Made here, eagerly, rather than on first use inside a compiled layer, where their
+    # creation would cost that layer one more compilation.
+    if backend == "flex":
+        _flex_function()
+    elif "torch._dynamo" in sys.modules:  # compilation is possible
+        _per_sample_disabled()
+    block_mask = document_block_mask(segments.segment_ids) if backend == "flex" else None
+    return replace(segments, backend=backend, block_mask=block_mask)
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: PackedSegments,
+    *,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Causal attention within each sample of packed rows.
+
+    Args:
+        q: [b, s, h, hd] queries (rotary applied).
+        k, v: [b, s, h_kv, hd]; ``h_kv`` divides ``h`` (GQA with ``enable_gqa``, else equal).
+        segments: the rows' segments ([b, s]), any backend (``"auto"`` is resolved here for
+            ``q``'s device and dtype; the decoder resolves it once per forward instead, see
+            :func:`prepare`).
+        dropout_p: attention dropout probability (``"sdpa"`` only).
+        enable_gqa: key/value heads shared by groups of query heads.
+
+    Returns:
+        [b, s, h, hd]. Each sample's outputs equal its outputs alone (to float rounding);
+        padding's are zeros (``"sdpa"``, ``"flex"``) or padding attending causally among
+        itself (``"varlen"``), finite either way.
+    """
+    backend = segments.backend
+    if backend == "auto":
+        backend = resolve_backend(backend, q.device, q.dtype, dropout=dropout_p > 0)
+    if backend == "sdpa":
+        return _per_sample(q, k, v, segments, dropout_p, enable_gqa)
+    if backend == "flex":
+        return _flex(q, k, v, segments, enable_gqa)
+    if backend == "varlen":
+        return _varlen(q, k, v, segments, enable_gqa)
+    raise ValueError(f"mask: unknown packed attention backend {backend!r}")
+
+
+# ---------------------------------------------------------------------- per-sample SDPA
+
+
+def _per_sample(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: PackedSegments,
+    dropout_p: float,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """:func:`_per_sample_sdpa`, behind a graph break while compiling."""
+    if torch.compiler.is_compiling():
+        return _per_sample_disabled()(q, k, v, segments, dropout_p, enable_gqa)
+    return _per_sample_sdpa(q, k, v, segments, dropout_p, enable_gqa)
+
+
+def _per_sample_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: PackedSegments,
+    dropout_p: float,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """One causal SDPA call per sample, on views of [b, s, h, hd] inputs; the outputs, back
+    in [b, s, h, hd] and zeros for padding, concatenated (one copy, which also makes the
+    result contiguous for the output projection).
+
+    Samples of equal length are not batched into one call: stacking them would copy q, k and
+    v, and LLaVA-like length mixes rarely repeat a length; the call overhead (tens of
+    microseconds) is small beside a sample's attention."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, s, hd] views
+    rows = []
+    for r, (row, pad) in enumerate(zip(segments.lengths, segments.padding, strict=True)):
+        parts, start = [], 0
+        for n in row[: len(row) - (pad > 0)]:
+            end = start + n
+            out = F.scaled_dot_product_attention(
+                qt[r : r + 1, :, start:end],
+                kt[r : r + 1, :, start:end],
+                vt[r : r + 1, :, start:end],
+                dropout_p=dropout_p,
+                is_causal=True,
+                enable_gqa=enable_gqa,
+            )
+            parts.append(out.transpose(1, 2))  # [1, n, h, hd]
+            start = end
+        if pad:
+            parts.append(q.new_zeros(1, pad, q.size(2), q.size(3)))
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows)  # [b, s, h, hd]
+
+
+def _per_sample_disabled() -> Any:
+    """:func:`_per_sample_sdpa` behind ``torch.compiler.disable``, made on first use under
+    compilation (so that eager use never imports ``torch._dynamo``)."""
+    global _disabled_per_sample
+    if _disabled_per_sample is None:
+        _disabled_per_sample = torch.compiler.disable(
+            _per_sample_sdpa, reason="a Python loop over the host-known sample lengths"
+        )
+    return _disabled_per_sample
+
+
+# ---------------------------------------------------------------------- FlexAttention
+
+
+def document_block_mask(segment_ids: torch.Tensor) -> Any:
+    """FlexAttention's ``BlockMask`` [b, 1, s, s] for document-causal attention over
+    ``segment_ids`` (int32 [b, s], -1 for padding, as in ``PackedSegments``): a query attends
+    to the keys at or before it in its own sample; padding attends to nothing.
+
+    Made from per-block segment ranges on the device: the ids increase along a row, so with
+    padding taken as one last id, a block of queries meets a block of keys at or before it
+    iff its smallest id is at most their largest, and attends to all of them iff both blocks
+    hold one sample only. O(b * (s + (s / 128)^2)), no synchronisation."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    ids = segment_ids
+    b, s = ids.shape
+    n = -(-s // FLEX_BLOCK)
+    # Padding's id is s, above every sample's, so that ids never decrease along a row; the
+    # positions after s (the last block's rest) count as padding.
+    doc = torch.where(ids >= 0, ids, s)
+    doc = F.pad(doc, (0, n * FLEX_BLOCK - s), value=s).view(b, n, FLEX_BLOCK)
+    low, high = doc.amin(-1), doc.amax(-1)  # [b, n]
+    q_low, q_high = low[:, :, None], high[:, :, None]  # [b, n, 1] query blocks
+    k_low, k_high = low[:, None, :], high[:, None, :]  # [b, 1, n] key blocks
+    blocks = torch.arange(n, device=ids.device)
+    at_or_before = blocks[None, :] <= blocks[:, None]  # [n, n]: key block <= query block
+    some = at_or_before & (q_low <= k_high) & (q_low < s)
+    whole = blocks[None, :] < blocks[:, None]
+    if s % FLEX_BLOCK:  # the last query block has positions past s: never whole
+        whole = whole & (blocks < n - 1)[:, None]
+    full = whole & (k_low == q_high) & (q_high < s)
+    partial = some & ~full
+
+    def indices(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = chosen.sum(-1, dtype=torch.int32)[:, None]  # [b, 1, n]
+        # The chosen key blocks first, in increasing order (a stable sort of 1s before 0s).
+        order = torch.sort(chosen.to(torch.int8), dim=-1, descending=True, stable=True).indices
+        return counts, order.to(torch.int32)[:, None]  # [b, 1, n, n]
+
+    def document_causal(
+        batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        same = ids[batch, q_idx] == ids[batch, kv_idx]
+        return same & (q_idx >= kv_idx) & (ids[batch, q_idx] >= 0)
+
+    counts, order = indices(partial)
+    full_counts, full_order = indices(full)
+    return BlockMask.from_kv_blocks(
+        counts,
+        order,
+        full_counts,
+        full_order,
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=document_causal,
+        seq_lengths=(s, s),
+    )
+
+
+def _flex_function() -> Any:
+    """``torch.compile(flex_attention)``, made on first use."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def _flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: PackedSegments,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    if q.size(1) == 1:
+        # Rows of one position: each attends to itself alone. Compiled CPU FlexAttention
+        # (torch 2.13) fails to build its kernel for them once shapes are dynamic (b > 1).
+        return _per_sample(q, k, v, segments, 0.0, enable_gqa)
+    block_mask = segments.block_mask
+    if block_mask is None:
+        block_mask = document_block_mask(segments.segment_ids)
+    out = _flex_function()(  # [b, h, s, hd]
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=block_mask,
+        enable_gqa=enable_gqa,
+    )
+    return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------- varlen
+
+
+def _varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: PackedSegments,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    b, s, h, hd = q.shape
+    bound = segments.max_length
+    out = varlen_attn(  # [b * s, h, hd]
+        q.reshape(b * s, h, hd),
+        k.reshape(b * s, k.size(2), hd),
+        v.reshape(b * s, v.size(2), hd),
+        segments.cu_seqlens,
+        segments.cu_seqlens,
+        bound,
+        bound,
+        window_size=(-1, 0),  # causal
+        enable_gqa=enable_gqa,
+    )
+    return cast(torch.Tensor, out).view(b, s, h, hd)  # no auxiliary outputs asked for
