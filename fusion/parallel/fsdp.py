@@ -51,8 +51,9 @@ def apply_fsdp(
     :func:`fsdp_units` (same ``per_module``), all on ``mesh``. Returns ``model``.
 
     ``reshard_after_forward`` applies to every unit but the root, which stays gathered from
-    forward to backward. Parameter names and state-dict keys do not change. Compose with tensor parallelism by
-    calling :func:`fusion.parallel.apply_tp` first, on the other dimension of a 2-D mesh.
+    forward to backward. Parameter names and state-dict keys do not change. Compose with
+    tensor parallelism by calling :func:`fusion.parallel.apply_tp` first, on the other
+    dimension of a 2-D mesh.
 
     Raises:
         TypeError: ``model`` is neither a decoder nor has one as ``.decoder``; ``mesh`` is not
