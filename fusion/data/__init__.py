@@ -59,6 +59,7 @@ from fusion.data.packing import (
     pack,
     pack_samples,
 )
+from fusion.data.prepare import pad_token_id, read_encoded, skipped_summary
 from fusion.data.samples import (
     IGNORE_INDEX,
     ConversationEncoder,
@@ -104,7 +105,10 @@ __all__ = [
     "load_special_tokens",
     "pack",
     "pack_samples",
+    "pad_token_id",
     "parse_conversation",
     "read_conversations",
+    "read_encoded",
     "read_hf_dataset",
+    "skipped_summary",
 ]

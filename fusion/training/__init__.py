@@ -21,9 +21,13 @@
   checked against what their config builds, and :func:`run_job` (one-line errors, exit status).
 - :mod:`~fusion.training.loop`: resuming and saving with their log lines
   (:func:`resume_checkpoint`, :func:`save_step`), the end of a step (:func:`optimizer_step`).
-- :mod:`~fusion.training.schedule`: the learning-rate schedule (:func:`warmup_cosine`).
+- :mod:`~fusion.training.accumulate`: losses over micro-batches made ahead: a step's
+  gradients accumulated by tokens (:func:`accumulate_step`), a data set's :func:`mean_loss`.
+- :mod:`~fusion.training.schedule`: the optimizer and its learning-rate schedule
+  (:func:`adamw_warmup_cosine`, :func:`warmup_cosine`).
 - :mod:`~fusion.training.steps`: which samples each step trains on, a function of the
-  position alone (:class:`EpochSampler`) or of a token budget (``plan_steps``).
+  position alone (:class:`EpochSampler`) or of a token budget (``plan_steps``); a resumed
+  run's plan checked against its checkpoint's data position (:func:`check_plan_position`).
 - :mod:`~fusion.training.fingerprint`: a cheap fingerprint of a model directory's weights, so
   checkpoints that hold only what trains (``save_checkpoint(trainable_only=True)``) can
   refuse a changed base (:func:`check_base_model`).
@@ -35,6 +39,7 @@ Every problem with a job's input is a :class:`TrainingError` whose message is on
 naming the file (and key) or flag at fault; a recipe prints it and exits with status 1.
 """
 
+from fusion.training.accumulate import accumulate_step, mean_loss
 from fusion.training.checkpoint import (
     atomic_write_bytes,
     check_model_tensors,
@@ -90,9 +95,9 @@ from fusion.training.report import (
     warn_missing_extras,
     write_json,
 )
-from fusion.training.schedule import lr_factor, warmup_cosine
+from fusion.training.schedule import adamw_warmup_cosine, lr_factor, warmup_cosine
 from fusion.training.state import RngState, TrainState, key_error, load_train_state, match_saved
-from fusion.training.steps import EpochSampler
+from fusion.training.steps import EpochSampler, check_plan_position, plan_position
 
 __all__ = [
     "INSTALL_TRAIN_EXTRA",
@@ -102,6 +107,8 @@ __all__ = [
     "Start",
     "TrainState",
     "TrainingError",
+    "accumulate_step",
+    "adamw_warmup_cosine",
     "agree_on_rank0",
     "agree_on_start",
     "atomic_write_bytes",
@@ -109,6 +116,7 @@ __all__ = [
     "check_config_model",
     "check_model_tensors",
     "check_optimizer_state",
+    "check_plan_position",
     "check_writable",
     "checkpoint_dir",
     "checkpoint_root",
@@ -126,10 +134,12 @@ __all__ = [
     "log",
     "lr_factor",
     "match_saved",
+    "mean_loss",
     "newest_intact_checkpoint",
     "one_line",
     "optimizer_step",
     "peak_memory",
+    "plan_position",
     "plan_start",
     "plot_if_available",
     "plot_losses",

@@ -1,35 +1,50 @@
 """A recipe's configuration as one dataclass whose fields are its command-line flags, in
 groups that say what ``--resume`` does with them (the recipes' shared machinery).
 
-Each field is an :func:`option` with a help text and a group. The groups are the recipe's
-(``GROUP_TITLES``); by convention ``data``, ``model`` and ``optim`` are fixed for the life of
-a run, ``run`` settings are stored and may change when resuming, ``session`` settings belong
-to one invocation. :func:`build_parser` makes one flag per field (absent from the parsed
-namespace unless given, so a resumed run tells the flags given from its stored ones),
-:func:`config_from_values` reads a checkpoint's stored settings back, every key checked, and
-:func:`resumed_config` merges the two; :func:`check_ranges` is where a recipe's
-``check_config`` starts.
+Each field is an :func:`option` with a help text, a group and what it must be (``positive``,
+``non_negative``, a ``path``). The groups are the recipe's (``GROUP_TITLES``);
+by convention ``data``, ``model`` and ``optim`` are fixed for the life of a run, ``run``
+settings are stored and may change when resuming, ``session`` settings belong to one
+invocation. :func:`build_parser` makes one flag per field (absent from the parsed namespace
+unless given, so a resumed run tells the flags given from its stored ones), :func:`parse_args`
+checks them, :func:`config_from_values` reads a checkpoint's stored settings back, every key
+checked, and :func:`resumed_config` merges the two; :func:`check_ranges` is where a recipe's
+``check_config`` starts. A :class:`ConfigSpec` declares all of it once for a recipe.
 """
 
 import argparse
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import field
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar, cast
 
-from fusion.training.errors import TrainingError
+from fusion.training.errors import TrainingError, one_line
 
 C = TypeVar("C")
 # No count or size of a recipe comes near it; above it products of sizes could overflow int64.
 MAX_INT = 2**31 - 1
 
 
-def option(default: Any, help: str, group: str, **kwargs: Any) -> Any:
-    """A config field: its default, its ``--help`` text, its group, and e.g. ``choices``."""
-    return field(default=default, metadata={"help": help, "group": group, **kwargs})
+def option(
+    default: Any,
+    help: str,
+    group: str,
+    *,
+    positive: bool = False,
+    non_negative: bool = False,
+    path: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """A config field: its default, its ``--help`` text, its group, and e.g. ``choices``;
+    what it must be, checked by :func:`check_ranges`: ``positive`` (> 0), ``non_negative``
+    (>= 0), a ``path`` (not empty when set; :func:`parse_args` makes it absolute, so that
+    ``--resume`` works from any working directory)."""
+    checks = {"positive": positive, "non_negative": non_negative, "path": path}
+    return field(default=default, metadata={"help": help, "group": group, **checks, **kwargs})
 
 
 def flag_name(name: str) -> str:
@@ -46,24 +61,24 @@ def config_group(config: Any, name: str) -> dict[str, Any]:
     }
 
 
+def fields_with(config: Any, check: str) -> list[str]:
+    """The names of the fields of ``config`` (a dataclass or its class) whose :func:`option`
+    asks for ``check`` (``positive``, ``non_negative`` or ``path``), in order."""
+    return [f.name for f in dataclasses.fields(config) if f.metadata.get(check)]
+
+
 def check_ranges(
-    config: Any,
-    name: Callable[[str], str] = flag_name,
-    *,
-    positive: Collection[str] = (),
-    non_negative: Collection[str] = (),
-    no_nul: bool = False,
+    config: Any, name: Callable[[str], str] = flag_name, *, no_nul: bool = False
 ) -> None:
     """The checks every recipe's config starts with: each float finite, each int at most
     :data:`MAX_INT` in magnitude (and, with ``no_nul``, each str free of NUL characters), field
-    by field; then the fields named in ``positive`` above 0 and those in ``non_negative`` at
-    least 0.
+    by field; then what each field's :func:`option` asks for, in field order: the
+    ``positive`` fields above 0, the ``non_negative`` ones at least 0, and the ``path`` ones
+    not empty when set.
 
     Args:
         config: a config dataclass instance.
         name: how a message names a field (default: its flag, :func:`flag_name`).
-        positive: the fields that must be > 0.
-        non_negative: the fields that must be >= 0.
         no_nul: refuse a NUL character in any str field.
 
     Raises:
@@ -81,12 +96,26 @@ def check_ranges(
             fail(field_name, f"at most {MAX_INT} in magnitude")
         if no_nul and isinstance(value, str) and "\0" in value:
             fail(field_name, "no NUL character")
-    for field_name in positive:
+    for field_name in fields_with(config, "positive"):
         if getattr(config, field_name) <= 0:
             fail(field_name, "a positive value")
-    for field_name in non_negative:
+    for field_name in fields_with(config, "non_negative"):
         if getattr(config, field_name) < 0:
             fail(field_name, "a value >= 0")
+    for field_name in fields_with(config, "path"):
+        if getattr(config, field_name) == "":
+            fail(field_name, "a path")
+
+
+@contextmanager
+def flag_errors(flag: str, *errors: type[BaseException]) -> Iterator[None]:
+    """Turn an error of the types ``errors`` raised in the ``with`` block into a one-line
+    :class:`TrainingError` naming ``flag``: ``"<flag>: <first line of its message>"`` (the
+    error a library call raises about a file or setting the flag gave)."""
+    try:
+        yield
+    except errors as error:
+        raise TrainingError(f"{flag}: {one_line(error)}") from None
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -151,11 +180,17 @@ def parse_args(
     config_class: Callable[..., C],
     argv: list[str] | None,
     check: Callable[[C], None],
+    *,
+    required: Collection[str] = (),
 ) -> tuple[C, frozenset[str]]:
     """Parse ``argv`` with ``parser`` (:func:`build_parser`'s) into a ``config_class`` checked
-    by ``check`` (raising ``ValueError``), and the names of the fields given as flags; a
-    ``--threads`` field may not exceed the CPUs here (far more threads than CPUs crashes
-    torch's thread pool).
+    by ``check`` (raising ``ValueError``), and the names of the fields given as flags.
+
+    Then the fields named in ``required`` must be set (in that order), unless the config's
+    ``resume`` is (the checkpoint has them); a ``--threads`` field may not exceed the CPUs
+    here (far more threads than CPUs crashes torch's thread pool); the ``path`` fields
+    (:func:`option`) set are made absolute, so that a resumed run finds them from any working
+    directory.
 
     Exits with status 2 (argparse's) and one line naming the flag on unknown flags or bad
     values.
@@ -166,11 +201,18 @@ def parse_args(
         check(config)
     except ValueError as error:
         parser.error(str(error))
+    if not getattr(config, "resume", False):
+        for name in required:
+            if getattr(config, name) is None:
+                parser.error(f"{flag_name(name)}: required")
     cpus = os.cpu_count() or 1
     threads = getattr(config, "threads", 0)
     if threads > cpus:
         parser.error(f"--threads: expected at most the {cpus} CPUs here, got {threads}")
-    return config, frozenset(given)
+    paths = {
+        f: os.path.abspath(v) for f in fields_with(config, "path") if (v := getattr(config, f))
+    }
+    return dataclasses.replace(config, **paths), frozenset(given)  # type: ignore[type-var]
 
 
 def config_from_values(
@@ -270,3 +312,79 @@ def resumed_config(
     ours = set(config_group(config, "session")) | (set(given) & set(config_group(config, "run")))
     restored = {f.name: getattr(stored, f.name) for f in dataclasses.fields(stored)}  # type: ignore[arg-type]
     return dataclasses.replace(config, **{k: v for k, v in restored.items() if k not in ours})  # type: ignore[type-var]
+
+
+@dataclass(frozen=True)
+class ConfigSpec(Generic[C]):
+    """A recipe's configuration declared once: its config dataclass, what its command line
+    says about it, how its fields are checked and what a checkpoint stores of it; the
+    functions of this module bound to them.
+
+    Attributes:
+        config_class: the config dataclass (fields made with :func:`option`).
+        prog: the recipe's command (``--help``, error lines).
+        description: its ``--help`` description.
+        group_titles: each group's title in ``--help``, in order.
+        check: ``check(config, name)`` raising ``ValueError`` (``name`` words a field: a flag
+            on the command line, a key in a checkpoint).
+        fixed_groups: the groups a resumed run may not change (:func:`resumed_config`).
+        stored_groups: the groups a checkpoint stores, in order (None: every field).
+        required: the fields a new run must be given, in the order they are checked
+            (:func:`parse_args`).
+        added: the settings added since the recipe's first checkpoints, with the value a
+            checkpoint without them was trained with.
+    """
+
+    config_class: Callable[..., C]
+    prog: str
+    description: str
+    group_titles: Mapping[str, str]
+    check: Callable[[C, Callable[[str], str]], None]
+    fixed_groups: Collection[str]
+    stored_groups: Collection[str] | None = None
+    required: Collection[str] = ()
+    added: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def build_parser(self) -> argparse.ArgumentParser:
+        """One flag per field (:func:`build_parser`)."""
+        return build_parser(
+            cast(type, self.config_class), prog=self.prog, description=self.description,
+            group_titles=self.group_titles,
+        )  # fmt: skip
+
+    def parse_args(self, argv: list[str] | None = None) -> tuple[C, frozenset[str]]:
+        """A checked config from ``argv`` and the names of the fields given
+        (:func:`parse_args`); exits with status 2 and one line naming the flag on unknown
+        flags or bad values."""
+        parser, check = self.build_parser(), self.check
+        return parse_args(
+            parser, self.config_class, argv, lambda c: check(c, flag_name), required=self.required
+        )
+
+    def to_json(self, config: C) -> dict[str, Any]:
+        """What a checkpoint stores of ``config``: its ``stored_groups``, in order."""
+        groups = self.stored_groups or self.group_titles
+        return {k: v for group in groups for k, v in config_group(config, group).items()}
+
+    def from_json(self, values: Any, file: Path) -> C:
+        """The config a checkpoint file ``file`` stores as ``values`` (:func:`to_json`'s),
+        every key present (those of ``added`` may be missing), of its type and in range
+        (:func:`config_from_values`).
+
+        Raises:
+            TrainingError: naming ``file`` and the key.
+        """
+        if isinstance(values, dict):
+            values = {**self.added, **values}
+        return config_from_values(
+            self.config_class, values, file, check=self.check, stored_groups=self.stored_groups
+        )
+
+    def resumed(self, config: C, given: Collection[str], stored: C, step: int) -> C:
+        """The configuration of a run resumed at ``step`` from a checkpoint storing ``stored``
+        (:func:`resumed_config` with ``fixed_groups``).
+
+        Raises:
+            TrainingError: naming each fixed flag given with another value than the stored.
+        """
+        return resumed_config(config, given, stored, step, fixed_groups=self.fixed_groups)

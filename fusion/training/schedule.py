@@ -1,6 +1,8 @@
-"""The learning-rate schedule of the recipes: linear warm-up, then cosine decay to 0."""
+"""The optimizer and learning-rate schedule of the recipes: AdamW, linear warm-up, then cosine
+decay to 0."""
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -27,3 +29,17 @@ def warmup_cosine(
         return lr_factor(step, warmup, total)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def adamw_warmup_cosine(
+    parameters: Iterable[torch.nn.Parameter],
+    *,
+    lr: float,
+    weight_decay: float,
+    warmup: int,
+    total: int,
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """The recipes' optimizer: AdamW over ``parameters`` (peak ``lr``, betas (0.9, 0.95),
+    ``weight_decay``) with :func:`warmup_cosine` over ``total`` steps."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    return optimizer, warmup_cosine(optimizer, warmup, total)

@@ -6,8 +6,15 @@ processes) continues it exactly."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+from fusion.training.errors import TrainingError
+
+if TYPE_CHECKING:  # the data loader's workers import this module: kept light
+    from fusion.training.state import TrainState
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,33 @@ def plan_steps(
         plan.append(Step(tuple(current), epoch))
         epoch += 1
     return plan[:steps] if steps > 0 else plan
+
+
+def plan_position(plan: Sequence[Step], step: int) -> tuple[int, int]:
+    """(samples seen, epoch) after the first ``step`` steps of ``plan``: the data position a
+    checkpoint at ``step`` records (``TrainState.samples_seen`` and ``epoch``)."""
+    seen = sum(len(s.samples) for s in plan[:step])
+    epoch = plan[step].epoch if step < len(plan) else plan[-1].epoch + 1
+    return seen, epoch
+
+
+def check_plan_position(
+    path: Path, state: "TrainState", plan: Sequence[Step], *, flag: str = "--data"
+) -> None:
+    """Refuse checkpoint ``path`` (its train state ``state``) when ``plan``, the resumed run's
+    plan of the data ``flag`` gave, does not reach its step at its data position
+    (:func:`plan_position`): the data or the settings that cut it into steps changed.
+
+    Raises:
+        TrainingError: naming the checkpoint, its position and the plan's.
+    """
+    expected = plan_position(plan, state.step)
+    if state.step > len(plan) or (state.samples_seen, state.epoch) != expected:
+        raise TrainingError(
+            f"--resume: {path} is at step {state.step} (samples {state.samples_seen}, "
+            f"epoch {state.epoch}), which the run's data plan of {len(plan)} steps does not "
+            f"have (expected samples {expected[0]}, epoch {expected[1]}): was {flag} changed?"
+        )
 
 
 def plan_in_order(lengths: Sequence[int], *, batch_tokens: int) -> list[Step]:

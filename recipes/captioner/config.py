@@ -32,38 +32,58 @@ class TrainConfig:
 
     # data
     seed: int = _opt(0, "seed of the dataset, the model's initialisation and the order", "data")
-    num_train: int = _opt(10_000, "training images", "data")
-    num_heldout: int = _opt(1_000, "held-out images (accuracy is measured on them)", "data")
-    image_size: int = _opt(32, "image side in pixels", "data")
+    num_train: int = _opt(10_000, "training images", "data", positive=True)
+    num_heldout: int = _opt(
+        1_000, "held-out images (accuracy is measured on them)", "data", positive=True
+    )
+    image_size: int = _opt(32, "image side in pixels", "data", positive=True)
     # model
-    patch_size: int = _opt(8, "vision encoder patch side; one image token per patch", "model")
-    encoder_dim: int = _opt(64, "vision encoder width", "model")
-    encoder_layers: int = _opt(2, "vision transformer blocks", "model")
-    encoder_heads: int = _opt(4, "vision attention heads", "model")
-    decoder_dim: int = _opt(64, "decoder width", "model")
-    decoder_layers: int = _opt(2, "decoder blocks", "model")
-    decoder_heads: int = _opt(4, "decoder query heads", "model")
-    decoder_kv_heads: int = _opt(2, "decoder key/value heads (grouped-query attention)", "model")
-    decoder_mlp_dim: int = _opt(192, "decoder MLP hidden width", "model")
+    patch_size: int = _opt(
+        8, "vision encoder patch side; one image token per patch", "model", positive=True
+    )
+    encoder_dim: int = _opt(64, "vision encoder width", "model", positive=True)
+    encoder_layers: int = _opt(2, "vision transformer blocks", "model", non_negative=True)
+    encoder_heads: int = _opt(4, "vision attention heads", "model", positive=True)
+    decoder_dim: int = _opt(64, "decoder width", "model", positive=True)
+    decoder_layers: int = _opt(2, "decoder blocks", "model", positive=True)
+    decoder_heads: int = _opt(4, "decoder query heads", "model", positive=True)
+    decoder_kv_heads: int = _opt(
+        2, "decoder key/value heads (grouped-query attention)", "model", positive=True
+    )
+    decoder_mlp_dim: int = _opt(192, "decoder MLP hidden width", "model", positive=True)
     # optimisation
-    batch_size: int = _opt(64, "global batch size (split across processes)", "optim")
+    batch_size: int = _opt(64, "global batch size (split across processes)", "optim", positive=True)
     lr: float = _opt(3e-3, "peak learning rate (AdamW)", "optim")
-    warmup_steps: int = _opt(50, "linear warm-up steps, then cosine decay to 0", "optim")
-    weight_decay: float = _opt(0.01, "AdamW weight decay", "optim")
-    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)", "optim")
+    warmup_steps: int = _opt(
+        50, "linear warm-up steps, then cosine decay to 0", "optim", non_negative=True
+    )
+    weight_decay: float = _opt(0.01, "AdamW weight decay", "optim", non_negative=True)
+    grad_clip: float = _opt(
+        1.0, "clip the global gradient norm to this (0: no clipping)", "optim", non_negative=True
+    )
     # run: stored; a resumed run may change them
-    steps: int = _opt(2_000, "total optimiser steps (a resumed run may extend them)", "run")
-    checkpoint_every: int = _opt(250, "save a checkpoint every N steps (and at the end)", "run")
-    keep_checkpoints: int = _opt(2, "how many of the latest checkpoints to keep", "run")
+    steps: int = _opt(
+        2_000, "total optimiser steps (a resumed run may extend them)", "run", positive=True
+    )
+    checkpoint_every: int = _opt(
+        250, "save a checkpoint every N steps (and at the end)", "run", positive=True
+    )
+    keep_checkpoints: int = _opt(
+        2, "how many of the latest checkpoints to keep", "run", positive=True
+    )
     parallel: str = _opt(
         "ddp",
         "under torchrun: 'ddp' (DistributedDataParallel) or 'fsdp' (FSDP2 fully_shard)",
         "run",
         choices=("ddp", "fsdp"),
     )
-    log_every: int = _opt(10, "read the loss back every N steps (a host sync on GPU)", "run")
-    num_samples: int = _opt(8, "held-out sample generations to print", "run")
-    eval_batch_size: int = _opt(256, "batch size of the held-out greedy generation", "run")
+    log_every: int = _opt(
+        10, "read the loss back every N steps (a host sync on GPU)", "run", positive=True
+    )
+    num_samples: int = _opt(8, "held-out sample generations to print", "run", non_negative=True)
+    eval_batch_size: int = _opt(
+        256, "batch size of the held-out greedy generation", "run", positive=True
+    )
     # session: this invocation's alone
     output_dir: str | None = _opt(
         None,
@@ -88,6 +108,7 @@ class TrainConfig:
         "CPU threads per process (0: torch's default); 1 is fastest for this small model on a "
         "shared machine",
         "session",
+        non_negative=True,
     )
     progress: bool = _opt(True, "show the progress bar", "session")
 
@@ -95,15 +116,6 @@ class TrainConfig:
         """The fields of one group (``data``, ``model``, ``optim``, ``run``, ``session``) as a
         dict."""
         return config_group(self, name)
-
-
-# The fields that must be > 0, and those that must be >= 0 (in the order they are checked).
-_POSITIVE = (
-    "num_train num_heldout image_size patch_size encoder_dim encoder_heads decoder_dim "
-    "decoder_layers decoder_heads decoder_kv_heads decoder_mlp_dim batch_size steps "
-    "checkpoint_every keep_checkpoints log_every eval_batch_size"
-).split()
-_NON_NEGATIVE = "encoder_layers warmup_steps weight_decay grad_clip threads num_samples".split()
 
 
 def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) -> None:
@@ -114,7 +126,7 @@ def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) ->
         got = getattr(config, field_name)
         raise ValueError(f"{name(field_name)}: expected {expected}, got {got!r}")
 
-    shared.check_ranges(config, name, positive=_POSITIVE, non_negative=_NON_NEGATIVE)
+    shared.check_ranges(config, name)
     if not config.lr > 0:
         fail("lr", "a positive learning rate")
     if config.image_size % config.patch_size:

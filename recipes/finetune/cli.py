@@ -16,15 +16,9 @@ import torch
 
 from fusion import training
 from fusion.training import Runtime, TrainState
-from recipes.finetune.config import (
-    FIXED_GROUPS,
-    PROG,
-    FinetuneConfig,
-    config_from_json,
-    parse_args,
-)
-from recipes.finetune.model import init_adapter_config
-from recipes.finetune.trainer import TrainResult, build_model, train
+from recipes.finetune.config import PROG, SPEC, FinetuneConfig
+from recipes.finetune.model import build_model, init_adapter_config
+from recipes.finetune.trainer import TrainResult, train
 
 FINAL = "final"
 ADAPTER = "adapter"  # final/adapter/: the LoRA adapter in PEFT's format
@@ -32,7 +26,7 @@ ADAPTER = "adapter"  # final/adapter/: the LoRA adapter in PEFT's format
 
 def inspect_checkpoint(path: Path) -> TrainState:
     """The train state of checkpoint ``path`` once every file of it checks out."""
-    state = training.load_train_state(path, config_from_json)
+    state = training.load_train_state(path, SPEC.from_json)
     training.verify_checkpoint(path)
     return state
 
@@ -48,7 +42,7 @@ def export_final(config: FinetuneConfig, checkpoint: Path, output_dir: Path) -> 
             Hugging Face directory can be written for it.
     """
     assert config.model is not None
-    state = training.load_train_state(checkpoint, config_from_json)
+    state = training.load_train_state(checkpoint, SPEC.from_json)
     training.check_base_model(checkpoint, state, config.model)
     model = build_model(config)
     training.load_model_tensors(checkpoint, model, trainable_only=state.trainable_only)
@@ -80,9 +74,9 @@ def report(
             "peak_memory": training.peak_memory(runtime.device),
             "train_seconds": result.train_seconds,
             "total_seconds": time.perf_counter() - started,
-            "conversations": result.num_samples,
-            "skipped": result.skipped,
-            "truncated": result.truncated,
+            "conversations": len(result.data.samples),
+            "skipped": len(result.data.skipped),
+            "truncated": result.data.truncated,
             "checkpoint": str(result.checkpoint),
             "final": str(final),
         },
@@ -109,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     started = time.perf_counter()
     training.config.check_argv(argv)
-    config, given = parse_args(argv)
+    config, given = SPEC.parse_args(argv)
 
     def plan() -> training.Start[FinetuneConfig]:
         # With --resume: the newest intact checkpoint and the configuration it stores. A new
@@ -118,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         assert config.output_dir is not None
         return training.plan_start(
             config, given, Path(config.output_dir), prog=PROG, inspect=inspect_checkpoint,
-            fixed_groups=FIXED_GROUPS, outputs=(FINAL,),
+            fixed_groups=SPEC.fixed_groups, outputs=(FINAL,),
             prepare=lambda new, resume: init_adapter_config(new, given) if resume is None else new,
         )  # fmt: skip
 
@@ -128,10 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(config.threads)
         start = training.agree_on_start(runtime, plan, FinetuneConfig)
         training.log(runtime, f"output directory: {start.output_dir}")
-        resume = None
-        if start.resume is not None:
-            resume = start.resume, training.load_train_state(start.resume, config_from_json)
-        result = train(start.config, runtime, start.output_dir, resume, given)
+        result = train(start.config, runtime, start.output_dir, start.resume, given)
         training.shutdown(runtime)  # the export runs in the main process alone
         if runtime.is_main:
             report(start.config, runtime, start.output_dir, result, started)

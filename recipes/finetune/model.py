@@ -1,5 +1,6 @@
-"""The model a fine-tuning run trains: loaded from a Hugging Face directory, with what
-``--train`` says trainable (LoRA adapters new, or a PEFT adapter's with ``--init-adapter``)."""
+"""The model a fine-tuning run trains (:func:`build_model`): loaded from a Hugging Face
+directory, with what ``--train`` says trainable (LoRA adapters new, or a PEFT adapter's with
+``--init-adapter``)."""
 
 import dataclasses
 from collections.abc import Collection
@@ -10,10 +11,10 @@ import torch
 from fusion import EarlyFusion, TransformerDecoder
 from fusion.checkpoint import CheckpointError, load_hf_llama, load_hf_vlm
 from fusion.checkpoint.hf_vlm import hf_model_kind
-from fusion.lora import load_peft_adapter, read_peft_config, select_lora_layers
+from fusion.lora import apply_lora, load_peft_adapter, read_peft_config, select_lora_layers
 from fusion.lora.peft import ADAPTER_CONFIG
-from fusion.training import TrainingError, one_line
-from fusion.training.config import flag_name
+from fusion.training import TrainingError
+from fusion.training.config import flag_errors, flag_name
 from recipes.finetune.config import FinetuneConfig
 
 Model = EarlyFusion | TransformerDecoder
@@ -29,11 +30,9 @@ def load_base_model(config: FinetuneConfig) -> Model:
             damaged weights) or ``--max-seq-len`` above the model's positions.
     """
     assert config.model is not None
-    try:
+    with flag_errors("--model", CheckpointError, ValueError, TypeError, OSError):
         llama = hf_model_kind(config.model) == "llama"
         model: Model = (load_hf_llama if llama else load_hf_vlm)(config.model, dtype=torch.float32)
-    except (CheckpointError, ValueError, TypeError, OSError) as error:
-        raise TrainingError(f"--model: {one_line(error)}") from None
     limit = (model.decoder if isinstance(model, EarlyFusion) else model).max_seq_len
     if config.max_seq_len > limit:
         raise TrainingError(
@@ -78,10 +77,8 @@ def init_adapter_config(config: FinetuneConfig, given: Collection[str]) -> Finet
     """
     if config.init_adapter is None:
         return config
-    try:
+    with flag_errors("--init-adapter", CheckpointError, OSError, ValueError):
         adapter = read_peft_config(config.init_adapter)
-    except (CheckpointError, OSError, ValueError) as error:
-        raise TrainingError(f"--init-adapter: {one_line(error)}") from None
     # Each flag, the key adapter_config.json has it under, and the adapter's value.
     theirs = {
         "lora_rank": ("r", adapter.rank),
@@ -114,16 +111,12 @@ def load_init_adapter(model: Model, config: FinetuneConfig, targets_given: bool)
             pattern that matches nothing, or other layers than the adapter's.
     """
     assert config.init_adapter is not None
-    try:
-        selected = (
-            set(select_lora_layers(model, config.lora_target_list)) if targets_given else None
-        )
-    except ValueError as error:
-        raise TrainingError(f"--lora-targets: {one_line(error)}") from None
-    try:
+    selected = None
+    if targets_given:
+        with flag_errors("--lora-targets", ValueError):
+            selected = set(select_lora_layers(model, config.lora_target_list))
+    with flag_errors("--init-adapter", CheckpointError, OSError, TypeError, ValueError):
         adapted = set(load_peft_adapter(model, config.init_adapter))
-    except (CheckpointError, OSError, TypeError, ValueError) as error:
-        raise TrainingError(f"--init-adapter: {one_line(error)}") from None
     if selected is not None and selected != adapted:
         extra, missing = sorted(selected - adapted), sorted(adapted - selected)
         raise TrainingError(
@@ -132,3 +125,29 @@ def load_init_adapter(model: Model, config: FinetuneConfig, targets_given: bool)
             f"leaves out {missing[:3]} that it does; --init-adapter takes the adapter's layers "
             "(leave --lora-targets out)"
         )
+
+
+def build_model(config: FinetuneConfig, *, targets_given: bool = False) -> Model:
+    """The base model with what ``--train`` trains (LoRA adapters seeded by ``--seed``, or
+    ``--init-adapter``'s; ``targets_given``: check ``--lora-targets`` against them), in
+    float32 on CPU, unwrapped.
+
+    Raises:
+        TrainingError: naming the flag (:func:`load_base_model`, :func:`set_trainable`,
+            :func:`load_init_adapter`; ``--lora-targets`` that match no layer).
+    """
+    model = load_base_model(config)
+    set_trainable(model, config)
+    if config.train == "lora" and config.init_adapter is not None:
+        load_init_adapter(model, config, targets_given)
+    elif config.train == "lora":
+        with torch.random.fork_rng(devices=[]), flag_errors("--lora-targets", ValueError):
+            torch.manual_seed(config.seed)
+            apply_lora(
+                model,
+                config.lora_target_list,
+                rank=config.lora_rank,
+                alpha=config.lora_alpha,
+                dropout=config.lora_dropout,
+            )
+    return model

@@ -1,7 +1,11 @@
 """The recipes' shared config machinery on a config of its own: flags per field (absent
-unless given), stored settings read back with every key checked, and what a resumed run
-takes from its checkpoint."""
+unless given), what each option must be, required flags and absolute paths, stored settings
+read back with every key checked, what a resumed run takes from its checkpoint, a recipe's
+ConfigSpec, and library errors worded by flag."""
 
+import math
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,9 +13,13 @@ import pytest
 
 from fusion.training import TrainingError
 from fusion.training.config import (
+    ConfigSpec,
     build_parser,
+    check_ranges,
     config_from_values,
     config_group,
+    fields_with,
+    flag_errors,
     flag_name,
     option,
     resumed_config,
@@ -81,3 +89,101 @@ def test_resumed_config():
         resumed_config(Config(seed=1), {"lr"}, stored, 4, fixed_groups=("data",))
     with pytest.raises(TrainingError, match="--steps: expected at least the checkpoint's step 4"):
         resumed_config(Config(steps=3), {"steps"}, stored, 4, fixed_groups=("data",))
+
+
+@dataclass
+class Checked:
+    """A config whose options say what they must be."""
+
+    count: int = option(2, "count", "data", positive=True)
+    rate: float = option(0.5, "rate", "data", non_negative=True)
+    seed: int = option(0, "seed", "data", non_negative=True)
+    data: str | None = option(None, "data file", "data", path=True)
+    model: str | None = option(None, "model directory", "data", path=True)
+    steps: int = option(4, "steps", "run", positive=True)
+    resume: bool = option(False, "resume", "session")
+    threads: int = option(0, "threads", "session", non_negative=True)
+
+
+def test_options_say_what_they_must_be():
+    check_ranges(Checked())  # the defaults are fine; unset paths too
+    for bad, message in [
+        (Checked(count=0), "--count: expected a positive value, got 0"),
+        (Checked(rate=-0.5), "--rate: expected a value >= 0, got -0.5"),
+        (Checked(rate=math.nan), "--rate: expected a finite number, got nan"),
+        (Checked(data=""), "--data: expected a path, got ''"),
+        # positive fields first, then the non-negative ones, then paths, each in field order
+        (Checked(seed=-1, steps=0, data=""), "--steps: expected a positive value, got 0"),
+        (Checked(seed=-1, data=""), "--seed: expected a value >= 0, got -1"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            check_ranges(bad)
+    assert fields_with(Checked, "path") == ["data", "model"]
+    with pytest.raises(ValueError, match=r"^key 'config.count': expected a positive value"):
+        check_ranges(Checked(count=-3), lambda n: f"key 'config.{n}'")
+    with pytest.raises(ValueError, match="--data: expected no NUL character"):
+        check_ranges(Checked(data="a\0b"), no_nul=True)
+    check_ranges(Checked(data="a\0b"))  # only asked for
+
+
+def spec(**kwargs) -> ConfigSpec[Checked]:
+    def check(config: Checked, name) -> None:
+        check_ranges(config, name)
+        if config.seed > config.steps:
+            raise ValueError(f"{name('seed')}: expected at most {name('steps')}")
+
+    return ConfigSpec(
+        Checked, prog="prog", description="d", group_titles=TITLES, check=check,
+        fixed_groups=("data",), **kwargs,
+    )  # fmt: skip
+
+
+def test_the_command_line_requires_flags_in_order_and_makes_paths_absolute(capsys, tmp_path):
+    flags = spec(required=("model", "data"), stored_groups=("data", "run"))
+    for argv, message in [
+        ([], "--model: required"),  # the order given, not the fields'
+        (["--model", "m"], "--data: required"),
+        (["--model", "m", "--data", ""], "--data: expected a path, got ''"),
+        (["--model", "m", "--data", "d", "--seed", "9"], "--seed: expected at most --steps"),
+        (["--model", "m", "--data", "d", "--threads", str(10**6)], "--threads: expected at most"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            flags.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1
+    config, given = flags.parse_args(["--model", "m", "--data", str(tmp_path / "d")])
+    assert (config.model, config.data) == (os.path.abspath("m"), str(tmp_path / "d"))
+    assert given == {"model", "data"}
+    assert flags.parse_args(["--resume"])[0] == Checked(resume=True)  # the checkpoint has them
+
+
+def test_a_spec_stores_its_groups_and_reads_them_back():
+    flags = spec(stored_groups=("data", "run"), added={"model": None})
+    config = Checked(count=3, data="/d", model="/m", steps=8, resume=True, threads=1)
+    stored = flags.to_json(config)
+    assert stored == {"count": 3, "rate": 0.5, "seed": 0, "data": "/d", "model": "/m", "steps": 8}
+    file = Path("ck/train_state.json")
+    assert flags.from_json(stored, file) == Checked(count=3, data="/d", model="/m", steps=8)
+    del stored["model"]  # as a checkpoint written before the setting existed
+    assert flags.from_json(stored, file).model is None
+    with pytest.raises(TrainingError, match=r"key 'config.seed': expected at most key 'config.st"):
+        flags.from_json({**stored, "seed": 9}, file)
+    with pytest.raises(TrainingError, match=r"key 'config': missing keys \['count'\]"):
+        flags.from_json({k: v for k, v in stored.items() if k != "count"}, file)
+    now = Checked(count=3, steps=20, threads=2)
+    resumed = flags.resumed(now, {"steps", "threads"}, flags.from_json(stored, file), 8)
+    assert resumed == Checked(count=3, data="/d", steps=20, threads=2)
+    with pytest.raises(TrainingError, match="--count: the checkpoint was trained with 3, not 4"):
+        flags.resumed(Checked(count=4), {"count"}, flags.from_json(stored, file), 8)
+    assert "--count COUNT" in flags.build_parser().format_help()
+
+
+def test_flag_errors_name_the_flag_in_one_line():
+    with pytest.raises(TrainingError, match=r"^--model: first line$") as info:
+        with flag_errors("--model", OSError, ValueError):
+            raise ValueError("first line\nsecond line")
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    with pytest.raises(KeyError), flag_errors("--model", OSError, ValueError):
+        raise KeyError("not one of them")
+    with flag_errors("--model", ValueError):
+        pass  # no error, nothing raised

@@ -1,11 +1,12 @@
-"""The recipes' shared learning-rate schedule, and the fixed-size batches' sample order."""
+"""The recipes' shared optimizer and learning-rate schedule, and the fixed-size batches'
+sample order."""
 
 import math
 
 import pytest
 import torch
 
-from fusion.training import EpochSampler, lr_factor, warmup_cosine
+from fusion.training import EpochSampler, adamw_warmup_cosine, lr_factor, warmup_cosine
 from fusion.training.steps import epoch_order
 
 
@@ -35,3 +36,20 @@ def test_fixed_size_batches_read_the_token_budget_plans_epoch_order():
     sampler = EpochSampler(10, seed=3)
     assert sampler.indices(10, 10).tolist() == epoch_order(10, seed=3, epoch=1)
     assert sampler.indices(0, 4).dtype == torch.long
+
+
+def test_the_recipes_optimizer_is_adamw_on_the_schedule():
+    parameters = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))]
+    optimizer, scheduler = adamw_warmup_cosine(
+        parameters, lr=0.5, weight_decay=0.1, warmup=2, total=6
+    )
+    assert isinstance(optimizer, torch.optim.AdamW)
+    group = optimizer.param_groups[0]
+    assert group["params"] == parameters and group["betas"] == (0.9, 0.95)
+    assert group["weight_decay"] == 0.1 and group["initial_lr"] == 0.5
+    lrs = []
+    for _ in range(6):
+        lrs.append(group["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([0.5 * lr_factor(s, 2, 6) for s in range(6)])

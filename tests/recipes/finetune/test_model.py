@@ -6,7 +6,7 @@ import torch
 from fusion import EarlyFusion
 from fusion.training.modules import checkpoint_activations, trainable_parameters
 from recipes.finetune.config import FinetuneConfig
-from recipes.finetune.trainer import build_model
+from recipes.finetune.model import build_model
 
 
 def trained(model_dir, **settings) -> tuple[torch.nn.Module, set[str]]:

@@ -16,7 +16,7 @@ from fusion.data import IGNORE_INDEX, ConversationEncoder, read_conversations
 from fusion.training import load_train_state, read_model_state_dict
 from recipes.finetune import main
 from recipes.finetune.config import config_from_json
-from recipes.finetune.trainer import build_model
+from recipes.finetune.model import build_model
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
