@@ -3,11 +3,11 @@ what a resumed run takes from its checkpoint."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from fusion.lora import DEFAULT_TARGETS
 from fusion.training import config as shared
-from fusion.training.config import config_group, flag_name
+from fusion.training.config import flag_name
 from fusion.training.config import option as _opt
 
 PROG = "python -m recipes.finetune"
@@ -189,10 +189,6 @@ class FinetuneConfig:
         "session",
     )
     progress: bool = _opt(True, "show the progress bar", "session")
-
-    def group(self, name: str) -> dict[str, Any]:
-        """The fields of one group as a dict."""
-        return config_group(self, name)
 
     @property
     def lora_target_list(self) -> list[str]:

@@ -144,10 +144,7 @@ def build_model(config: FinetuneConfig, *, targets_given: bool = False) -> Model
         with torch.random.fork_rng(devices=[]), flag_errors("--lora-targets", ValueError):
             torch.manual_seed(config.seed)
             apply_lora(
-                model,
-                config.lora_target_list,
-                rank=config.lora_rank,
-                alpha=config.lora_alpha,
+                model, config.lora_target_list, rank=config.lora_rank, alpha=config.lora_alpha,
                 dropout=config.lora_dropout,
-            )
+            )  # fmt: skip
     return model

@@ -39,7 +39,7 @@ class Setup:
     train_data: EncodedData
     plan: list[Step]
     model: nn.Module
-    decoder: TransformerDecoder  # the wrapped model's own (its unembedding)
+    decoder: TransformerDecoder | None  # the wrapped model's own (its unembedding)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batches: StepBatches
@@ -50,7 +50,12 @@ class Setup:
 def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ()) -> Setup:
     """Read and encode the data (all of it checked first), build the model and optimizer;
     ``given``: the flags on the command line (``--lora-targets`` given is checked against
-    ``--init-adapter``'s layers)."""
+    ``--init-adapter``'s layers).
+
+    Raises:
+        TrainingError: naming the flag: a model directory, data file or ``--train`` mode that
+            cannot be used (:func:`fusion.data.read_encoded`'s problems, one line each).
+    """
     assert config.model is not None and config.data is not None
     with flag_errors("--model", CheckpointError, data.ChatTemplateError, OSError, ValueError):
         encoder = data.ConversationEncoder.from_directory(config.model)
@@ -137,17 +142,15 @@ def _forward_loss(run: Setup, batch: Batch) -> torch.Tensor:
     enabled = run.config.dtype == "bfloat16"
     with torch.autocast(run.runtime.device.type, dtype=torch.bfloat16, enabled=enabled):
         hidden = run.model(**batch.model_inputs())
-        unembed = run.decoder.unembed  # the wrapped model's own
+        unembed = cast(TransformerDecoder, run.decoder).unembed  # the wrapped model's own
         return chunked_token_loss(hidden, batch.labels, unembed, num_targets=batch.num_targets)[0]
 
 
 def train_step(run: Setup, step: int) -> tuple[torch.Tensor, int, int]:
-    """One optimizer step on ``run.plan[step]``, over its micro-batches from ``run.stream``
-    (its samples dealt into ``grad_accum`` micro-batches per process,
-    :class:`fusion.data.StepBatches`; the gradients accumulated by tokens,
-    :func:`fusion.training.accumulate_step`); returns its mean loss per target token (0-d on
-    the device, summed over processes, not read back) and the host's counts of its real
-    tokens and batch slots."""
+    """One optimizer step on ``run.plan[step]`` over its ``grad_accum`` micro-batches from
+    ``run.stream``, the gradients accumulated by tokens (:func:`fusion.training.accumulate_step`);
+    returns its mean loss per target token (0-d on the device, summed over processes, not read
+    back) and the host's counts of its real tokens and batch slots."""
     config, runtime = run.config, run.runtime
     assert run.stream is not None
     samples = run.train_data.samples
@@ -164,9 +167,8 @@ def train_step(run: Setup, step: int) -> tuple[torch.Tensor, int, int]:
 
 
 def evaluate(run: Setup) -> float | None:
-    """The mean loss per target token over the eval data (every process takes its share,
-    :func:`fusion.training.mean_loss`), or None without eval data. Its batches are made in
-    this process, as they are needed.
+    """The mean loss per target token over the eval data (:func:`fusion.training.mean_loss`:
+    every process its share, made as needed), or None without eval data.
 
     Raises:
         TrainingError: an eval image that can no longer be read.
@@ -188,9 +190,7 @@ def evaluate(run: Setup) -> float | None:
 
 @dataclass
 class TrainResult:
-    """What a finished run hands to the report: the losses, the last checkpoint, timings and
-    token counts (over every process), and the training data (conversations, skipped ones,
-    truncated ones)."""
+    """What a finished run hands to the report (token counts over every process)."""
 
     losses: list[float]
     eval_losses: list[tuple[int, float]]
