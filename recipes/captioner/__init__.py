@@ -10,7 +10,7 @@ or FSDP2. Process setup, checkpoints, train state and reports are :mod:`fusion.t
 from fusion.training import TrainingError, read_model_state_dict
 from recipes.captioner.config import TrainConfig, parse_config
 from recipes.captioner.model import build_decoder, build_model, build_tokenizer
-from recipes.captioner.train_checkpoint import load_model
+from recipes.captioner.state import load_model
 from recipes.captioner.trainer import main
 
 __all__ = [

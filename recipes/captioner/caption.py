@@ -23,8 +23,7 @@ from fusion.preprocessing import as_uint8_image, load_image, resize, to_rgb
 from fusion.training import TrainingError, checkpoint_dir, flat, one_line, resolve_device
 from fusion.training.config import OneLineParser, positive_int
 from recipes.captioner.model import greedy_captions
-from recipes.captioner.state import load_train_state
-from recipes.captioner.train_checkpoint import load_model
+from recipes.captioner.state import load_model, load_train_state
 
 PROG = "python -m recipes.captioner.caption"
 

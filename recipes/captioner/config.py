@@ -1,10 +1,8 @@
 """The training job's configuration: one dataclass, its command-line flags, its checks, and
 what a resumed run takes from its checkpoint."""
 
-import argparse
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fusion.training import config as shared
@@ -148,44 +146,24 @@ def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) ->
         )
 
 
-def config_from_values(values: dict[str, Any], file: Path) -> TrainConfig:
-    """A :class:`TrainConfig` from the JSON object ``values`` (the ``config`` of ``file``),
-    every field present, of its type and within the ranges of :func:`check_config`; a
-    ``TrainingError`` names ``file`` and the key."""
-    return shared.config_from_values(TrainConfig, values, file, check=check_config)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per :class:`TrainConfig` field, grouped as in the dataclass; flags not given
-    are absent from the parsed namespace, so a resumed run tells them from its stored ones."""
-    return shared.build_parser(
-        TrainConfig,
-        prog="python -m recipes.captioner",
-        description=(
-            "Train an early-fusion captioner (vision encoder + Llama-style decoder) from scratch "
-            "on generated shapes, report held-out exact-match accuracy with greedy generation, "
-            "and check that the checkpoint's decoder loads into a plain TransformerDecoder. "
-            "Runs under torchrun for DDP or FSDP2."
-        ),
-        group_titles=GROUP_TITLES,
-    )
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, frozenset[str]]:
-    """A checked :class:`TrainConfig` from ``argv`` and the names of the fields given as flags;
-    exits with status 2 and a message naming the flag on unknown flags or bad values."""
-    return shared.parse_args(build_parser(), TrainConfig, argv, check_config)
+# The job's command line and what its checkpoints store (every field).
+SPEC = shared.ConfigSpec(
+    TrainConfig,
+    prog="python -m recipes.captioner",
+    description=(
+        "Train an early-fusion captioner (vision encoder + Llama-style decoder) from scratch "
+        "on generated shapes, report held-out exact-match accuracy with greedy generation, "
+        "and check that the checkpoint's decoder loads into a plain TransformerDecoder. "
+        "Runs under torchrun for DDP or FSDP2."
+    ),
+    group_titles=GROUP_TITLES,
+    check=check_config,
+    fixed_groups=FIXED_GROUPS,
+)
+build_parser, parse_args, resumed_config = SPEC.build_parser, SPEC.parse_args, SPEC.resumed
+config_from_values = SPEC.from_json
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """:func:`parse_args` without the names of the flags given."""
     return parse_args(argv)[0]
-
-
-def resumed_config(
-    config: TrainConfig, given: Collection[str], stored: TrainConfig, step: int
-) -> TrainConfig:
-    """The configuration of a run resumed at ``step`` from a checkpoint storing ``stored``
-    (:func:`fusion.training.config.resumed_config`): a ``data``, ``model`` or ``optim`` flag
-    given with another value than the checkpoint's is a ``TrainingError`` naming it."""
-    return shared.resumed_config(config, given, stored, step, fixed_groups=FIXED_GROUPS)

@@ -1,15 +1,26 @@
-"""The captioner's train state: :class:`fusion.training.TrainState` holding a
+"""The captioner's train state and checkpoints.
+
+The train state is :class:`fusion.training.TrainState` holding a
 :class:`~recipes.captioner.config.TrainConfig`, with the data position the captioner's order
 implies: ``samples_seen = step * config.batch_size`` and ``epoch = samples_seen //
 config.num_train`` (:class:`fusion.training.EpochSampler` orders the data by position alone).
-A file that says otherwise is damaged.
+A file that says otherwise is damaged. The checkpoints are :mod:`fusion.training`'s, checked
+against the captioner model their stored config describes before anything is built or
+allocated; loading never executes code from a checkpoint directory.
 """
 
+import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from fusion.early_fusion import EarlyFusion
+from fusion.training import check_config_model, checkpoint_dir, read_model_state_dict, safe_dcp
 from fusion.training import state as generic
+from fusion.training.safe_dcp import CheckedMetadata
 from fusion.training.state import TrainState, key_error
+from recipes.captioner import model as models  # build_model looked up when called: tests patch it
 from recipes.captioner.config import TrainConfig, config_from_values
 
 
@@ -24,7 +35,7 @@ def train_state(*, step: int, config: TrainConfig, **fields: Any) -> TrainState:
 
 def load_train_state(path: Path) -> TrainState:
     """The checked ``train_state.json`` of checkpoint directory ``path``, its ``config`` a
-    :class:`TrainConfig` (:func:`~recipes.captioner.config.config_from_values`).
+    :class:`TrainConfig`.
 
     Raises:
         TrainingError: as :func:`fusion.training.load_train_state`, a config key is missing,
@@ -41,3 +52,39 @@ def load_train_state(path: Path) -> TrainState:
         expected = f"{samples_seen // num_train} (samples_seen // config.num_train {num_train})"
         raise key_error(path, "epoch", expected, state.epoch)
     return state
+
+
+def _check_model_tensors(path: Path, checked: CheckedMetadata, config: TrainConfig) -> None:
+    layers = config.decoder_layers + config.encoder_layers
+    check_config_model(path, checked, lambda: models.build_model(config), layers=layers)
+
+
+def inspect_checkpoint(path: Path) -> TrainState:
+    """Check every file of checkpoint ``path`` without loading it into a model: the train
+    state, the metadata, the model tensors against the stored config, and every tensor entry
+    (CRCs, dtypes, shapes). Returns the train state; a ``TrainingError`` names the file and
+    what is wrong with it."""
+    state = load_train_state(path)
+    checked = safe_dcp.read_metadata(path)
+    _check_model_tensors(path, checked, state.config)
+    safe_dcp.verify_data(path, checked)
+    return state
+
+
+def load_model(path: str | os.PathLike) -> tuple[EarlyFusion, TrainConfig]:
+    """A single-process ``EarlyFusion`` (on CPU, in eval mode) and the config of checkpoint
+    ``path``, loaded with ``strict=True`` once the stored config is checked and the stored
+    tensors are compared with the model it describes.
+
+    Raises:
+        TypeError: ``path`` is not a str or os.PathLike.
+        TrainingError: a file of the checkpoint is missing, damaged, unsafe or inconsistent
+            with the others; the message names the file (and key).
+    """
+    path = checkpoint_dir(path)
+    config = load_train_state(path).config
+    _check_model_tensors(path, safe_dcp.read_metadata(path), config)
+    with torch.random.fork_rng(devices=[]):  # the initial values are overwritten anyway
+        model = models.build_model(config)
+    model.load_state_dict(read_model_state_dict(path), strict=True)
+    return model.eval(), config

@@ -1,7 +1,6 @@
-"""``python -m recipes.captioner``: train the early-fusion captioner on generated shapes (or
-resume a run), then caption the held-out images with the last checkpoint and check that its
-decoder loads into a plain one. Processes, checkpoints, the train state, resuming and the
-report files are :mod:`fusion.training`'s."""
+"""``python -m recipes.captioner``: train the captioner on generated shapes (or resume a run),
+then caption the held-out images with the last checkpoint and check that its decoder loads
+into a plain one; the rest is :mod:`fusion.training`'s."""
 
 import time
 from dataclasses import dataclass
@@ -19,8 +18,7 @@ from recipes.captioner import model as models
 from recipes.captioner.batching import IGNORE_INDEX, CaptionDataset, encode_captions
 from recipes.captioner.config import FIXED_GROUPS, TrainConfig, parse_args
 from recipes.captioner.shapes import ShapesSplit, make_splits
-from recipes.captioner.state import load_train_state, train_state
-from recipes.captioner.train_checkpoint import inspect_checkpoint, load_model
+from recipes.captioner.state import inspect_checkpoint, load_model, load_train_state, train_state
 
 PROG = "python -m recipes.captioner"
 
@@ -28,11 +26,11 @@ PROG = "python -m recipes.captioner"
 def build_optimizer(
     params: list[nn.Parameter], config: TrainConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW and its schedule: linear warm-up, then cosine decay to 0 at ``config.steps``."""
-    optimizer = torch.optim.AdamW(
-        params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
-    )
-    return optimizer, training.warmup_cosine(optimizer, config.warmup_steps, config.steps)
+    """The job's AdamW and schedule (:func:`fusion.training.adamw_warmup_cosine`)."""
+    return training.adamw_warmup_cosine(
+        params, lr=config.lr, weight_decay=config.weight_decay, warmup=config.warmup_steps,
+        total=config.steps,
+    )  # fmt: skip
 
 
 @dataclass
@@ -51,13 +49,11 @@ class Setup:
 
 
 def setup(config: TrainConfig, runtime: Runtime) -> Setup:
-    """Render the data, build the model (its initial weights depend on ``config.seed`` alone),
-    wrap it for ``runtime`` and build the optimizer."""
-    tokenizer = models.build_tokenizer()
-    train_split, heldout = make_splits(
-        config.seed, config.num_train, config.num_heldout, config.image_size
-    )
-    dataset = CaptionDataset(train_split, tokenizer, models.tokens_per_image(config))
+    """Render the data, build the model (its initial weights from ``config.seed`` alone), wrap
+    it for ``runtime`` and build the optimizer."""
+    splits = make_splits(config.seed, config.num_train, config.num_heldout, config.image_size)
+    train_split, heldout = splits
+    dataset = CaptionDataset(train_split, models.build_tokenizer(), models.tokens_per_image(config))
     torch.manual_seed(config.seed)
     model = models.build_model(config)
     num_params = sum(p.numel() for p in model.parameters())
@@ -70,20 +66,16 @@ def setup(config: TrainConfig, runtime: Runtime) -> Setup:
 
 
 def train_step(run: Setup, step: int) -> torch.Tensor:
-    """One optimizer step on global batch ``step``; returns its mean loss per caption target
-    (0-d on the device, summed over processes, not read back: no host sync).
-
-    The global batch is samples ``step * batch_size`` on, in the sampler's order; process ``r``
-    of ``n`` takes the ``r``-th of ``n`` equal slices. The loss is the sum of the
-    cross-entropies of every caption target in the *global* batch over their count (known on
-    the host), so it does not depend on how the batch is split.
-    """
+    """One optimizer step on global batch ``step`` (samples ``step * batch_size`` on, in the
+    sampler's order; process ``r`` of ``n`` takes the ``r``-th of ``n`` equal slices); returns
+    its mean loss per caption target (0-d on the device, summed over processes, not read back).
+    The loss is over the targets of the *global* batch (counted on the host), so it does not
+    depend on how the batch is split."""
     config, runtime = run.config, run.runtime
-    world, rank = runtime.world_size, runtime.rank
-    local_batch = config.batch_size // world
+    world, local_batch = runtime.world_size, config.batch_size // runtime.world_size
     indices = run.sampler.indices(step * config.batch_size, config.batch_size)
     num_targets = run.dataset.count_targets(indices)
-    mine = indices[rank * local_batch : (rank + 1) * local_batch]
+    mine = indices[runtime.rank * local_batch : (runtime.rank + 1) * local_batch]
     batch = run.dataset.batch(mine).to(runtime.device)
     logits = run.model(batch.tokens, encoder_input=models.image_input(batch.images))
     loss_sum = F.cross_entropy(
@@ -100,7 +92,7 @@ def train_step(run: Setup, step: int) -> torch.Tensor:
 @dataclass
 class TrainResult:
     """What a finished run hands to the report: per-step losses (from step 1, resumed runs
-    included), the last checkpoint, the held-out split, and timings of this process's steps."""
+    included), the last checkpoint, the held-out split, and this process's training time."""
 
     losses: list[float]
     checkpoint: Path
@@ -112,12 +104,9 @@ class TrainResult:
 def train(
     config: TrainConfig, runtime: Runtime, output_dir: Path, resume: Path | None
 ) -> TrainResult:
-    """Train (or continue from checkpoint ``resume``) to ``config.steps``, checkpointing every
-    ``config.checkpoint_every`` steps and at the end; every process calls this.
-
-    Raises:
-        TrainingError: checkpoint ``resume`` is damaged or does not fit ``config``.
-    """
+    """Train (or continue from checkpoint ``resume``) to ``--steps``, checkpointing every
+    ``--checkpoint-every`` steps and at the end; every process calls this. A damaged
+    ``resume`` is a ``TrainingError``."""
     run = setup(config, runtime)
     start_step, losses = 0, []
     if resume is not None:  # weights, optimizer, schedule and this process's RNG states
@@ -127,8 +116,9 @@ def train(
         )
         start_step, losses = state.step, list(state.losses)
         if start_step == config.steps:
-            complete = f"the run is complete at step {start_step}; --steps N trains further"
-            training.log(runtime, complete)
+            training.log(
+                runtime, f"the run is complete at step {start_step}; --steps N trains further"
+            )
     parallel = f" ({config.parallel})" if runtime.distributed else ""
     training.log(
         runtime,

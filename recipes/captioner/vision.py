@@ -14,16 +14,11 @@ from fusion import register_fusion_module
 
 
 class PatchEmbedding(nn.Module):
-    """Split images into ``patch_size`` squares and embed each one in ``dim``, plus learned
-    positions; a ``ValueError`` if ``image_size`` is no positive multiple of ``patch_size``."""
+    """Split images into ``patch_size`` squares (``image_size`` a multiple of it) and embed each
+    one in ``dim``, plus learned positions."""
 
     def __init__(self, image_size: int, patch_size: int, in_channels: int, dim: int) -> None:
         super().__init__()
-        if patch_size <= 0 or image_size <= 0 or image_size % patch_size:
-            raise ValueError(
-                f"image_size: expected a positive multiple of patch_size={patch_size}, "
-                f"got {image_size}"
-            )
         self.image_size = image_size
         self.in_channels = in_channels
         self.num_patches = (image_size // patch_size) ** 2
@@ -39,13 +34,10 @@ class PatchEmbedding(nn.Module):
 
 class VisionTransformerLayer(nn.Module):
     """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (hidden width ``mlp_ratio * dim``);
-    every patch attends to every patch. A ``ValueError`` if ``num_heads`` does not divide
-    ``dim``."""
+    every patch attends to every patch (``num_heads`` dividing ``dim``)."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4) -> None:
         super().__init__()
-        if num_heads <= 0 or dim % num_heads:
-            raise ValueError(f"num_heads: expected a divisor of dim={dim}, got {num_heads}")
         self.num_heads = num_heads
         self.attn_norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
@@ -95,6 +87,13 @@ class VisionEncoder(nn.Module):
                 raise ValueError(f"{name}: expected a positive integer, got {value}")
         if num_layers < 0:
             raise ValueError(f"num_layers: expected a non-negative integer, got {num_layers}")
+        if patch_size <= 0 or image_size <= 0 or image_size % patch_size:
+            raise ValueError(
+                f"image_size: expected a positive multiple of patch_size={patch_size}, "
+                f"got {image_size}"
+            )
+        if num_heads <= 0 or dim % num_heads:
+            raise ValueError(f"num_heads: expected a divisor of dim={dim}, got {num_heads}")
         self.in_channels = in_channels
         # Each pixel's channels, its difference from the image's background, and the size of
         # that difference (see forward).

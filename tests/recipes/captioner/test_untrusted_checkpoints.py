@@ -21,7 +21,7 @@ import recipes.captioner.model
 from dcp_helpers import DATA, Payload, append_entry, edit_metadata, torch_bytes
 from fusion.training import load_training_checkpoint
 from recipes.captioner import TrainingError, load_model, main, read_model_state_dict
-from recipes.captioner.train_checkpoint import inspect_checkpoint
+from recipes.captioner.state import inspect_checkpoint
 
 PLANTED = "model.decoder.norm.scale"  # a model tensor every loader reads
 
