@@ -18,7 +18,8 @@
   checkpoint and merged on ``--resume``.
 - :mod:`~fusion.training.job`: a recipe's start (:func:`plan_start`, :func:`agree_on_start`:
   the output directory, or the checkpoint to resume and its configuration), checkpoints
-  checked against what their config builds, and :func:`run_job` (one-line errors, exit status).
+  checked against what their config builds, :func:`run_job` (one-line errors, exit status)
+  and :func:`run_recipe` (a recipe's job: start, train, report).
 - :mod:`~fusion.training.loop`: resuming and saving with their log lines
   (:func:`resume_checkpoint`, :func:`save_step`), the end of a step (:func:`optimizer_step`).
 - :mod:`~fusion.training.accumulate`: losses over micro-batches made ahead: a step's
@@ -79,6 +80,7 @@ from fusion.training.job import (
     default_output_dir,
     plan_start,
     run_job,
+    run_recipe,
 )
 from fusion.training.loop import optimizer_step, resume_checkpoint, save_step
 from fusion.training.report import (
@@ -151,6 +153,7 @@ __all__ = [
     "restore_checkpoint",
     "resume_checkpoint",
     "run_job",
+    "run_recipe",
     "save_checkpoint",
     "save_step",
     "set_aside",

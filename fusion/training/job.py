@@ -14,6 +14,9 @@ A recipe's ``main``, in outline::
         return 0
 
     return run_job(PROG, config.device, job)
+
+:func:`run_recipe` is that ``job`` with a recipe's usual steps (extras, threads, the start,
+``train``, then ``report`` in the main process alone).
 """
 
 import dataclasses
@@ -38,11 +41,12 @@ from fusion.training.checkpoint import (
 from fusion.training.config import resumed_config
 from fusion.training.distributed import Runtime, agree_on_rank0, init_runtime, shutdown
 from fusion.training.errors import TrainingError, one_line
-from fusion.training.report import flat, warn
+from fusion.training.report import flat, log, warn, warn_missing_extras
 from fusion.training.safe_dcp import CheckedMetadata, fail
 from fusion.training.state import TRAIN_STATE, TrainState, match_saved
 
 C = TypeVar("C")
+R = TypeVar("R")
 
 
 # ------------------------------------------------------------------------------ the start
@@ -237,3 +241,31 @@ def run_job(prog: str, device: str, job: Callable[[Runtime], int]) -> int:
     finally:
         if runtime is not None:
             shutdown(runtime)
+
+
+def run_recipe(
+    prog: str,
+    config: Any,
+    config_class: Callable[..., C],
+    plan: Callable[[Runtime], Start[C]],
+    train: Callable[[Runtime, Start[C]], R],
+    report: Callable[[Runtime, Start[C], R], int],
+) -> int:
+    """A recipe's job, from its checked command line ``config`` (with ``device``, ``threads``
+    and ``progress``) to its exit status (:func:`run_job`). Every process warns now (not
+    after training) of a missing progress bar or plot, takes ``config.threads`` CPU threads (0:
+    torch's default), agrees on the start (:func:`agree_on_start` of ``plan(runtime)``), logs
+    its output directory and runs ``train(runtime, start)``; then the others shut down and the
+    main process alone returns ``report(runtime, start, result)`` (the others 0)."""
+
+    def job(runtime: Runtime) -> int:
+        warn_missing_extras(prog, runtime, config.progress)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        start = agree_on_start(runtime, lambda: plan(runtime), config_class)
+        log(runtime, f"output directory: {start.output_dir}")
+        result = train(runtime, start)
+        shutdown(runtime)  # the report runs in the main process alone
+        return report(runtime, start, result) if runtime.is_main else 0
+
+    return run_job(prog, config.device, job)

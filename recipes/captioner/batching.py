@@ -32,10 +32,7 @@ def encode_captions(
     """Model inputs and targets for ``captions``, int64 [n, sequence_length(tokens_per_image)]
     each: the sequences without their last token (right-padded with ``<pad>``), and without
     their first, ``IGNORE_INDEX`` wherever the target is no caption word or the final ``<eos>``.
-
-    Raises:
-        ValueError: a caption longer than the longest the dataset produces, or with unknown words.
-    """
+    A caption longer than the dataset's longest, or with unknown words, is a ``ValueError``."""
     prompt = prompt_tokens(tokenizer, 1, tokens_per_image)[0].tolist()
     full = sequence_length(tokens_per_image) + 1
     tokens, labels = [], []
@@ -84,11 +81,9 @@ class CaptionDataset:
 
     def batch(self, indices: torch.Tensor) -> CaptionBatch:
         """The samples at ``indices`` [b] (int64), in that order."""
+        images = self.split.images[indices].float() / 255
         return CaptionBatch(
-            self.tokens[indices],
-            self.labels[indices],
-            self.split.images[indices].float() / 255,
-            int(self.targets_per_sample[indices].sum()),
+            self.tokens[indices], self.labels[indices], images, self.count_targets(indices)
         )
 
     def count_targets(self, indices: torch.Tensor) -> int:

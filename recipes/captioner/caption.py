@@ -11,7 +11,6 @@ model's ``image_size`` (bicubic, as Pillow resizes). The model knows only what i
 on (:mod:`recipes.captioner.shapes`).
 """
 
-import argparse
 import os
 import sys
 from collections.abc import Sequence
@@ -82,7 +81,10 @@ def caption(
     return greedy_captions(model.to(device), torch.stack(pixels), batch_size)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
+    """Caption the command line's images; returns the exit status: 1 if an image cannot be
+    read (the others are captioned) or nothing can be (a bad checkpoint, no Pillow), 2 for a
+    bad command line (argparse's)."""
     parser = OneLineParser(
         prog=PROG,
         description=(
@@ -92,30 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="DIR",
+        "--checkpoint", required=True, metavar="DIR",
         help="a checkpoint directory, e.g. runs/x/checkpoints/step_00002000",
-    )
+    )  # fmt: skip
     parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
     parser.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="cpu",
+        "--device", choices=("auto", "cpu", "cuda"), default="cpu",
         help="where the model runs (default: cpu)",
-    )
+    )  # fmt: skip
     parser.add_argument(
         "--batch-size", type=positive_int, default=256, help="images per batch (default: 256)"
     )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Caption the images of the command line; returns the exit status: every image that can
-    be read is captioned (``<file>: <caption>`` on stdout, in order), each one that cannot is
-    one line on stderr and makes it 1; a bad checkpoint, or no Pillow to decode files with, is
-    one line and 1 with nothing captioned; a bad command line is argparse's 2."""
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
 
     def report(error: BaseException) -> None:
         print(f"{PROG}: error: {flat(one_line(error))}", file=sys.stderr)
@@ -128,10 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         for file in args.images:
             try:
                 pixels.append(_pixels(file, file, image_size))
+                readable.append(file)
             except (ValueError, TypeError, OSError) as error:
                 report(error)
-            else:
-                readable.append(file)
         captions = (
             caption(path, pixels, batch_size=args.batch_size, device=device) if pixels else []
         )

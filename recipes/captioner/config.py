@@ -24,9 +24,7 @@ FIXED_GROUPS = ("data", "model", "optim")
 
 @dataclass
 class TrainConfig:
-    """Everything a run depends on, in groups (:data:`GROUP_TITLES`): ``data``, ``model`` and
-    ``optim`` are fixed for the life of a run; ``run`` settings are stored and may change on
-    resuming; ``session`` settings belong to one invocation (where it runs, how it shows)."""
+    """Everything a run depends on, in groups (:data:`GROUP_TITLES`)."""
 
     # data
     seed: int = _opt(0, "seed of the dataset, the model's initialisation and the order", "data")

@@ -26,12 +26,9 @@ def tokens_per_image(config: TrainConfig) -> int:
 
 
 def build_decoder(config: TrainConfig) -> TransformerDecoder:
-    """The text decoder alone, exactly as inside :func:`build_model` (same keys and shapes).
-
-    Its ``max_seq_len`` is the training sequence length; its vocabulary is the caption
-    tokenizer's, so the image placeholder id lies outside it. Plain RoPE (no llama3 scaling:
-    the sequences are short).
-    """
+    """The text decoder alone, exactly as inside :func:`build_model` (same keys and shapes):
+    the caption tokenizer's vocabulary (the image id outside it), the training sequence length,
+    plain RoPE (no llama3 scaling: the sequences are short)."""
     return llama3_2(
         vocab_size=build_tokenizer().vocab_size,
         num_layers=config.decoder_layers,
@@ -81,14 +78,10 @@ def image_input(images: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def greedy_captions(model: EarlyFusion, images: torch.Tensor, batch_size: int) -> list[str]:
-    """One greedy caption per image of ``images`` (uint8 [n, 3, h, w], as the dataset renders
-    them), in order, ``batch_size`` images at a time.
-
-    The prompts are ``<image> * tokens_per_image, describe:``; the encoder runs once at
-    prefill, then :func:`fusion.generate` (``temperature=0``: argmax) decodes with the KV cache
-    until ``<eos>`` or the longest caption plus ``<eos>``. Generated text is decoded up to the
-    first ``<eos>``; anything malformed stays in the text, so it cannot match by accident.
-    """
+    """One greedy caption per image of ``images`` (uint8 [n, 3, h, w]), in order, ``batch_size``
+    at a time: :func:`fusion.generate` (argmax, KV cache) after ``<image> * tokens_per_image,
+    describe:`` up to ``<eos>`` or the longest caption, decoded up to the first ``<eos>``
+    (anything malformed stays in the text, so it cannot match by accident)."""
     tokenizer, device = build_tokenizer(), model.decoder.tok_embeddings.weight.device
     encoder = model.encoders[ENCODER_NAME]
     assert isinstance(encoder, VisionEncoder)

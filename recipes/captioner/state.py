@@ -1,13 +1,7 @@
-"""The captioner's train state and checkpoints.
-
-The train state is :class:`fusion.training.TrainState` holding a
-:class:`~recipes.captioner.config.TrainConfig`, with the data position the captioner's order
-implies: ``samples_seen = step * config.batch_size`` and ``epoch = samples_seen //
-config.num_train`` (:class:`fusion.training.EpochSampler` orders the data by position alone).
-A file that says otherwise is damaged. The checkpoints are :mod:`fusion.training`'s, checked
-against the captioner model their stored config describes before anything is built or
-allocated; loading never executes code from a checkpoint directory.
-"""
+"""The captioner's train state (a :class:`fusion.training.TrainState` of a
+:class:`~recipes.captioner.config.TrainConfig`) and checkpoints (:mod:`fusion.training`'s,
+checked against the model their stored config describes before anything is built or
+allocated; loading never executes code from a checkpoint directory)."""
 
 import os
 from pathlib import Path
@@ -25,9 +19,9 @@ from recipes.captioner.config import TrainConfig, config_from_values
 
 
 def train_state(*, step: int, config: TrainConfig, **fields: Any) -> TrainState:
-    """The train state after ``step`` steps of a run of ``config``, its data position derived
-    from the step; ``fields``: the others (``losses``, ``world_size``, ``parallel``,
-    ``scheduler``)."""
+    """The train state after ``step`` steps of a run of ``config``, at the data position
+    :class:`fusion.training.EpochSampler`'s order implies: ``samples_seen = step *
+    config.batch_size``, ``epoch = samples_seen // config.num_train``; ``fields``: the rest."""
     samples_seen = step * config.batch_size
     epoch = samples_seen // config.num_train
     return TrainState(step=step, samples_seen=samples_seen, epoch=epoch, config=config, **fields)
@@ -35,13 +29,8 @@ def train_state(*, step: int, config: TrainConfig, **fields: Any) -> TrainState:
 
 def load_train_state(path: Path) -> TrainState:
     """The checked ``train_state.json`` of checkpoint directory ``path``, its ``config`` a
-    :class:`TrainConfig`.
-
-    Raises:
-        TrainingError: as :func:`fusion.training.load_train_state`, a config key is missing,
-            unknown, of the wrong type or out of range, or the data position disagrees with
-            the step; the message names the file and the key.
-    """
+    :class:`TrainConfig`; a ``TrainingError`` names the file and key at fault, a data
+    position other than :func:`train_state`'s included."""
     state = generic.load_train_state(path, parse_config=config_from_values)
     batch, num_train = state.config.batch_size, state.config.num_train
     samples_seen = state.step * batch

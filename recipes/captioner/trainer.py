@@ -51,8 +51,9 @@ class Setup:
 def setup(config: TrainConfig, runtime: Runtime) -> Setup:
     """Render the data, build the model (its initial weights from ``config.seed`` alone), wrap
     it for ``runtime`` and build the optimizer."""
-    splits = make_splits(config.seed, config.num_train, config.num_heldout, config.image_size)
-    train_split, heldout = splits
+    train_split, heldout = make_splits(
+        config.seed, config.num_train, config.num_heldout, config.image_size
+    )
     dataset = CaptionDataset(train_split, models.build_tokenizer(), models.tokens_per_image(config))
     torch.manual_seed(config.seed)
     model = models.build_model(config)
@@ -101,12 +102,11 @@ class TrainResult:
     train_seconds: float
 
 
-def train(
-    config: TrainConfig, runtime: Runtime, output_dir: Path, resume: Path | None
-) -> TrainResult:
-    """Train (or continue from checkpoint ``resume``) to ``--steps``, checkpointing every
-    ``--checkpoint-every`` steps and at the end; every process calls this. A damaged
-    ``resume`` is a ``TrainingError``."""
+def train(runtime: Runtime, start: training.Start[TrainConfig]) -> TrainResult:
+    """Train (or continue from checkpoint ``start.resume``) to ``--steps``, checkpointing
+    every ``--checkpoint-every`` steps and at the end; every process calls this. A damaged
+    checkpoint is a ``TrainingError``."""
+    config, output_dir, resume = start.config, start.output_dir, start.resume
     run = setup(config, runtime)
     start_step, losses = 0, []
     if resume is not None:  # weights, optimizer, schedule and this process's RNG states
@@ -134,7 +134,7 @@ def train(
     bar = training.progress_bar(
         runtime, total=config.steps, initial=start_step, enabled=config.progress
     )
-    start = time.perf_counter()
+    started = time.perf_counter()
     for step in range(start_step, config.steps):
         pending.append(train_step(run, step))
         done = step + 1
@@ -154,37 +154,24 @@ def train(
                 root, run.model, run.optimizer, state, runtime, keep=config.keep_checkpoints
             )
     bar.close()
-    return TrainResult(losses, checkpoint, run.heldout, start_step, time.perf_counter() - start)
-
-
-def decoder_check(
-    model: nn.Module, config: TrainConfig, checkpoint: Path, texts: torch.Tensor
-) -> tuple[bool, float]:
-    """Load the checkpoint's ``decoder.`` part with ``strict=True`` into a plain decoder built
-    from the same config and compare its logits with the fused model's on text-only ``texts``
-    [b, s]. Returns (bitwise equal, max abs difference)."""
-    with torch.random.fork_rng(devices=[]):
-        plain = models.build_decoder(config)
-    decoder_state = select_prefix(training.read_model_state_dict(checkpoint), "decoder.")
-    plain.load_state_dict(decoder_state, strict=True)
-    plain = plain.to(texts.device).eval()
-    with torch.no_grad():
-        fused_logits, plain_logits = model(texts), plain(texts)
-    difference = float((fused_logits - plain_logits).abs().max())
-    return torch.equal(fused_logits, plain_logits), difference
+    return TrainResult(losses, checkpoint, run.heldout, start_step, time.perf_counter() - started)
 
 
 def final_report(
-    config: TrainConfig, runtime: Runtime, output_dir: Path, result: TrainResult, started: float
+    runtime: Runtime, start: training.Start[TrainConfig], result: TrainResult, started: float
 ) -> int:
-    """Evaluate the final checkpoint in this process alone and write the report files."""
+    """In this process alone: caption the held-out images with the last checkpoint, load its
+    ``decoder.*`` with ``strict=True`` into a plain decoder and compare their text-only logits,
+    and write the report files; returns 1 if the logits differ."""
+    config, output_dir = start.config, start.output_dir
     checkpoint, heldout = result.checkpoint, result.heldout
     model, saved_config = load_model(checkpoint)
     model = model.to(runtime.device)
     predictions = models.greedy_captions(model, heldout.images, config.eval_batch_size)
-    correct = sum(p == t for p, t in zip(predictions, heldout.captions, strict=True))
+    pairs = list(zip(predictions, heldout.captions, strict=True))
+    correct = sum(p == t for p, t in pairs)
     accuracy = correct / len(heldout)  # exact match, word for word
-    shown = list(zip(predictions, heldout.captions, strict=True))[: config.num_samples]
+    shown = pairs[: config.num_samples]
     print(f"\nsample generations (held-out, greedy, from {checkpoint}):")
     for predicted, truth in shown:
         extra = "" if predicted == truth else f"   (expected: {truth})"
@@ -194,8 +181,16 @@ def final_report(
         "with greedy generation"
     )
     # Text-only sequences (no image placeholder): "describe: <caption> <eos>".
-    texts, _ = encode_captions(models.build_tokenizer(), heldout.captions[:16], 0)
-    equal, max_diff = decoder_check(model, saved_config, checkpoint, texts.to(runtime.device))
+    texts = encode_captions(models.build_tokenizer(), heldout.captions[:16], 0)[0]
+    texts = texts.to(runtime.device)
+    with torch.random.fork_rng(devices=[]):
+        plain = models.build_decoder(saved_config)
+    decoder_state = select_prefix(training.read_model_state_dict(checkpoint), "decoder.")
+    plain.load_state_dict(decoder_state, strict=True)
+    with torch.no_grad():
+        fused_logits, plain_logits = model(texts), plain.to(runtime.device).eval()(texts)
+    equal = torch.equal(fused_logits, plain_logits)
+    max_diff = float((fused_logits - plain_logits).abs().max())
     print(
         f"decoder check: the checkpoint's decoder.* loaded with strict=True into a plain "
         f"TransformerDecoder; text-only logits of the fused model and the plain decoder "
@@ -254,35 +249,20 @@ def check_batch_split(world_size: int, config: TrainConfig, resume: Path | None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the job; returns the exit status: 0, 1 on any error (one line on stderr, no
-    traceback), 2 on a bad command line (argparse's ``SystemExit``), 130 on Ctrl-C.
-
-    Raises:
-        TypeError: ``argv`` is not None or a list of str.
-        SystemExit: with status 2 on unknown flags or bad values (and 0 for ``--help``).
-    """
+    """Run the job; returns the exit status (:func:`fusion.training.run_job`'s; 2 for a bad
+    command line, argparse's ``SystemExit``). An ``argv`` that is no list of str is a
+    ``TypeError``."""
     started = time.perf_counter()
     training.config.check_argv(argv)
     config, given = parse_args(argv)
 
-    def plan(world_size: int) -> training.Start[TrainConfig]:
+    def plan(runtime: Runtime) -> training.Start[TrainConfig]:
         # With --resume: the newest intact checkpoint, and the configuration it stores.
         output_dir = Path(config.output_dir or training.default_output_dir("shapes"))
         return training.plan_start(
             config, given, output_dir, prog=PROG, inspect=inspect_for_resume,
-            fixed_groups=FIXED_GROUPS, prepare=partial(check_batch_split, world_size),
+            fixed_groups=FIXED_GROUPS, prepare=partial(check_batch_split, runtime.world_size),
         )  # fmt: skip
 
-    def job(runtime: Runtime) -> int:
-        training.warn_missing_extras(PROG, runtime, config.progress)  # now, not after training
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        start = training.agree_on_start(runtime, partial(plan, runtime.world_size), TrainConfig)
-        training.log(runtime, f"output directory: {start.output_dir}")
-        result = train(start.config, runtime, start.output_dir, start.resume)
-        training.shutdown(runtime)  # the report runs in the main process alone
-        if runtime.is_main:
-            return final_report(start.config, runtime, start.output_dir, result, started)
-        return 0
-
-    return training.run_job(PROG, config.device, job)
+    report = partial(final_report, started=started)
+    return training.run_recipe(PROG, config, TrainConfig, plan, train, report)

@@ -4,6 +4,7 @@ one-line errors with an exit status."""
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from fusion.training import (
     plan_start,
     resume_checkpoint,
     run_job,
+    run_recipe,
     safe_dcp,
     save_step,
     warmup_cosine,
@@ -205,3 +207,35 @@ def test_command_lines(capsys):
     check_argv(["--steps", "3"])
     with pytest.raises(TypeError, match=r"^argv: expected None or a list of str, got '--steps 3'"):
         check_argv("--steps 3")
+
+
+def test_a_recipe_job_starts_trains_and_reports(tmp_path, capsys):
+    out = tmp_path / "run"
+    flags = SimpleNamespace(device="cpu", threads=1, progress=False)  # the command line's
+    seen = []
+
+    def train(runtime, start):
+        seen.append((start.config, start.output_dir, start.resume, torch.get_num_threads()))
+        return "trained"
+
+    def report(runtime, start, result):
+        seen.append(result)
+        return 3
+
+    threads = torch.get_num_threads()
+    try:
+        status = run_recipe(
+            "prog", flags, Config, lambda runtime: plan(Config(output_dir=str(out))), train, report
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert status == 3
+    assert seen == [(Config(output_dir=str(out)), out, None, 1), "trained"]
+    assert f"output directory: {out}" in capsys.readouterr().out
+
+    def refuse(runtime, start):
+        raise TrainingError("--x: bad")
+
+    other = Config(output_dir=str(tmp_path / "other"))
+    assert run_recipe("prog", flags, Config, lambda runtime: plan(other), refuse, report) == 1
+    assert capsys.readouterr().err == "prog: error: --x: bad\n"
