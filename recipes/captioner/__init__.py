@@ -1,11 +1,7 @@
-"""The main job: train an early-fusion captioner on generated shapes, on one process or many,
-and caption image files with what it trained.
-
-``python -m recipes.captioner --help`` lists the training flags; under ``torchrun`` it runs DDP
-or FSDP2. Process setup, checkpoints, train state and reports are :mod:`fusion.training`'s.
-``python -m recipes.captioner.caption --checkpoint DIR IMAGE...`` (or
-:func:`recipes.captioner.caption.caption`) captions images.
-"""
+"""The main job: train an early-fusion captioner on generated shapes (``python -m
+recipes.captioner --help``; DDP or FSDP2 under ``torchrun``), and caption image files with
+what it trained (``python -m recipes.captioner.caption --checkpoint DIR IMAGE...`` or
+:func:`recipes.captioner.caption.caption`)."""
 
 from fusion.training import TrainingError, read_model_state_dict
 from recipes.captioner.config import TrainConfig, parse_config

@@ -116,9 +116,8 @@ def train(runtime: Runtime, start: training.Start[TrainConfig]) -> TrainResult:
         )
         start_step, losses = state.step, list(state.losses)
         if start_step == config.steps:
-            training.log(
-                runtime, f"the run is complete at step {start_step}; --steps N trains further"
-            )
+            complete = f"the run is complete at step {start_step}; --steps N trains further"
+            training.log(runtime, complete)
     parallel = f" ({config.parallel})" if runtime.distributed else ""
     training.log(
         runtime,
