@@ -14,10 +14,13 @@ SmolVLM's and LLaVA's fine-tuning) with AdamW, one optimizer step per ``--sample
 samples (the same samples, in the same order, for everyone):
 
 - ``fusion_packed``: the fine-tuning recipe's path: the step's samples packed into rows of at
-  most ``--max-seq-len`` tokens (``fusion.data.Collate``: ``pack_samples``, positions
-  restarting per sample, the rows' sample boundaries for attention instead of a dense mask),
-  one micro-batch per step made ahead by the recipe's data loader (``fusion.data
-  .MicroBatches`` over ``StepBatches``, one worker process), the model's hidden states and
+  most ``--max-seq-len`` tokens (default :data:`ROW_TOKENS`, SmolVLM-256M's
+  ``max_position_embeddings``: the recipe packs rows as long as the model takes, so a step's
+  samples share one row and only the last row is padded; ``fusion.data.Collate``:
+  ``pack_samples``, positions restarting per sample, the rows' sample boundaries for
+  attention instead of a dense mask), one micro-batch per step made ahead by the recipe's
+  data loader (``fusion.data.MicroBatches`` over ``StepBatches``, one worker process), the
+  model's hidden states and
   ``fusion.chunked_token_loss`` (the output layer applied at the targets only), divided by the
   step's target count;
 - ``fusion_padded``: the same, with the step's samples right-padded to the longest
@@ -133,6 +136,10 @@ from fusion.models.idefics3 import (
     SMOLVLM_256M_VISION,
 )
 
+#: The packed rows' default length: SmolVLM-256M's ``max_position_embeddings``, the rows the
+#: fine-tuning recipe packs for it (it packs rows as long as the model takes).
+ROW_TOKENS = 8192
+
 CONTESTANTS = (
     "transformers_padded",
     "transformers_padding_free",
@@ -235,7 +242,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help=f"warm up on the first sample alone, its answer cut to {SHORT_WARMUP_ANSWER} tokens",
     )
-    p.add_argument("--max-seq-len", type=int, default=None, help="default 1024 (CPU), 4096")
+    p.add_argument(
+        "--max-seq-len", type=int, default=None, help="packed rows' length (default 8192)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=CONTESTANTS, nargs="+", default=list(CONTESTANTS))
     p.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)
@@ -252,7 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.samples_per_step is None:
         args.samples_per_step = 4 if args.quick else 32 if cuda else 8
     if args.max_seq_len is None:
-        args.max_seq_len = 256 if args.quick else 4096 if cuda else 1024
+        args.max_seq_len = 256 if args.quick else ROW_TOKENS
     if args.family == "smolvlm" and not args.quick:
         full = (SMOLVLM_256M_TEXT["num_layers"], SMOLVLM_256M_VISION["num_hidden_layers"])
         text, vision = full if cuda else SMOLVLM_CPU_LAYERS

@@ -44,7 +44,12 @@ class FinetuneConfig:
     eval_data: str | None = _opt(
         None, "held-out conversations in the same formats (eval loss)", "data", path=True
     )
-    max_seq_len: int = _opt(2048, "longest packed sequence, in tokens", "data", positive=True)
+    max_seq_len: int = _opt(
+        2048,
+        "longest conversation, in tokens (packed rows take as many as the model does)",
+        "data",
+        positive=True,
+    )
     packing: bool = _opt(
         True,
         "pack conversations into sequences of --max-seq-len tokens (block-causal attention); "

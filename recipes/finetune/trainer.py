@@ -110,7 +110,11 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
         trainable_parameters(wrapped), lr=config.lr, weight_decay=config.weight_decay,
         warmup=config.warmup_steps, total=len(plan),
     )  # fmt: skip
-    collate = data.Collate(pad_id, config.max_seq_len, config.packing, encoder)
+    # Packed rows as long as the model takes: the attention sees each sample's boundaries,
+    # not a [s, s] mask, so one long row costs what its samples do, and rows of
+    # --max-seq-len would only add the padding after each row's last sample.
+    row_tokens = max(config.max_seq_len, decoder.max_seq_len)
+    collate = data.Collate(pad_id, row_tokens, config.packing, encoder)
 
     def share(encoded: EncodedData, plan: list[Step], micro_batches: int = 1) -> StepBatches:
         """This process's micro-batches of ``plan``."""
