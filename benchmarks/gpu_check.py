@@ -15,6 +15,16 @@ On the GPU target case (bf16, 32k tokens x 4096, 25% placeholders in image block
 3. no host synchronisation: each merge under ``torch.cuda.set_sync_debug_mode("error")``.
 4. CUDA graphs: the merge captured in a graph, replayed on new tokens and rows written into
    the captured inputs, equal to eager.
+5. packed attention (``--packed-only``: this check alone, no Triton needed): the packing
+   property on every packed-attention path of ``fusion.decoder.packed_attention`` that runs
+   here (CUDA: the dense ``mask``, per-sample ``sdpa``, ``flex``, ``varlen``; ``--cpu-smoke``:
+   ``mask`` and ``sdpa``), fp32 and bf16 autocast: a 2-layer decoder of SmolVLM-256M's text
+   shape on 2 packed rows of 2048 tokens (LLaVA-Instruct-like samples, as
+   ``packed_attention.py``'s), each sample's logits against the sample alone (fp32 within
+   1e-4; bf16 within 3% of the largest logit, kernels round differently), in fp32 also the
+   batch's gradients against the sum of the samples' (within 1e-4 + 1e-3 of the largest
+   gradient of each parameter); the forward+backward time of each path;
+   whether a warm forward+backward synchronises (reported, not a failure).
 
 Prints a summary and writes ``gpu_check.json`` to ``--out``; exits 1 when a check fails.
 """
@@ -25,12 +35,18 @@ import json
 import os
 import platform
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
 import merge_kernels as mk  # benchmarks/ is on sys.path when this file runs as a script
+import packed_attention as pab
 import torch
 from common import add_out_argument, output_dir
+
+from fusion import masked_token_loss
+from fusion.decoder import PackedSegments
+from fusion.decoder.packed_attention import resolve_backend
 
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 CONFIGS = [  # (BLOCK_R, BLOCK_D, num_warps)
@@ -51,6 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--dtype", choices=sorted(mk.DTYPES), default="bf16")
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny, on the interpreter")
+    p.add_argument("--packed-only", action="store_true", help="the packed-attention check only")
     add_out_argument(p)
     args = p.parse_args(argv)
     args.out = output_dir(args.out, check=args.cpu_smoke)
@@ -216,6 +233,163 @@ def check_graph(inp: mk.Inputs) -> dict:
     return results
 
 
+def packed_model(device: torch.device, smoke: bool, max_seq_len: int) -> torch.nn.Module:
+    from fusion.models import llama3_2
+
+    torch.manual_seed(0)
+    if smoke:
+        model = llama3_2(256, num_layers=2, num_heads=3, num_kv_heads=1, embed_dim=48,
+                         max_seq_len=max_seq_len, intermediate_dim=64)  # fmt: skip
+    else:
+        model = llama3_2(pab.VOCAB, num_layers=2, num_heads=pab.HEADS, num_kv_heads=pab.KV_HEADS,
+                         embed_dim=pab.WIDTH, max_seq_len=max_seq_len,
+                         intermediate_dim=pab.MLP)  # fmt: skip
+    return model.to(device)
+
+
+def cuda_ms(fn: Callable[[], object], device: torch.device, repeats: int = 10) -> float:
+    """Median milliseconds of ``fn`` (CUDA events on GPU, the wall clock on CPU), warmed up."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - started) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def check_packed_attention(device: torch.device, smoke: bool) -> dict:
+    """The packing property and the time of each packed-attention path (see item 5)."""
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # tiny shapes: shared cores make more threads only slower
+    seq_len, rows_per_batch = (128, 2) if smoke else (2048, 2)
+    rows = pab.packed_rows(seq_len, rows_per_batch, seed=0, quick=smoke)
+    model = packed_model(device, smoke, seq_len)
+    segments = PackedSegments.from_lengths(rows, seq_len, device=device)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.vocab_size, (len(rows), seq_len), generator=generator)
+    labels = torch.randint(0, model.vocab_size, (len(rows), seq_len), generator=generator)
+    labels[segments.segment_ids.cpu() < 0] = -100  # no target in padding
+    tokens, labels = tokens.to(device), labels.to(device)
+    positions = torch.cat(
+        [torch.cat([torch.arange(n) for n in row]) for row in segments.lengths]
+    ).view(len(rows), seq_len)
+    positions = positions.to(device)
+    placed = [  # (row, start, length) of every sample
+        (r, sum(row[:k]), row[k])
+        for r, row in enumerate(segments.lengths)
+        for k in range(len(row) - (segments.padding[r] > 0))
+    ]
+    backends = ["mask", "sdpa"] if device.type != "cuda" else ["mask", "sdpa", "flex", "varlen"]
+    results: dict = {"rows": [list(row) for row in rows], "seq_len": seq_len, "paths": {}}
+    failures = []
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype_name == "bf16")
+        for backend in backends:
+            name = f"{backend} {dtype_name}"
+            entry: dict = {}
+            results["paths"][name] = entry
+            if backend != "mask":
+                try:  # raises where the path cannot run (varlen in fp32)
+                    entry["backend"] = resolve_backend(backend, device, dtype)
+                except ValueError as e:
+                    entry["skipped"] = str(e)[:300]
+                    continue
+            try:
+                mask = (
+                    segments.dense_mask() if backend == "mask" else segments.with_backend(backend)
+                )
+
+                def forward(mask=mask, autocast=autocast):
+                    with autocast:
+                        return model(tokens, mask=mask, input_pos=positions)
+
+                model.zero_grad(set_to_none=True)
+                logits = forward()
+                loss, _ = masked_token_loss(logits, labels)
+                loss.backward()
+                batch_grads = [p.grad.detach().clone() for p in model.parameters()]
+                model.zero_grad(set_to_none=True)
+                worst, scale = 0.0, 1.0
+                for r, start, n in placed:
+                    with autocast:
+                        own = model(tokens[r : r + 1, start : start + n])
+                    if dtype_name == "fp32":
+                        own_loss, _ = masked_token_loss(own, labels[r : r + 1, start : start + n])
+                        own_loss.backward()
+                    diff = (logits[r, start : start + n] - own[0]).detach().abs().max()
+                    worst = max(worst, float(diff))
+                    scale = max(scale, float(own.detach().abs().max()))
+                entry["max_abs_diff_vs_alone"] = worst
+                entry["finite"] = bool(logits.isfinite().all())
+                tolerance = 1e-4 if dtype_name == "fp32" else 3e-2 * scale
+                entry["tolerance"] = tolerance
+                ok = worst <= tolerance and entry["finite"]
+                if dtype_name == "fp32":
+                    # Within 1e-4 plus 1e-3 of the largest gradient (sums over many tokens):
+                    # the worst parameter's difference as a fraction of its tolerance.
+                    share = max(
+                        float((a - p.grad).abs().max() / (1e-4 + 1e-3 * p.grad.abs().max()))
+                        for a, p in zip(batch_grads, model.parameters(), strict=True)
+                    )
+                    entry["grad_diff_share_of_tolerance"] = share
+                    ok = ok and share <= 1
+                model.zero_grad(set_to_none=True)
+
+                def step(forward=forward):
+                    loss, _ = masked_token_loss(forward(), labels)
+                    loss.backward()
+
+                entry["fwd_bwd_ms"] = cuda_ms(step, device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        step()
+                        entry["sync_error"] = None
+                    except RuntimeError as e:
+                        entry["sync_error"] = str(e).splitlines()[0][:300]
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                    torch.cuda.synchronize()
+                model.zero_grad(set_to_none=True)
+                entry["ok"] = ok
+                if not ok:
+                    failures.append(f"packed attention: {name}")
+            except Exception as e:  # report, keep checking the others
+                entry["error"] = f"{type(e).__name__}: {e}"[:500]
+                failures.append(f"packed attention: {name} raised")
+                traceback.print_exc()
+    results["failures"] = failures
+    return results
+
+
+def print_packed(report: dict) -> None:
+    packed = report["packed_attention"]
+    print(f"packed attention, rows of {packed['seq_len']}: {len(packed['rows'])} rows")
+    for name, e in packed["paths"].items():
+        if "skipped" in e or "error" in e:
+            print(f"  {name:12} {e.get('skipped') or e.get('error')}")
+            continue
+        grad = e.get("grad_diff_share_of_tolerance")
+        print(
+            f"  {name:12} {'ok' if e['ok'] else 'FAILED':6} logits |diff| "
+            f"{e['max_abs_diff_vs_alone']:.1e} (tol {e['tolerance']:.1e})"
+            + (f", grads |diff| {grad:.0%} of tolerance" if grad is not None else "")
+            + f", fwd+bwd {e['fwd_bwd_ms']:.2f} ms"
+            + (f", sync: {e['sync_error']}" if e.get("sync_error") else "")
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu_smoke:
@@ -225,6 +399,22 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             raise SystemExit("gpu_check: no CUDA device (use --cpu-smoke to exercise the script)")
         device = torch.device("cuda")
+    if args.packed_only:
+        report = {"packed_attention": check_packed_attention(device, smoke=args.cpu_smoke)}
+        report["failures"] = report["packed_attention"]["failures"]
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / (
+            "gpu_check_packed_cpu_smoke.json" if args.cpu_smoke else "gpu_check_packed.json"
+        )
+        path.write_text(json.dumps(report, indent=1))
+        print_packed(report)
+        print(
+            "FAILED: " + "; ".join(report["failures"])
+            if report["failures"]
+            else "all checks passed"
+        )
+        print(f"wrote {path}", file=sys.stderr)
+        return 1 if report["failures"] else 0
     from fusion.merge import default_impl
     from fusion.merge.fused import fused_supported
 
@@ -264,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
             for k, r in report["cuda_graph"].items()
             if not (r["captured"] and r["replay_equals_eager"])
         ]
+    report["packed_attention"] = check_packed_attention(device, smoke=args.cpu_smoke)
+    failures += report["packed_attention"]["failures"]
     report["failures"] = failures
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("gpu_check_cpu_smoke.json" if args.cpu_smoke else "gpu_check.json")
@@ -285,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         print(f"sync debug mode errors: {report['sync_errors']}")
         print(f"cuda graph: {report['cuda_graph']}")
+    print_packed(report)
     print("FAILED: " + "; ".join(failures) if failures else "all checks passed")
     print(f"wrote {path}", file=sys.stderr)
     return 1 if failures else 0

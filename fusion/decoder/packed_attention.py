@@ -15,10 +15,13 @@ without a dense ``[b, s, s]`` mask, by one of three backends:
   segment, so padding attends causally among itself there (as the dense mask has it).
 
 ``"auto"`` picks per device and compute dtype (:func:`resolve_backend`): on CUDA varlen where
-it runs, else flex; elsewhere per-sample SDPA, the fastest measured on CPU (forward and
-backward, SmolVLM-256M's attention shape, rows of 1024-4096 tokens of LLaVA-Instruct-like
-samples: ``python benchmarks/packed_attention.py``, see benchmarks/README.md). Dropout in
-training takes per-sample SDPA under ``"auto"``.
+it runs, else flex; elsewhere per-sample SDPA, the fastest measured on CPU: at SmolVLM-256M's
+attention shape on 4096 tokens of packed LLaVA-Instruct-like samples, 2 threads, its
+forward+backward ran at 2.5x the dense mask's speed in rows of 1024 tokens, 5.2x in rows of
+2048 and 11.8x in one row of 4096 (forward alone 2.5x to 12.6x; compiled FlexAttention's
+forward, its block mask included, 2.7x to 8.3x; ``python benchmarks/packed_attention.py
+--rounds 7``, medians, see benchmarks/README.md). Dropout in training takes per-sample SDPA
+under ``"auto"``.
 
 Under ``torch.compile`` (e.g. of each decoder layer): the per-sample SDPA loop runs in a
 ``torch.compiler.disable``'d function, a graph break, so the compiled graphs never see the
@@ -56,7 +59,8 @@ def resolve_backend(
 
     ``"auto"``: per-sample SDPA with dropout; on CUDA ``"varlen"`` where it runs
     (:func:`varlen_supported`), else ``"flex"``; elsewhere (CPU, ...) ``"sdpa"``, which
-    measured fastest on CPU (benchmarks/README.md, "Packed attention").
+    measured fastest on CPU (2.5x to 11.8x the dense mask's forward+backward; see the module
+    docstring and benchmarks/README.md, "Packed attention").
 
     Raises:
         ValueError: ``"flex"`` or ``"varlen"`` with dropout (neither has any), ``"varlen"``
@@ -179,33 +183,45 @@ def _per_sample_sdpa(
     dropout_p: float,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """One causal SDPA call per sample, on views of [b, s, h, hd] inputs; the outputs, back
-    in [b, s, h, hd] and zeros for padding, concatenated (one copy, which also makes the
-    result contiguous for the output projection).
+    """One causal SDPA call per sample on [b, s, h, hd] inputs; the outputs, zeros for
+    padding, concatenated back into [b, s, h, hd] (one copy, which also makes the result
+    contiguous for the output projection).
 
-    Samples of equal length are not batched into one call: stacking them would copy q, k and
-    v, and LLaVA-like length mixes rarely repeat a length; the call overhead (tens of
-    microseconds) is small beside a sample's attention."""
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, s, hd] views
-    rows = []
-    for r, (row, pad) in enumerate(zip(segments.lengths, segments.padding, strict=True)):
-        parts, start = [], 0
-        for n in row[: len(row) - (pad > 0)]:
-            end = start + n
-            out = F.scaled_dot_product_attention(
-                qt[r : r + 1, :, start:end],
-                kt[r : r + 1, :, start:end],
-                vt[r : r + 1, :, start:end],
-                dropout_p=dropout_p,
-                is_causal=True,
-                enable_gqa=enable_gqa,
-            )
-            parts.append(out.transpose(1, 2))  # [1, n, h, hd]
-            start = end
-        if pad:
-            parts.append(q.new_zeros(1, pad, q.size(2), q.size(3)))
-        rows.append(torch.cat(parts, dim=1))
-    return torch.cat(rows)  # [b, s, h, hd]
+    The inputs are cut with one ``split`` of the flattened ``[b * s]`` positions, whose
+    backward is one concatenation: slicing each sample instead costs, in backward, a zeroed
+    input-sized gradient per sample and their sum (n times the work, and many more short
+    parallel regions, which shared cores make slow). Samples of equal length are not batched
+    into one call: stacking them would copy q, k and v, and LLaVA-like length mixes rarely
+    repeat a length; the call overhead (tens of microseconds) is small beside a sample's
+    attention."""
+    b, s, h, hd = q.shape
+    flat = [n for row in segments.lengths for n in row]
+    padding = {  # the index in ``flat`` of each row's padding segment
+        sum(len(row) for row in segments.lengths[: r + 1]) - 1
+        for r, pad in enumerate(segments.padding)
+        if pad
+    }
+    pieces = zip(  # [n, h or h_kv, hd] views
+        q.reshape(b * s, h, hd).split(flat),
+        k.reshape(b * s, k.size(2), hd).split(flat),
+        v.reshape(b * s, v.size(2), hd).split(flat),
+        strict=True,
+    )
+    parts = []
+    for i, (qi, ki, vi) in enumerate(pieces):
+        if i in padding:  # never attended by a sample, never a target
+            parts.append(q.new_zeros(qi.shape))
+            continue
+        out = F.scaled_dot_product_attention(  # [1, h, n, hd]
+            qi.transpose(0, 1)[None],
+            ki.transpose(0, 1)[None],
+            vi.transpose(0, 1)[None],
+            dropout_p=dropout_p,
+            is_causal=True,
+            enable_gqa=enable_gqa,
+        )
+        parts.append(out[0].transpose(0, 1))  # [n, h, hd]
+    return torch.cat(parts).view(b, s, h, hd)
 
 
 def _per_sample_disabled() -> Any:
