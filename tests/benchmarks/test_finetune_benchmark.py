@@ -29,12 +29,14 @@ def tiny():
 
 def test_default_shape_and_settings(tmp_path):
     """CPU: SmolVLM-256M's widths cut to 6 text and 3 vision layers, 8 samples per step, 3
-    rounds; CUDA: all 30 and 12 layers; --quick: one round."""
+    rounds, rows of its 8192 positions; CUDA: all 30 and 12 layers; --quick: one round."""
     args = finetune.parse_args(["--out", str(tmp_path)])
-    assert (args.rounds, args.samples_per_step, args.threads, args.max_seq_len) == (3, 8, 2, 1024)
+    assert (args.rounds, args.samples_per_step, args.threads, args.max_seq_len) == (3, 8, 2, 8192)
     assert (args.text_layers, args.vision_layers) == (6, 3)
     config = finetune.hf_config(False, args.family, args.text_layers, args.vision_layers)
     text, vision = config["text_config"], config["vision_config"]
+    # rows as the recipe packs them for this model: as long as it takes
+    assert text["max_position_embeddings"] == finetune.ROW_TOKENS
     assert (text["num_hidden_layers"], vision["num_hidden_layers"]) == (6, 3)
     assert (text["hidden_size"], text["intermediate_size"], text["vocab_size"]) == (
         576,
