@@ -239,3 +239,15 @@ def without_torchvision_video(monkeypatch) -> None:
 
     monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda *a: None)
     monkeypatch.setattr(AutoVideoProcessor, "from_pretrained", classmethod(lambda *a, **k: None))
+
+
+def trl_features():
+    """The ``datasets.Features`` of TRL's vision data sets: ``messages`` (role, content parts of
+    type and text) and ``images`` embedded as ``datasets.Image``."""
+    import datasets
+
+    part = {"type": datasets.Value("string"), "text": datasets.Value("string")}
+    message = {"role": datasets.Value("string"), "content": datasets.List(part)}
+    return datasets.Features(
+        {"messages": datasets.List(message), "images": datasets.List(datasets.Image())}
+    )

@@ -263,9 +263,10 @@ def _parse_json(raw: bytes, file: Path, problem: str) -> Any:
         raise CheckpointError(file, None, f"{problem}: {error}") from error
 
 
-def read_bounded(file: Path, limit: int) -> bytes:
+def read_bounded(file: Path, limit: int, what: str = "") -> bytes:
     """The content of the regular file ``file``, refused when it holds more than ``limit`` bytes
-    (:func:`fusion._io.read_regular`: a huge or growing file costs nothing).
+    (:func:`fusion._io.read_regular`: a huge or growing file costs nothing); ``what`` names
+    the file at the start of its errors.
 
     Raises:
         CheckpointError: naming ``file``: not a regular file, unreadable, or too large.
@@ -273,11 +274,16 @@ def read_bounded(file: Path, limit: int) -> bytes:
     try:
         return read_regular(file, limit)
     except NotRegularFile:
-        raise CheckpointError(file, None, "not a regular file (a FIFO, device, ...)") from None
+        problem = f"{what} is not" if what else "not"
+        raise CheckpointError(
+            file, None, f"{problem} a regular file (a FIFO, device, ...)"
+        ) from None
     except FileTooLarge:
-        raise CheckpointError(file, None, f"larger than {limit} bytes: refused") from None
+        named = f"{what} larger" if what else "larger"
+        raise CheckpointError(file, None, f"{named} than {limit} bytes: refused") from None
     except OSError as error:
-        raise CheckpointError(file, None, f"unreadable: {error.strerror}") from None
+        named = f"unreadable {what}" if what else "unreadable"
+        raise CheckpointError(file, None, f"{named}: {error.strerror}") from error
 
 
 def read_tokenizer(file: Path, *, missing: str | None = None) -> Any:
@@ -304,18 +310,7 @@ def read_tokenizer(file: Path, *, missing: str | None = None) -> Any:
 
 def read_json(file: Path, what: str) -> Any:
     """Read a JSON file of at most :data:`MAX_JSON_BYTES` (``what`` names it in errors)."""
-    try:
-        raw = read_regular(file, MAX_JSON_BYTES)
-    except NotRegularFile:
-        raise CheckpointError(
-            file, None, f"{what} is not a regular file (a FIFO, device, ...)"
-        ) from None
-    except FileTooLarge:
-        raise CheckpointError(
-            file, None, f"{what} larger than {MAX_JSON_BYTES} bytes: refused"
-        ) from None
-    except OSError as error:
-        raise CheckpointError(file, None, f"unreadable {what}: {error.strerror}") from error
+    raw = read_bounded(file, MAX_JSON_BYTES, what)
     return _parse_json(raw, file, f"unreadable {what}")
 
 

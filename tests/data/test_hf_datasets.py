@@ -22,7 +22,7 @@ from fusion.data import (
     read_conversations,
     read_hf_dataset,
 )
-from vlm_helpers import make_image
+from vlm_helpers import make_image, trl_features
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("pyarrow")
@@ -205,19 +205,7 @@ def hostile_rows():
 
 def test_hostile_rows_are_refused_naming_the_row(tmp_path):
     rows = hostile_rows()
-    features = datasets.Features(
-        {
-            "messages": datasets.List(
-                {
-                    "role": datasets.Value("string"),
-                    "content": datasets.List(
-                        {"type": datasets.Value("string"), "text": datasets.Value("string")}
-                    ),
-                }
-            ),
-            "images": datasets.List(datasets.Image()),
-        }
-    )
+    features = trl_features()
     data = {"messages": [r[1] for r in rows], "images": [r[2] for r in rows]}
     file = tmp_path / "hostile.parquet"
     datasets.Dataset.from_dict(data, features=features).to_parquet(str(file))

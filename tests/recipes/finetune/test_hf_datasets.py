@@ -8,6 +8,7 @@ import json
 import pytest
 
 from recipes.finetune import main
+from vlm_helpers import trl_features
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("pyarrow")
@@ -32,19 +33,7 @@ def as_data_set(jsonl):
             messages.append({**message, "content": content})
         rows["messages"].append(messages)
         rows["images"].append(images)
-    features = datasets.Features(
-        {
-            "messages": datasets.List(
-                {
-                    "role": datasets.Value("string"),
-                    "content": datasets.List(
-                        {"type": datasets.Value("string"), "text": datasets.Value("string")}
-                    ),
-                }
-            ),
-            "images": datasets.List(datasets.Image()),
-        }
-    )
+    features = trl_features()
     return datasets.Dataset.from_dict(rows, features=features)
 
 
