@@ -39,7 +39,7 @@ class Setup:
     train_data: EncodedData
     plan: list[Step]
     model: nn.Module
-    decoder: TransformerDecoder | None  # the wrapped model's own (its unembedding)
+    decoder: TransformerDecoder  # the wrapped model's own (its unembedding)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batches: StepBatches
@@ -146,8 +146,10 @@ def _forward_loss(run: Setup, batch: Batch) -> torch.Tensor:
     enabled = run.config.dtype == "bfloat16"
     with torch.autocast(run.runtime.device.type, dtype=torch.bfloat16, enabled=enabled):
         hidden = run.model(**batch.model_inputs())
-        unembed = cast(TransformerDecoder, run.decoder).unembed  # the wrapped model's own
-        return chunked_token_loss(hidden, batch.labels, unembed, num_targets=batch.num_targets)[0]
+        loss_sum, _ = chunked_token_loss(
+            hidden, batch.labels, run.decoder.unembed, num_targets=batch.num_targets
+        )
+    return loss_sum
 
 
 def train_step(run: Setup, step: int) -> tuple[torch.Tensor, int, int]:
