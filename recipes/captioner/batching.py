@@ -1,9 +1,6 @@
-"""Caption sequences, loss masks and batches for training.
-
-A training sequence is ``<image> * T, describe:, caption words, <eos>, <pad>...``, all the
-same length. The model reads it without its last token and is trained to predict it without
-its first; only targets that are caption words or ``<eos>`` count in the loss.
-"""
+"""Training sequences and batches: ``<image> * T, describe:, caption words, <eos>, <pad>...``,
+all of one length, read without their last token and trained to predict them without their
+first; only targets that are caption words or ``<eos>`` count in the loss."""
 
 from dataclasses import dataclass
 
@@ -15,8 +12,7 @@ from recipes.captioner.tokenizer import CaptionTokenizer
 
 
 def sequence_length(tokens_per_image: int) -> int:
-    """Length of a model input: the prompt (image placeholders and ``describe:``), the longest
-    caption and ``<eos>``, minus the last token."""
+    """Length of a model input: the prompt, the longest caption and ``<eos>``, less one."""
     return tokens_per_image + 1 + max_caption_words()
 
 
@@ -29,10 +25,9 @@ def prompt_tokens(tokenizer: CaptionTokenizer, n: int, tokens_per_image: int) ->
 def encode_captions(
     tokenizer: CaptionTokenizer, captions: list[str], tokens_per_image: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Model inputs and targets for ``captions``, int64 [n, sequence_length(tokens_per_image)]
-    each: the sequences without their last token (right-padded with ``<pad>``), and without
-    their first, ``IGNORE_INDEX`` wherever the target is no caption word or the final ``<eos>``.
-    A caption longer than the dataset's longest, or with unknown words, is a ``ValueError``."""
+    """Model inputs and labels of ``captions``, int64 [n, sequence_length(tokens_per_image)]
+    each (labels ``IGNORE_INDEX`` where no target counts). A caption longer than the data
+    set's longest, or with unknown words, is a ``ValueError``."""
     prompt = prompt_tokens(tokenizer, 1, tokens_per_image)[0].tolist()
     full = sequence_length(tokens_per_image) + 1
     tokens, labels = [], []
@@ -52,8 +47,8 @@ def encode_captions(
 
 @dataclass(frozen=True)
 class CaptionBatch:
-    """One batch: ``tokens`` and ``labels`` int64 [b, s], ``images`` float32 [b, 3, h, w] in
-    [0, 1]. ``num_targets`` is the number of labels that count in the loss."""
+    """``tokens`` and ``labels`` int64 [b, s], ``images`` float32 [b, 3, h, w] in [0, 1], and
+    the number of labels that count in the loss."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -68,8 +63,7 @@ class CaptionBatch:
 
 
 class CaptionDataset:
-    """A split encoded once for training (:func:`encode_captions`, an image taking
-    ``tokens_per_image`` placeholders): images, token ids, labels and target counts."""
+    """A split encoded once for training (:func:`encode_captions`)."""
 
     def __init__(self, split: ShapesSplit, tokenizer: CaptionTokenizer, tokens_per_image: int):
         self.split = split
@@ -87,5 +81,5 @@ class CaptionDataset:
         )
 
     def count_targets(self, indices: torch.Tensor) -> int:
-        """Number of loss targets in the samples at ``indices``, computed on the host."""
+        """Number of loss targets in the samples at ``indices``, counted on the host."""
         return int(self.targets_per_sample[indices].sum())

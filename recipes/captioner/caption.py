@@ -1,14 +1,10 @@
-"""Caption images with a trained checkpoint of the main job.
+"""Caption images with a trained checkpoint of the main job::
 
     python -m recipes.captioner.caption --checkpoint runs/x/checkpoints/step_00002000 a.png b.png
 
 prints ``<file>: <caption>`` per image, in order, and one line on stderr per file it cannot
-read (the others are still captioned; the exit status is then 1). From Python, :func:`caption`
-takes files, Pillow images or uint8 tensors. Decoding files needs Pillow
-(``pip install -e '.[vision]'``). An image is taken as the training images are: 8-bit RGB
-(grayscale repeated, transparency over white), square; one of another side is resized to the
-model's ``image_size`` (bicubic, as Pillow resizes). The model knows only what it was trained
-on (:mod:`recipes.captioner.shapes`).
+read (the others are still captioned; the exit status is then 1). The model knows only what it
+was trained on (:mod:`recipes.captioner.shapes`).
 """
 
 import os
@@ -28,8 +24,7 @@ PROG = "python -m recipes.captioner.caption"
 
 
 def _pixels(image: Any, name: str, image_size: int) -> torch.Tensor:
-    """One image (a path, a Pillow image or a uint8 tensor [c, h, w]) as uint8 RGB
-    [3, image_size, image_size]."""
+    """One image (a path, a Pillow image or a uint8 tensor [c, h, w]) as uint8 RGB [3, s, s]."""
     if isinstance(image, (str, os.PathLike)):
         name = f"image {os.fspath(image)!r}"
         decoded = load_image(image)
@@ -52,17 +47,17 @@ def caption(
     batch_size: int = 256,
     device: str | torch.device = "cpu",
 ) -> list[str]:
-    """Greedy captions of ``images`` (a list of image files, Pillow images or uint8 tensors
-    [1, 3 or 4 channels, h, w], each square) by the model of checkpoint ``checkpoint`` (a
-    ``step_<N>`` directory of ``python -m recipes.captioner``), in order, ``batch_size`` at a
-    time on ``device``. Every image is decoded and checked before the model is loaded.
+    """Greedy captions of ``images`` by the model of ``checkpoint`` (a ``step_<N>`` directory of
+    ``python -m recipes.captioner``), in order, ``batch_size`` at a time on ``device``.
+
+    An image is a file (decoding it needs Pillow: ``pip install -e '.[vision]'``), a Pillow
+    image or a uint8 tensor [1, 3 or 4 channels, h, w], taken as the training images are: RGB
+    (grayscale repeated, transparency over white), square, resized (bicubic, as Pillow) to the
+    model's ``image_size``. Every image is checked, by path or index, before the model loads.
 
     Raises:
-        TypeError: ``images`` is not a list or tuple, or holds something that is no image.
-        ValueError: ``batch_size`` is not a positive integer; an image is not square, or of a
-            format or mode that cannot be taken (named by path or index).
-        ImportError: an image is a file and Pillow is not installed.
-        OSError: an image file cannot be read.
+        TypeError, ValueError: a bad argument, or an image not square or that cannot be taken.
+        ImportError, OSError: an image file without Pillow installed, or that cannot be read.
         TrainingError: ``checkpoint`` is not an intact checkpoint directory.
     """
     if not isinstance(images, (list, tuple)):
@@ -121,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 readable.append(file)
             except (ValueError, TypeError, OSError) as error:
                 report(error)
-        captions = (
-            caption(path, pixels, batch_size=args.batch_size, device=device) if pixels else []
-        )
+        captions = caption(path, pixels, batch_size=args.batch_size, device=device)
     except (TrainingError, ValueError, TypeError, ImportError, OSError) as error:
         report(error)
         return 1

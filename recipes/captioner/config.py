@@ -3,11 +3,11 @@ what a resumed run takes from its checkpoint."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fusion.training import config as shared
-from fusion.training.config import config_group, flag_name
-from fusion.training.config import option as _opt
+from fusion.training.config import config_group, flag_name, option
 
 # What --resume does with each group of settings (see resumed_config).
 GROUP_TITLES = {
@@ -20,97 +20,82 @@ GROUP_TITLES = {
 # The groups that define what a checkpoint continues: resuming with other values would train
 # another model on other data.
 FIXED_GROUPS = ("data", "model", "optim")
+# An option of each group (fusion.training.config.option without its group argument).
+_data, _model, _optim, _run, _session = (partial(option, group=g) for g in GROUP_TITLES)
 
 
 @dataclass
 class TrainConfig:
     """Everything a run depends on, in groups (:data:`GROUP_TITLES`)."""
 
-    # data
-    seed: int = _opt(0, "seed of the dataset, the model's initialisation and the order", "data")
-    num_train: int = _opt(10_000, "training images", "data", positive=True)
-    num_heldout: int = _opt(
-        1_000, "held-out images (accuracy is measured on them)", "data", positive=True
+    seed: int = _data(0, "seed of the dataset, the model's initialisation and the order")
+    num_train: int = _data(10_000, "training images", positive=True)
+    num_heldout: int = _data(1_000, "held-out images (accuracy is measured on them)", positive=True)
+    image_size: int = _data(32, "image side in pixels", positive=True)
+
+    patch_size: int = _model(
+        8, "vision encoder patch side; one image token per patch", positive=True
     )
-    image_size: int = _opt(32, "image side in pixels", "data", positive=True)
-    # model
-    patch_size: int = _opt(
-        8, "vision encoder patch side; one image token per patch", "model", positive=True
+    encoder_dim: int = _model(64, "vision encoder width", positive=True)
+    encoder_layers: int = _model(2, "vision transformer blocks", non_negative=True)
+    encoder_heads: int = _model(4, "vision attention heads", positive=True)
+    decoder_dim: int = _model(64, "decoder width", positive=True)
+    decoder_layers: int = _model(2, "decoder blocks", positive=True)
+    decoder_heads: int = _model(4, "decoder query heads", positive=True)
+    decoder_kv_heads: int = _model(
+        2, "decoder key/value heads (grouped-query attention)", positive=True
     )
-    encoder_dim: int = _opt(64, "vision encoder width", "model", positive=True)
-    encoder_layers: int = _opt(2, "vision transformer blocks", "model", non_negative=True)
-    encoder_heads: int = _opt(4, "vision attention heads", "model", positive=True)
-    decoder_dim: int = _opt(64, "decoder width", "model", positive=True)
-    decoder_layers: int = _opt(2, "decoder blocks", "model", positive=True)
-    decoder_heads: int = _opt(4, "decoder query heads", "model", positive=True)
-    decoder_kv_heads: int = _opt(
-        2, "decoder key/value heads (grouped-query attention)", "model", positive=True
+    decoder_mlp_dim: int = _model(192, "decoder MLP hidden width", positive=True)
+
+    batch_size: int = _optim(64, "global batch size (split across processes)", positive=True)
+    lr: float = _optim(3e-3, "peak learning rate (AdamW)")
+    warmup_steps: int = _optim(
+        50, "linear warm-up steps, then cosine decay to 0", non_negative=True
     )
-    decoder_mlp_dim: int = _opt(192, "decoder MLP hidden width", "model", positive=True)
-    # optimisation
-    batch_size: int = _opt(64, "global batch size (split across processes)", "optim", positive=True)
-    lr: float = _opt(3e-3, "peak learning rate (AdamW)", "optim")
-    warmup_steps: int = _opt(
-        50, "linear warm-up steps, then cosine decay to 0", "optim", non_negative=True
+    weight_decay: float = _optim(0.01, "AdamW weight decay", non_negative=True)
+    grad_clip: float = _optim(
+        1.0, "clip the global gradient norm to this (0: no clipping)", non_negative=True
     )
-    weight_decay: float = _opt(0.01, "AdamW weight decay", "optim", non_negative=True)
-    grad_clip: float = _opt(
-        1.0, "clip the global gradient norm to this (0: no clipping)", "optim", non_negative=True
+
+    steps: int = _run(2_000, "total optimiser steps (a resumed run may extend them)", positive=True)
+    checkpoint_every: int = _run(
+        250, "save a checkpoint every N steps (and at the end)", positive=True
     )
-    # run: stored; a resumed run may change them
-    steps: int = _opt(
-        2_000, "total optimiser steps (a resumed run may extend them)", "run", positive=True
-    )
-    checkpoint_every: int = _opt(
-        250, "save a checkpoint every N steps (and at the end)", "run", positive=True
-    )
-    keep_checkpoints: int = _opt(
-        2, "how many of the latest checkpoints to keep", "run", positive=True
-    )
-    parallel: str = _opt(
+    keep_checkpoints: int = _run(2, "how many of the latest checkpoints to keep", positive=True)
+    parallel: str = _run(
         "ddp",
         "under torchrun: 'ddp' (DistributedDataParallel) or 'fsdp' (FSDP2 fully_shard)",
-        "run",
         choices=("ddp", "fsdp"),
     )
-    log_every: int = _opt(
-        10, "read the loss back every N steps (a host sync on GPU)", "run", positive=True
+    log_every: int = _run(
+        10, "read the loss back every N steps (a host sync on GPU)", positive=True
     )
-    num_samples: int = _opt(8, "held-out sample generations to print", "run", non_negative=True)
-    eval_batch_size: int = _opt(
-        256, "batch size of the held-out greedy generation", "run", positive=True
-    )
-    # session: this invocation's alone
-    output_dir: str | None = _opt(
+    num_samples: int = _run(8, "held-out sample generations to print", non_negative=True)
+    eval_batch_size: int = _run(256, "batch size of the held-out greedy generation", positive=True)
+
+    output_dir: str | None = _session(
         None,
         "where checkpoints, the loss plot and the metrics go; unset: a new "
         "runs/shapes-<date>-<time>",
-        "session",
     )
-    resume: bool = _opt(
+    resume: bool = _session(
         False,
         "continue the run in --output-dir from its latest intact checkpoint, with its stored "
         "configuration",
-        "session",
     )
-    device: str = _opt(
-        "auto",
-        "'auto' (CUDA if available), 'cpu' or 'cuda'",
-        "session",
-        choices=("auto", "cpu", "cuda"),
+    device: str = _session(
+        "auto", "'auto' (CUDA if available), 'cpu' or 'cuda'", choices=("auto", "cpu", "cuda")
     )
-    threads: int = _opt(
+    threads: int = _session(
         1,
         "CPU threads per process (0: torch's default); 1 is fastest for this small model on a "
         "shared machine",
-        "session",
         non_negative=True,
     )
-    progress: bool = _opt(True, "show the progress bar", "session")
+    progress: bool = _session(True, "show the progress bar")
 
     def group(self, name: str) -> dict[str, Any]:
-        """The fields of one group (``data``, ``model``, ``optim``, ``run``, ``session``) as a
-        dict."""
+        """The fields of one group (:data:`GROUP_TITLES`) as a dict."""
         return config_group(self, name)
 
 
@@ -132,8 +117,7 @@ def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) ->
     if config.decoder_dim % config.decoder_heads:
         fail("decoder_dim", f"a multiple of {name('decoder_heads')}={config.decoder_heads}")
     if config.decoder_heads % config.decoder_kv_heads:
-        kv = f"{name('decoder_kv_heads')}={config.decoder_kv_heads}"
-        fail("decoder_heads", f"a multiple of {kv}")
+        fail("decoder_heads", f"a multiple of {name('decoder_kv_heads')}={config.decoder_kv_heads}")
     if (config.decoder_dim // config.decoder_heads) % 2:
         fail("decoder_dim", "an even head size (decoder_dim / decoder_heads) for RoPE")
     if config.output_dir is not None and (not config.output_dir or "\0" in config.output_dir):

@@ -16,19 +16,16 @@ ENCODER_NAME = "image"
 
 
 def build_tokenizer() -> CaptionTokenizer:
-    """The word-level tokenizer of the shapes captions."""
     return CaptionTokenizer(caption_words())
 
 
 def tokens_per_image(config: TrainConfig) -> int:
-    """Image placeholders per image: one per patch."""
-    return (config.image_size // config.patch_size) ** 2
+    return (config.image_size // config.patch_size) ** 2  # one per patch
 
 
 def build_decoder(config: TrainConfig) -> TransformerDecoder:
-    """The text decoder alone, exactly as inside :func:`build_model` (same keys and shapes):
-    the caption tokenizer's vocabulary (the image id outside it), the training sequence length,
-    plain RoPE (no llama3 scaling: the sequences are short)."""
+    """The text decoder alone, exactly as inside :func:`build_model` (same keys and shapes);
+    plain RoPE: the sequences are short."""
     return llama3_2(
         vocab_size=build_tokenizer().vocab_size,
         num_layers=config.decoder_layers,
@@ -44,12 +41,7 @@ def build_decoder(config: TrainConfig) -> TransformerDecoder:
 
 def build_model(config: TrainConfig) -> EarlyFusion:
     """A trainable ``EarlyFusion`` of a :class:`~recipes.captioner.vision.VisionEncoder` and a
-    decoder, initialised from the current global RNG state (seed it first). The token embeddings
-    (tied to the output projection) start at std ``decoder_dim ** -0.5`` instead of
-    ``nn.Embedding``'s 1, so initial logits are O(1) rather than O(sqrt(d)); the encoder's
-    position embeddings start at std 0.5 so patches' places are visible from the first step.
-    Both make this small model learn in hundreds rather than thousands of steps.
-    """
+    decoder, initialised from the global RNG (seed it first)."""
     decoder = build_decoder(config)
     encoder = VisionEncoder(
         image_size=config.image_size,
@@ -59,6 +51,9 @@ def build_model(config: TrainConfig) -> EarlyFusion:
         num_heads=config.encoder_heads,
         out_dim=config.decoder_dim,
     )
+    # Tied embeddings at std d ** -0.5 (not nn.Embedding's 1) keep the first logits O(1), and
+    # positions at std 0.5 show the patches' places from the first step: this small model
+    # learns in hundreds rather than thousands of steps.
     nn.init.normal_(decoder.tok_embeddings.weight, std=config.decoder_dim**-0.5)
     nn.init.normal_(encoder.patch_embedding.pos_embedding, std=0.5)
     return EarlyFusion(
@@ -72,16 +67,14 @@ def build_model(config: TrainConfig) -> EarlyFusion:
 
 
 def image_input(images: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
-    """``encoder_input`` for a batch of images [n, 3, h, w]."""
     return {ENCODER_NAME: {"images": images}}
 
 
 @torch.no_grad()
 def greedy_captions(model: EarlyFusion, images: torch.Tensor, batch_size: int) -> list[str]:
     """One greedy caption per image of ``images`` (uint8 [n, 3, h, w]), in order, ``batch_size``
-    at a time: :func:`fusion.generate` (argmax, KV cache) after ``<image> * tokens_per_image,
-    describe:`` up to ``<eos>`` or the longest caption, decoded up to the first ``<eos>``
-    (anything malformed stays in the text, so it cannot match by accident)."""
+    at a time, decoded up to the first ``<eos>`` (anything malformed stays in the text, so it
+    cannot match by accident)."""
     tokenizer, device = build_tokenizer(), model.decoder.tok_embeddings.weight.device
     encoder = model.encoders[ENCODER_NAME]
     assert isinstance(encoder, VisionEncoder)

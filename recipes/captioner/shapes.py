@@ -2,13 +2,8 @@
 
 Each image shows one filled shape (circle, square, triangle, cross) in one of six colours, two
 sizes and nine places, on a dark, light or coloured background, with or without pixel noise;
-its caption names the four, e.g. ``"a small red circle top left"``. The ranges it is trained
-on (so all it can caption), in fractions of the image side: a shape's extent (a circle's
-diameter, a cross's or triangle's width) is 17-23% (``small``) or 29-39% (``large``); its centre
-lies within 6% of a quarter, half or three quarters across and down; its colour between
-:data:`COLOURS` and Pillow's colour of that name (:data:`COLOUR_ANCHORS`), give or take 0.06 per
-channel; the background a grey from black to white or any colour :data:`MIN_CONTRAST` from
-the shape's, plain or noisy.
+its caption names the four, e.g. ``"a small red circle top left"``. The ranges, in the
+constants below, are those of docs/captioner.md ("What it knows").
 """
 
 import math
@@ -76,8 +71,8 @@ def max_caption_words() -> int:
 
 @dataclass(frozen=True)
 class ShapesSplit:
-    """One split: ``images`` uint8 [n, 3, image_size, image_size], ``attributes`` int64 [n, 5]
-    (shape, colour, size, row, column indices) and the ``captions`` they produce."""
+    """``images`` uint8 [n, 3, image_size, image_size], ``attributes`` int64 [n, 5] (shape,
+    colour, size, row, column indices) and the ``captions`` they produce."""
 
     images: torch.Tensor
     attributes: torch.Tensor
@@ -129,9 +124,8 @@ _INSIDE = (_circle, _square, _triangle, _cross)
 
 
 def shape_colours(colour: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """RGB in [0, 1] [n, 3] for colour indices [n]: a point on the segment from
-    :data:`COLOURS` to one of the name's :data:`COLOUR_ANCHORS` (or between two of them),
-    each channel then moved by up to :data:`COLOUR_JITTER`."""
+    """RGB in [0, 1] [n, 3] for colour indices [n]: between two of the name's :data:`COLOURS`
+    and :data:`COLOUR_ANCHORS`, each channel then moved by up to :data:`COLOUR_JITTER`."""
     anchors = [(COLOURS[name], *COLOUR_ANCHORS[name]) for name in COLOURS]
     most = max(len(a) for a in anchors)
     table = torch.tensor([[*a, *[a[-1]] * (most - len(a))] for a in anchors])  # [c, most, 3]
@@ -145,10 +139,9 @@ def shape_colours(colour: torch.Tensor, generator: torch.Generator) -> torch.Ten
 
 
 def backgrounds(colours: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One background colour [n, 3] in [0, 1] per shape colour of ``colours`` [n, 3]: dark
-    (black included), light (white included) or any colour, each as likely, redrawn until it
-    lies :data:`MIN_CONTRAST` from the shape's colour (after a few tries, the shape colour's
-    channel-wise opposite extreme)."""
+    """One background colour [n, 3] in [0, 1] per shape colour [n, 3]: dark, light or any
+    colour, each as likely, redrawn until :data:`MIN_CONTRAST` from the shape's (after a few
+    tries, the shape colour's channel-wise opposite extreme)."""
     n, tries = colours.size(0), _BACKGROUND_TRIES
     kind = torch.randint(0, 3, (n, tries, 1), generator=generator)
     # Greys reach exact black and white a fifth of the time (clamped), as drawn images do.
@@ -165,8 +158,7 @@ def backgrounds(colours: torch.Tensor, generator: torch.Generator) -> torch.Tens
 
 
 def render(attributes: torch.Tensor, image_size: int, generator: torch.Generator) -> torch.Tensor:
-    """uint8 images [n, 3, image_size, image_size], one per row of ``attributes`` [n, 5]
-    (shape, colour, size, row, column indices), in the ranges of the module docstring; the
+    """uint8 images [n, 3, image_size, image_size], one per row of ``attributes`` [n, 5]; the
     jitter, backgrounds and noise come from ``generator``."""
     n = attributes.size(0)
     shape, colour, size, row, column = attributes.unbind(1)
@@ -203,11 +195,8 @@ def make_splits(
     seed: int, num_train: int, num_heldout: int, image_size: int
 ) -> tuple[ShapesSplit, ShapesSplit]:
     """The train and held-out splits, deterministic from ``seed``: attribute combinations
-    drawn uniformly; the held-out images are separate renders never seen in training.
-
-    Raises:
-        ValueError: a non-positive count, or an image smaller than 8 pixels.
-    """
+    drawn uniformly; the held-out images are separate renders never seen in training. A
+    non-positive count, or an image smaller than 8 pixels, is a ``ValueError``."""
     for name, value in (("num_train", num_train), ("num_heldout", num_heldout)):
         if value <= 0:
             raise ValueError(f"{name}: expected a positive number of samples, got {value}")

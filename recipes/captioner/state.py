@@ -1,7 +1,5 @@
-"""The captioner's train state (a :class:`fusion.training.TrainState` of a
-:class:`~recipes.captioner.config.TrainConfig`) and checkpoints (:mod:`fusion.training`'s,
-checked against the model their stored config describes before anything is built or
-allocated; loading never executes code from a checkpoint directory)."""
+"""The captioner's train state and checkpoints (:mod:`fusion.training`'s), checked against the
+model their stored config describes before anything is built or allocated."""
 
 import os
 from pathlib import Path
@@ -19,18 +17,16 @@ from recipes.captioner.config import TrainConfig, config_from_values
 
 
 def train_state(*, step: int, config: TrainConfig, **fields: Any) -> TrainState:
-    """The train state after ``step`` steps of a run of ``config``, at the data position
-    :class:`fusion.training.EpochSampler`'s order implies: ``samples_seen = step *
-    config.batch_size``, ``epoch = samples_seen // config.num_train``; ``fields``: the rest."""
+    """The train state after ``step`` steps of a run of ``config``, at the data position of
+    :class:`fusion.training.EpochSampler`'s order; ``fields``: the rest."""
     samples_seen = step * config.batch_size
     epoch = samples_seen // config.num_train
     return TrainState(step=step, samples_seen=samples_seen, epoch=epoch, config=config, **fields)
 
 
 def load_train_state(path: Path) -> TrainState:
-    """The checked ``train_state.json`` of checkpoint directory ``path``, its ``config`` a
-    :class:`TrainConfig`; a ``TrainingError`` names the file and key at fault, a data
-    position other than :func:`train_state`'s included."""
+    """The checked ``train_state.json`` of checkpoint ``path``, its data position
+    :func:`train_state`'s; a ``TrainingError`` names the file and key at fault."""
     state = generic.load_train_state(path, parse_config=config_from_values)
     batch, num_train = state.config.batch_size, state.config.num_train
     samples_seen = state.step * batch
@@ -49,10 +45,8 @@ def _check_model_tensors(path: Path, checked: CheckedMetadata, config: TrainConf
 
 
 def inspect_checkpoint(path: Path) -> TrainState:
-    """Check every file of checkpoint ``path`` without loading it into a model: the train
-    state, the metadata, the model tensors against the stored config, and every tensor entry
-    (CRCs, dtypes, shapes). Returns the train state; a ``TrainingError`` names the file and
-    what is wrong with it."""
+    """The train state of checkpoint ``path`` once every file of it checks out; a
+    ``TrainingError`` names the file and what is wrong with it."""
     state = load_train_state(path)
     checked = safe_dcp.read_metadata(path)
     _check_model_tensors(path, checked, state.config)
@@ -62,13 +56,12 @@ def inspect_checkpoint(path: Path) -> TrainState:
 
 def load_model(path: str | os.PathLike) -> tuple[EarlyFusion, TrainConfig]:
     """A single-process ``EarlyFusion`` (on CPU, in eval mode) and the config of checkpoint
-    ``path``, loaded with ``strict=True`` once the stored config is checked and the stored
-    tensors are compared with the model it describes.
+    ``path``, loaded with ``strict=True``.
 
     Raises:
         TypeError: ``path`` is not a str or os.PathLike.
-        TrainingError: a file of the checkpoint is missing, damaged, unsafe or inconsistent
-            with the others; the message names the file (and key).
+        TrainingError: a file of the checkpoint is missing, damaged or inconsistent with the
+            others; the message names the file (and key).
     """
     path = checkpoint_dir(path)
     config = load_train_state(path).config

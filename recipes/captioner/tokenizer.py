@@ -8,16 +8,10 @@ PROMPT = "describe:"
 
 
 class CaptionTokenizer:
-    """Maps caption words to ids and back.
-
-    Ids ``0..vocab_size-1`` are the text vocabulary: ``<pad>`` (0), ``<eos>``, the prompt word
-    ``describe:``, then ``words`` (distinct, without whitespace) in order. The image
-    placeholder id is ``vocab_size``: outside the text vocabulary, so the decoder can never
-    predict or embed it; the encoder's rows replace it.
-
-    Raises:
-        ValueError: repeated words, words with whitespace, or special tokens among ``words``.
-    """
+    """Maps caption words to ids and back: ``<pad>`` (0), ``<eos>``, ``describe:``, then
+    ``words`` (distinct, without whitespace; else a ``ValueError``). The image placeholder id
+    is ``vocab_size``, outside the text vocabulary: the decoder can never predict or embed it;
+    the encoder's rows replace it."""
 
     def __init__(self, words: Sequence[str]) -> None:
         specials = [PAD, EOS, PROMPT]
@@ -34,7 +28,6 @@ class CaptionTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of text ids (the decoder's vocabulary); the image id equals it."""
         return len(self.itos)
 
     def encode(self, text: str) -> list[int]:
@@ -46,9 +39,8 @@ class CaptionTokenizer:
         return [self.stoi[w] for w in text.split()]
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Words of ``ids`` up to the first ``<eos>`` (excluded). Other special tokens are kept
-        as written (``<pad>``, ``describe:``), so a malformed generation never decodes to a
-        well-formed caption; an id outside ``[0, vocab_size)`` is a ``ValueError``."""
+        """Words of ``ids`` up to the first ``<eos>``; other special tokens are kept, so a
+        malformed generation never decodes to a well-formed caption."""
         words = []
         for i in ids:
             if not 0 <= i < self.vocab_size:

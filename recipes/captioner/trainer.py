@@ -67,11 +67,10 @@ def setup(config: TrainConfig, runtime: Runtime) -> Setup:
 
 
 def train_step(run: Setup, step: int) -> torch.Tensor:
-    """One optimizer step on global batch ``step`` (samples ``step * batch_size`` on, in the
-    sampler's order; process ``r`` of ``n`` takes the ``r``-th of ``n`` equal slices); returns
-    its mean loss per caption target (0-d on the device, summed over processes, not read back).
-    The loss is over the targets of the *global* batch (counted on the host), so it does not
-    depend on how the batch is split."""
+    """One optimizer step on global batch ``step``, of which process ``r`` of ``n`` takes the
+    ``r``-th of ``n`` slices; returns its mean loss per caption target (0-d on the device, not
+    read back). The targets are counted over the global batch, on the host, so the loss does
+    not depend on how the batch is split."""
     config, runtime = run.config, run.runtime
     world, local_batch = runtime.world_size, config.batch_size // runtime.world_size
     indices = run.sampler.indices(step * config.batch_size, config.batch_size)
@@ -92,8 +91,7 @@ def train_step(run: Setup, step: int) -> torch.Tensor:
 
 @dataclass
 class TrainResult:
-    """What a finished run hands to the report: per-step losses (from step 1, resumed runs
-    included), the last checkpoint, the held-out split, and this process's training time."""
+    """What a finished run hands to the report (``losses`` from step 1, resumed runs too)."""
 
     losses: list[float]
     checkpoint: Path
@@ -104,8 +102,7 @@ class TrainResult:
 
 def train(runtime: Runtime, start: training.Start[TrainConfig]) -> TrainResult:
     """Train (or continue from checkpoint ``start.resume``) to ``--steps``, checkpointing
-    every ``--checkpoint-every`` steps and at the end; every process calls this. A damaged
-    checkpoint is a ``TrainingError``."""
+    every ``--checkpoint-every`` steps and at the end; every process calls this."""
     config, output_dir, resume = start.config, start.output_dir, start.resume
     run = setup(config, runtime)
     start_step, losses = 0, []

@@ -1,26 +1,22 @@
 """The captioner's small vision transformer: patch embedding, pre-norm blocks and a projection
-head that maps each patch into the decoder's width.
-
-It is the recipe's own encoder, not the library's CLIP / SigLIP towers
-(:mod:`fusion.encoders.vit_blocks`): its blocks use one fused ``qkv`` projection, so its
-checkpoint keys and its initialisation (hence the trained results) are its own.
-"""
+head into the decoder's width. Not the library's CLIP / SigLIP towers
+(:mod:`fusion.encoders.vit_blocks`): its fused ``qkv`` projections make its checkpoint keys and
+initialisation (hence the trained results) its own."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fusion import register_fusion_module
+from fusion.encoders.vit_blocks import check_pixels
 
 
 class PatchEmbedding(nn.Module):
-    """Split images into ``patch_size`` squares (``image_size`` a multiple of it) and embed each
-    one in ``dim``, plus learned positions."""
+    """Each ``patch_size`` square of an image embedded in ``dim``, plus learned positions."""
 
     def __init__(self, image_size: int, patch_size: int, in_channels: int, dim: int) -> None:
         super().__init__()
         self.image_size = image_size
-        self.in_channels = in_channels
         self.num_patches = (image_size // patch_size) ** 2
         self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
         self.pos_embedding = nn.Parameter(torch.randn(self.num_patches, dim) * 0.02)
@@ -61,11 +57,9 @@ class VisionTransformerLayer(nn.Module):
 
 class VisionEncoder(nn.Module):
     """Patch embedding, ``num_layers`` transformer blocks of width ``dim``, a final norm and a
-    projection head to the decoder's width ``out_dim``; each image of ``in_channels`` channels
-    becomes ``tokens_per_image`` rows, one per patch, row-major.
-
-    The head (``self.projection``) is registered with :func:`fusion.register_fusion_module`, so
-    ``EarlyFusion(fusion_trainable=...)`` governs it.
+    projection head to the decoder's width ``out_dim`` (a fusion module:
+    ``EarlyFusion(fusion_trainable=...)`` governs it); each image becomes ``tokens_per_image``
+    rows, one per patch, row-major.
 
     Raises:
         ValueError: a non-positive size, or sizes that do not divide as required.
@@ -110,20 +104,9 @@ class VisionEncoder(nn.Module):
         return self.patch_embedding.num_patches
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Floating images [n, in_channels, image_size, image_size] -> packed rows
-        [n, tokens_per_image, out_dim] in the projection's dtype, ready for
-        :class:`fusion.EarlyFusion` (image ``i``'s rows fill the ``i``-th run of placeholders).
-        A wrong shape or dtype is a ``ValueError``, before any computation."""
-        size, channels = self.patch_embedding.image_size, self.in_channels
-        if (
-            images.dim() != 4
-            or images.shape[1:] != (channels, size, size)
-            or (not images.dtype.is_floating_point)
-        ):
-            raise ValueError(
-                f"images: expected floating images [n, {channels}, {size}, {size}], "
-                f"got shape {list(images.shape)}, dtype {images.dtype}"
-            )
+        """Floating images [n, in_channels, image_size, image_size] (else a ``ValueError``) ->
+        rows [n, tokens_per_image, out_dim] in the projection's dtype."""
+        check_pixels(images, self.in_channels, self.patch_embedding.image_size, "images")
         images = images.to(self.projection.weight.dtype)
         # The background, whatever its colour, is most of the image: its per-channel median.
         # The size of the difference from it is the shape's silhouette alike on black, white
