@@ -6,7 +6,8 @@ and torch files.
 - :func:`load_hf_llava`, :func:`load_hf_idefics3` (also SmolVLM), :func:`load_hf_vlm` (any of
   them, Qwen2-VL and Qwen2.5-VL too) and :func:`save_hf_llava` / :func:`save_hf_idefics3` /
   :func:`save_hf_qwen2_vl` / :func:`save_hf_qwen3_vl`: vision-language directories <-> a
-  ready ``EarlyFusion``.
+  ready ``EarlyFusion``; :func:`load_hf_model`: whichever of a Llama or a vision-language
+  model the directory holds.
 - :func:`export_hf`: a trained model (LoRA merged) as a Hugging Face directory with the
   source directory's tokenizer, processor, chat-template and generation-config files, written
   whole or not at all.
@@ -31,6 +32,7 @@ from fusion.checkpoint.hf_llama import load_hf_llama, save_hf_llama
 from fusion.checkpoint.hf_vlm import (
     load_hf_idefics3,
     load_hf_llava,
+    load_hf_model,
     load_hf_vlm,
     save_hf_idefics3,
     save_hf_llava,
@@ -50,6 +52,7 @@ __all__ = [
     "load_hf_idefics3",
     "load_hf_llama",
     "load_hf_llava",
+    "load_hf_model",
     "load_hf_vlm",
     "load_state_dict",
     "meta_to_fusion",

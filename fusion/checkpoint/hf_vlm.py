@@ -36,7 +36,7 @@ from fusion.checkpoint.hf_config import (
     llama_kwargs,
     read_hf_config,
 )
-from fusion.checkpoint.hf_llama import HfSpec, KeyLayout, load_hf, save_hf
+from fusion.checkpoint.hf_llama import HfSpec, KeyLayout, load_hf, load_hf_llama, save_hf
 from fusion.checkpoint.hf_qwen_vl import (
     MODEL_TYPES as QWEN2_VL_MODEL_TYPES,
 )
@@ -46,6 +46,7 @@ from fusion.checkpoint.hf_qwen_vl import (
     qwen_text_kwargs,
     qwen_vision_kwargs,
 )
+from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
 from fusion.encoders.clip import ClipVisionTransformer
 from fusion.encoders.qwen_vision import (
@@ -462,6 +463,19 @@ def load_hf_vlm(
     """:func:`load_hf_llava` or :func:`load_hf_idefics3`, whichever ``model_type`` names (same
     arguments and errors)."""
     return _load(path, tuple(_KINDS), dtype, device, max_seq_len)
+
+
+def load_hf_model(
+    path: str | bytes | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    max_seq_len: int | None = None,
+) -> EarlyFusion | TransformerDecoder:
+    """:func:`load_hf_vlm`, or :func:`~fusion.checkpoint.load_hf_llama` for a text-only Llama,
+    whichever ``config.json`` describes (:func:`hf_model_kind`; same arguments and errors)."""
+    load = load_hf_llama if hf_model_kind(path) == "llama" else load_hf_vlm
+    return load(path, dtype=dtype, device=device, max_seq_len=max_seq_len)
 
 
 def _load(

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, NoReturn, TextIO, cast
 import torch
 
 from fusion._arguments import as_device
-from fusion.checkpoint import CheckpointError, load_hf_llama, load_hf_vlm
+from fusion.checkpoint import CheckpointError, load_hf_model
 from fusion.checkpoint.files import read_bounded, read_tokenizer
 from fusion.generation.autoregressive import generate_stream
 from fusion.generation.sampling import check_sampling_args
@@ -243,8 +243,8 @@ def _run(
         )
 
     dtype = None if args.dtype == "auto" else _DTYPES[args.dtype]
-    load = load_hf_llama if kind == "llama" else load_hf_vlm
-    model = load(directory, dtype=dtype, device=device, max_seq_len=args.max_seq_len).eval()
+    model = load_hf_model(directory, dtype=dtype, device=device, max_seq_len=args.max_seq_len)
+    model.eval()
     generator = torch.Generator(device=device).manual_seed(args.seed)
     options = ("max_new_tokens", "temperature", "top_k", "top_p", "compile")
     steps = generate_stream(

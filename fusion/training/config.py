@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Generic, NoReturn, TypeVar, cast
 
@@ -67,6 +68,15 @@ def fields_with(config: Any, check: str) -> list[str]:
     return [f.name for f in dataclasses.fields(config) if f.metadata.get(check)]
 
 
+def refuse(
+    config: Any, field_name: str, expected: str, name: Callable[[str], str] = flag_name
+) -> NoReturn:
+    """Raise a config check's ``ValueError``: ``"<name>: expected <expected>, got <value>"``
+    for field ``field_name`` of ``config`` (``name`` words it: its flag, or a checkpoint key)."""
+    got = getattr(config, field_name)
+    raise ValueError(f"{name(field_name)}: expected {expected}, got {got!r}")
+
+
 def check_ranges(
     config: Any, name: Callable[[str], str] = flag_name, *, no_nul: bool = False
 ) -> None:
@@ -85,10 +95,7 @@ def check_ranges(
         ValueError: ``"<name>: expected <what>, got <value>"`` for the first field at fault.
     """
 
-    def fail(field_name: str, expected: str) -> NoReturn:
-        got = getattr(config, field_name)
-        raise ValueError(f"{name(field_name)}: expected {expected}, got {got!r}")
-
+    fail = partial(refuse, config, name=name)
     for field_name, value in vars(config).items():
         if isinstance(value, float) and not math.isfinite(value):
             fail(field_name, "a finite number")

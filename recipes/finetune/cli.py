@@ -2,20 +2,17 @@
 resume), then write ``<output-dir>/final/``, ``metrics.json`` and the loss plot.
 
 ``final/`` is a Hugging Face directory of the fine-tuned model (LoRA merged) that transformers
-loads; a LoRA run adds ``final/adapter/``, the adapter in PEFT's format
-(``adapter_config.json`` + ``adapter_model.safetensors``):
-``peft.PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), final /
-"adapter")`` gives the fine-tuned model's logits, vLLM serves it, and ``--init-adapter``
-continues from it. (Earlier versions wrote ``final/adapter.safetensors`` in this library's own
-format; one adapter, in the format the ecosystem loads, leaves no doubt which to use.)"""
+loads; a LoRA run adds ``final/adapter/``, the adapter in PEFT's format, which
+``peft.PeftModel.from_pretrained`` and vLLM load and ``--init-adapter`` continues from.
+(Earlier versions wrote ``final/adapter.safetensors`` in this library's own format; one
+adapter, in the format the ecosystem loads, leaves no doubt which to use.)"""
 
 import time
+from functools import partial
 from pathlib import Path
 
-import torch
-
 from fusion import training
-from fusion.training import Runtime, TrainState
+from fusion.training import Runtime, Start, TrainState
 from recipes.finetune.config import PROG, SPEC, FinetuneConfig
 from recipes.finetune.model import build_model, init_adapter_config
 from recipes.finetune.trainer import TrainResult, train
@@ -53,9 +50,10 @@ def export_final(config: FinetuneConfig, checkpoint: Path, output_dir: Path) -> 
 
 
 def report(
-    config: FinetuneConfig, runtime: Runtime, output_dir: Path, result: TrainResult, started: float
-) -> None:
+    runtime: Runtime, start: Start[FinetuneConfig], result: TrainResult, started: float
+) -> int:
     """Export ``final/`` from the last checkpoint, then write ``metrics.json`` and the plot."""
+    config, output_dir = start.config, start.output_dir
     final = export_final(config, result.checkpoint, output_dir)
     training.log(runtime, f"fine-tuned model: {final}")
     steps_run = result.total_steps - result.start_step
@@ -92,6 +90,7 @@ def report(
         f"trained {steps_run} steps in {result.train_seconds:.1f}s ({rate:,.0f} tokens/s, "
         f"padding {padding:.1%}); loss curve: {plot or 'none'}; metrics: {metrics}",
     )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     training.config.check_argv(argv)
     config, given = SPEC.parse_args(argv)
 
-    def plan() -> training.Start[FinetuneConfig]:
+    def plan(runtime: Runtime) -> Start[FinetuneConfig]:
         # With --resume: the newest intact checkpoint and the configuration it stores. A new
         # run with --init-adapter takes the adapter's rank, alpha and dropout, so that its
         # checkpoints record them.
@@ -116,16 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             prepare=lambda new, resume: init_adapter_config(new, given) if resume is None else new,
         )  # fmt: skip
 
-    def job(runtime: Runtime) -> int:
-        training.warn_missing_extras(PROG, runtime, config.progress)  # now, not after training
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        start = training.agree_on_start(runtime, plan, FinetuneConfig)
-        training.log(runtime, f"output directory: {start.output_dir}")
-        result = train(start.config, runtime, start.output_dir, start.resume, given)
-        training.shutdown(runtime)  # the export runs in the main process alone
-        if runtime.is_main:
-            report(start.config, runtime, start.output_dir, result, started)
-        return 0
+    def run(runtime: Runtime, start: Start[FinetuneConfig]) -> TrainResult:
+        return train(runtime, start, given)
 
-    return training.run_job(PROG, config.device, job)
+    return training.run_recipe(
+        PROG, config, FinetuneConfig, plan, run, partial(report, started=started)
+    )

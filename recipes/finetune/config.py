@@ -3,12 +3,11 @@ what a resumed run takes from its checkpoint."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from functools import partial
 
 from fusion.lora import DEFAULT_TARGETS
 from fusion.training import config as shared
-from fusion.training.config import flag_name
-from fusion.training.config import option as _opt
+from fusion.training.config import flag_name, option
 
 PROG = "python -m recipes.finetune"
 
@@ -24,176 +23,154 @@ GROUP_TITLES = {
 FIXED_GROUPS = ("data", "model", "optim")
 TRAIN_MODES = ("lora", "full", "projector")
 DTYPES = ("float32", "bfloat16")
+# An option of each group (fusion.training.config.option without its group argument).
+_data, _model, _optim, _run, _session = (partial(option, group=g) for g in GROUP_TITLES)
 
 
 @dataclass
 class FinetuneConfig:
     """Everything a fine-tuning run depends on, in groups (:data:`GROUP_TITLES`)."""
 
-    # data
-    data: str | None = _opt(
+    data: str | None = _data(
         None,
         "training conversations: JSON Lines, one conversation a line, in Hugging Face's "
         "messages format or LLaVA-Instruct's, image paths relative to the file; or a Hugging "
         "Face data set with TRL's messages and images columns (or LLaVA-Instruct's), images "
         "embedded: a Parquet file, a directory of them, or a datasets save_to_disk directory "
         "(the data extra) (required)",
-        "data",
         path=True,
     )
-    eval_data: str | None = _opt(
-        None, "held-out conversations in the same formats (eval loss)", "data", path=True
+    eval_data: str | None = _data(
+        None, "held-out conversations in the same formats (eval loss)", path=True
     )
-    max_seq_len: int = _opt(
+    max_seq_len: int = _data(
         2048,
         "longest conversation, in tokens (packed rows take as many as the model does)",
-        "data",
         positive=True,
     )
-    packing: bool = _opt(
+    packing: bool = _data(
         True,
         "pack conversations into sequences of --max-seq-len tokens (block-causal attention); "
         "--no-packing pads each to the longest in its micro-batch",
-        "data",
     )
-    truncate: bool = _opt(
+    truncate: bool = _data(
         False,
         "cut the answers' end of conversations longer than --max-seq-len (counted) instead of "
         "refusing them",
-        "data",
     )
-    skip_bad_samples: bool = _opt(
-        False, "skip (and count) bad conversations instead of refusing the data file", "data"
+    skip_bad_samples: bool = _data(
+        False, "skip (and count) bad conversations instead of refusing the data file"
     )
-    seed: int = _opt(
-        0, "seed of the data order, LoRA's initialisation and dropout", "data", non_negative=True
+    seed: int = _data(
+        0, "seed of the data order, LoRA's initialisation and dropout", non_negative=True
     )
-    # model and what trains
-    model: str | None = _opt(
+
+    model: str | None = _model(
         None,
         "a Hugging Face model directory: LLaVA, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL, "
         "Qwen3-VL or a text-only Llama (required)",
-        "model",
         path=True,
     )
-    train: str = _opt(
+    train: str = _model(
         "lora",
         "what trains: 'lora' (adapters on the decoder's linear layers), 'full' (every "
         "parameter of the decoder and connector; the vision tower too with --train-vision), "
         "'projector' (the connector alone, LLaVA's stage 1)",
-        "model",
         choices=TRAIN_MODES,
     )
-    train_vision: bool = _opt(False, "with --train full: train the vision tower too", "model")
-    lora_rank: int = _opt(8, "LoRA rank", "model", positive=True)
-    lora_alpha: float = _opt(
-        16.0, "LoRA alpha (the update is scaled by alpha / rank)", "model", positive=True
+    train_vision: bool = _model(False, "with --train full: train the vision tower too")
+    lora_rank: int = _model(8, "LoRA rank", positive=True)
+    lora_alpha: float = _model(
+        16.0, "LoRA alpha (the update is scaled by alpha / rank)", positive=True
     )
-    lora_dropout: float = _opt(0.0, "dropout on LoRA's input", "model")
-    lora_targets: str = _opt(
+    lora_dropout: float = _model(0.0, "dropout on LoRA's input")
+    lora_targets: str = _model(
         ",".join(DEFAULT_TARGETS),
         "comma-separated layers that get adapters: decoder layer names (Hugging Face's q_proj, "
         "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or ours: output_proj, w1, w2, "
         "w3, output; wildcards allowed), all-linear, or dotted names anywhere "
         "(encoders.image.connector.*)",
-        "model",
     )
-    init_adapter: str | None = _opt(
+    init_adapter: str | None = _model(
         None,
         "with --train lora: start from this PEFT LoRA adapter directory (adapter_config.json "
         "and adapter_model.safetensors, as peft's save_pretrained or a run's final/adapter/ "
         "writes them): its rank, alpha, dropout and layers replace --lora-rank, --lora-alpha, "
         "--lora-dropout and --lora-targets (given ones that differ are refused)",
-        "model",
         path=True,
     )
-    # optimisation
-    lr: float = _opt(2e-4, "peak learning rate (AdamW)", "optim")
-    batch_tokens: int = _opt(
+
+    lr: float = _optim(2e-4, "peak learning rate (AdamW)")
+    batch_tokens: int = _optim(
         8192,
         "tokens per optimizer step (whole conversations, over every process)",
-        "optim",
         positive=True,
     )
-    grad_accum: int = _opt(
+    grad_accum: int = _optim(
         1,
         "micro-batches per optimizer step per process (gradients accumulated)",
-        "optim",
         positive=True,
     )
-    warmup_steps: int = _opt(
-        10, "linear warm-up steps, then cosine decay to 0", "optim", non_negative=True
+    warmup_steps: int = _optim(
+        10, "linear warm-up steps, then cosine decay to 0", non_negative=True
     )
-    weight_decay: float = _opt(0.0, "AdamW weight decay", "optim", non_negative=True)
-    grad_clip: float = _opt(
-        1.0, "clip the global gradient norm to this (0: no clipping)", "optim", non_negative=True
+    weight_decay: float = _optim(0.0, "AdamW weight decay", non_negative=True)
+    grad_clip: float = _optim(
+        1.0, "clip the global gradient norm to this (0: no clipping)", non_negative=True
     )
-    dtype: str = _opt(
+    dtype: str = _optim(
         "float32",
         "compute dtype: 'bfloat16' runs the forward under bf16 autocast (weights and optimizer "
         "state stay float32)",
-        "optim",
         choices=DTYPES,
     )
-    # run
-    steps: int = _opt(0, "optimizer steps (0: as many as --epochs take)", "run", non_negative=True)
-    epochs: int = _opt(1, "passes over the data, when --steps is 0", "run", non_negative=True)
-    checkpoint_every: int = _opt(
-        100, "save a checkpoint every N steps (and at the end)", "run", positive=True
+
+    steps: int = _run(0, "optimizer steps (0: as many as --epochs take)", non_negative=True)
+    epochs: int = _run(1, "passes over the data, when --steps is 0", non_negative=True)
+    checkpoint_every: int = _run(
+        100, "save a checkpoint every N steps (and at the end)", positive=True
     )
-    keep_checkpoints: int = _opt(
-        2, "how many of the latest checkpoints to keep", "run", positive=True
-    )
-    eval_every: int = _opt(
-        0, "eval loss every N steps (0: at checkpoints only)", "run", non_negative=True
-    )
-    parallel: str = _opt(
+    keep_checkpoints: int = _run(2, "how many of the latest checkpoints to keep", positive=True)
+    eval_every: int = _run(0, "eval loss every N steps (0: at checkpoints only)", non_negative=True)
+    parallel: str = _run(
         "fsdp",
         "under torchrun: 'fsdp' (FSDP2, fusion.parallel's per-module plan) or 'ddp'",
-        "run",
         choices=("fsdp", "ddp"),
     )
-    activation_checkpointing: bool = _opt(
-        False, "recompute each decoder layer's activations in the backward pass", "run"
+    activation_checkpointing: bool = _run(
+        False, "recompute each decoder layer's activations in the backward pass"
     )
-    # session
-    output_dir: str | None = _opt(
+
+    output_dir: str | None = _session(
         None,
         "where checkpoints, final/ (the fine-tuned model), metrics.json and the loss plot go "
         "(required)",
-        "session",
         path=True,
     )
-    resume: bool = _opt(
+    resume: bool = _session(
         False,
         "continue the run in --output-dir from its newest intact checkpoint, with its stored "
         "configuration",
-        "session",
     )
-    device: str = _opt(
+    device: str = _session(
         "auto",
         "'auto' (CUDA if available), 'cpu' or 'cuda'",
-        "session",
         choices=("auto", "cpu", "cuda"),
     )
-    threads: int = _opt(
-        0, "CPU threads per process (0: torch's default)", "session", non_negative=True
-    )
-    num_workers: int = _opt(
+    threads: int = _session(0, "CPU threads per process (0: torch's default)", non_negative=True)
+    num_workers: int = _session(
         2,
         "data loader worker processes per process that make the next micro-batches (decode "
         "and process the images, pack, collate) while one trains; 0: in the training process, "
         "when needed (the losses are the same)",
-        "session",
         non_negative=True,
     )
-    compile: bool = _opt(
+    compile: bool = _session(
         False,
         "compile each decoder layer (torch.compile, dynamic shapes: one graph for every layer "
         "and row length)",
-        "session",
     )
-    progress: bool = _opt(True, "show the progress bar", "session")
+    progress: bool = _session(True, "show the progress bar")
 
     @property
     def lora_target_list(self) -> list[str]:
@@ -207,10 +184,7 @@ def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name)
     """Raise ``ValueError`` naming the setting when a value is out of range or settings
     contradict each other. ``name`` turns a field name into how the message names it."""
 
-    def fail(field_name: str, expected: str) -> NoReturn:
-        got = getattr(config, field_name)
-        raise ValueError(f"{name(field_name)}: expected {expected}, got {got!r}")
-
+    fail = partial(shared.refuse, config, name=name)
     shared.check_ranges(config, name, no_nul=True)
     if not config.lr > 0:
         fail("lr", "a positive learning rate")

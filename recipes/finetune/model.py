@@ -1,6 +1,6 @@
 """The model a fine-tuning run trains (:func:`build_model`): loaded from a Hugging Face
 directory, with what ``--train`` says trainable (LoRA adapters new, or a PEFT adapter's with
-``--init-adapter``)."""
+``--init-adapter``). Every problem raises a ``TrainingError`` naming the flag (and file)."""
 
 import dataclasses
 from collections.abc import Collection
@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 
 from fusion import EarlyFusion, TransformerDecoder
-from fusion.checkpoint import CheckpointError, load_hf_llama, load_hf_vlm
-from fusion.checkpoint.hf_vlm import hf_model_kind
+from fusion.checkpoint import CheckpointError, load_hf_model
 from fusion.lora import apply_lora, load_peft_adapter, read_peft_config, select_lora_layers
 from fusion.lora.peft import ADAPTER_CONFIG
 from fusion.training import TrainingError
@@ -22,17 +21,10 @@ Model = EarlyFusion | TransformerDecoder
 
 def load_base_model(config: FinetuneConfig) -> Model:
     """The model of ``--model`` in float32 on CPU, every parameter frozen: an ``EarlyFusion``
-    for LLaVA / Idefics3 / SmolVLM / Qwen2-VL / Qwen2.5-VL / Qwen3-VL directories, a
-    ``TransformerDecoder`` for a Llama.
-
-    Raises:
-        TrainingError: naming the file and the problem (no config, an unknown ``model_type``,
-            damaged weights) or ``--max-seq-len`` above the model's positions.
-    """
+    for a vision-language directory, a ``TransformerDecoder`` for a Llama."""
     assert config.model is not None
     with flag_errors("--model", CheckpointError, ValueError, TypeError, OSError):
-        llama = hf_model_kind(config.model) == "llama"
-        model: Model = (load_hf_llama if llama else load_hf_vlm)(config.model, dtype=torch.float32)
+        model = load_hf_model(config.model, dtype=torch.float32)
     limit = (model.decoder if isinstance(model, EarlyFusion) else model).max_seq_len
     if config.max_seq_len > limit:
         raise TrainingError(
@@ -43,14 +35,9 @@ def load_base_model(config: FinetuneConfig) -> Model:
 
 
 def set_trainable(model: Model, config: FinetuneConfig) -> None:
-    """Make trainable what ``--train`` names, with :meth:`fusion.EarlyFusion.set_trainable`
-    (before LoRA is applied, which adds its own): ``full``: the decoder and the connector, the
-    vision tower too with ``--train-vision``; ``projector``: the connector alone (LLaVA's stage
-    1; Qwen2-VL's patch merger; Qwen3-VL's and its DeepStack mergers); ``lora``: nothing.
-
-    Raises:
-        TrainingError: ``--train projector`` for a text-only model (it has no connector).
-    """
+    """Make trainable what ``--train`` names, before LoRA adds its own: ``full``: the decoder
+    and the connector, the vision tower too with ``--train-vision``; ``projector``: the
+    connector alone (LLaVA's stage 1; Qwen-VL's mergers); ``lora``: nothing."""
     full = config.train == "full"
     if isinstance(model, EarlyFusion):
         trains_fusion = full or config.train == "projector"
@@ -64,17 +51,10 @@ def set_trainable(model: Model, config: FinetuneConfig) -> None:
 
 
 def init_adapter_config(config: FinetuneConfig, given: Collection[str]) -> FinetuneConfig:
-    """With ``--init-adapter``: ``config`` with the adapter's rank, alpha and dropout (read
-    from its ``adapter_config.json`` by :func:`fusion.lora.read_peft_config`), so the run
-    records what trains; ``config`` itself without it. The flags in ``given`` (those on the
-    command line) must agree with the adapter.
-
-    Raises:
-        TrainingError: naming the file and key: an ``adapter_config.json`` that is missing,
-            malformed or asks for what this library does not compute (DoRA,
-            ``modules_to_save``, rank patterns, ...); naming the flag: ``--lora-rank``,
-            ``--lora-alpha`` or ``--lora-dropout`` given with another value than the adapter's.
-    """
+    """With ``--init-adapter``: ``config`` with the adapter's rank, alpha and dropout (from its
+    ``adapter_config.json``, :func:`fusion.lora.read_peft_config`), so the run records what
+    trains; the flags in ``given`` (those on the command line) must agree with the adapter.
+    ``config`` itself without it."""
     if config.init_adapter is None:
         return config
     with flag_errors("--init-adapter", CheckpointError, OSError, ValueError):
@@ -100,16 +80,8 @@ def init_adapter_config(config: FinetuneConfig, given: Collection[str]) -> Finet
 
 def load_init_adapter(model: Model, config: FinetuneConfig, targets_given: bool) -> None:
     """Put ``--init-adapter``'s PEFT adapter onto ``model`` (:func:`fusion.lora.
-    load_peft_adapter`: the layers its weights adapt, its rank, alpha, dropout and factors),
-    trainable; the base stays frozen. With ``--lora-targets`` given (``targets_given``), the
-    layers those name must be the adapter's.
-
-    Raises:
-        TrainingError: naming the file (and key): an adapter this library cannot apply
-            (unsupported options, layers ``model`` does not have, shapes that do not fit
-            ``--model``), refused before anything is trained; naming ``--lora-targets``: a
-            pattern that matches nothing, or other layers than the adapter's.
-    """
+    load_peft_adapter`), trainable, before anything trains; with ``--lora-targets`` given
+    (``targets_given``), the layers those name must be the adapter's."""
     assert config.init_adapter is not None
     selected = None
     if targets_given:
@@ -130,12 +102,7 @@ def load_init_adapter(model: Model, config: FinetuneConfig, targets_given: bool)
 def build_model(config: FinetuneConfig, *, targets_given: bool = False) -> Model:
     """The base model with what ``--train`` trains (LoRA adapters seeded by ``--seed``, or
     ``--init-adapter``'s; ``targets_given``: check ``--lora-targets`` against them), in
-    float32 on CPU, unwrapped.
-
-    Raises:
-        TrainingError: naming the flag (:func:`load_base_model`, :func:`set_trainable`,
-            :func:`load_init_adapter`; ``--lora-targets`` that match no layer).
-    """
+    float32 on CPU, unwrapped."""
     model = load_base_model(config)
     set_trainable(model, config)
     if config.train == "lora" and config.init_adapter is not None:

@@ -19,7 +19,7 @@ from fusion.checkpoint import CheckpointError
 from fusion.data import Batch, EncodedData, LoaderError, MicroBatches, StepBatches
 from fusion.decoder import TransformerDecoder
 from fusion.lora import lora_linears
-from fusion.training import Runtime, TrainingError, TrainState, log
+from fusion.training import Runtime, Start, TrainingError, TrainState, log
 from fusion.training.config import flag_errors
 from fusion.training.fingerprint import model_fingerprint
 from fusion.training.modules import checkpoint_activations, compile_layers, trainable_parameters
@@ -49,29 +49,24 @@ class Setup:
 
 def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ()) -> Setup:
     """Read and encode the data (all of it checked first), build the model and optimizer;
-    ``given``: the flags on the command line (``--lora-targets`` given is checked against
-    ``--init-adapter``'s layers).
-
-    Raises:
-        TrainingError: naming the flag: a model directory, data file or ``--train`` mode that
-            cannot be used (:func:`fusion.data.read_encoded`'s problems, one line each).
-    """
+    ``given``: the flags on the command line. Raises ``TrainingError`` naming the flag: a
+    model directory, data file or ``--train`` mode that cannot be used."""
     assert config.model is not None and config.data is not None
     with flag_errors("--model", CheckpointError, data.ChatTemplateError, OSError, ValueError):
         encoder = data.ConversationEncoder.from_directory(config.model)
 
     def read(path: str, flag: str) -> EncodedData:  # the whole file checked
         with flag_errors(flag, data.DataError, ImportError):
-            return data.read_encoded(
+            encoded = data.read_encoded(
                 encoder, path, max_seq_len=config.max_seq_len, truncate=config.truncate,
                 skip_bad=config.skip_bad_samples,
             )  # fmt: skip
+        if summary := data.skipped_summary(encoded):
+            log(runtime, f"{flag}: {summary}")
+        return encoded
 
     train_data = read(config.data, "--data")
     eval_data = None if config.eval_data is None else read(config.eval_data, "--eval-data")
-    for flag, read_data in (("--data", train_data), ("--eval-data", eval_data)):
-        if read_data is not None and (summary := data.skipped_summary(read_data)):
-            log(runtime, f"{flag}: {summary}")
     lengths = [len(sample) for sample in train_data.samples]
     plan = plan_steps(
         lengths, batch_tokens=config.batch_tokens, seed=config.seed, epochs=config.epochs,
@@ -139,10 +134,8 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
 
 
 def _forward_loss(run: Setup, batch: Batch) -> torch.Tensor:
-    """The summed cross-entropy of ``batch``'s targets (0-d, float32): the model returns
-    hidden states (``skip_output_layer``), which are projected to the vocabulary only where a
-    target is, a chunk at a time (:func:`fusion.chunked_token_loss`; the count is the host's,
-    so there is no device sync)."""
+    """The summed cross-entropy of ``batch``'s targets (0-d, float32), projected to the
+    vocabulary only where a target is (:func:`fusion.chunked_token_loss`, no device sync)."""
     enabled = run.config.dtype == "bfloat16"
     with torch.autocast(run.runtime.device.type, dtype=torch.bfloat16, enabled=enabled):
         hidden = run.model(**batch.model_inputs())
@@ -173,12 +166,8 @@ def train_step(run: Setup, step: int) -> tuple[torch.Tensor, int, int]:
 
 
 def evaluate(run: Setup) -> float | None:
-    """The mean loss per target token over the eval data (:func:`fusion.training.mean_loss`:
-    every process its share, made as needed), or None without eval data.
-
-    Raises:
-        TrainingError: an eval image that can no longer be read.
-    """
+    """The mean loss per target token over the eval data (:func:`fusion.training.mean_loss`),
+    or None without eval data; an eval image that can no longer be read is a TrainingError."""
     if run.eval_batches is None:
         return None
     try:
@@ -210,21 +199,14 @@ class TrainResult:
 
 
 def train(
-    config: FinetuneConfig,
-    runtime: Runtime,
-    output_dir: Path,
-    resume: Path | None,
-    given: Collection[str] = (),
+    runtime: Runtime, start: Start[FinetuneConfig], given: Collection[str] = ()
 ) -> TrainResult:
-    """Train to the end of the plan (or continue from checkpoint ``resume``), checkpoint every
+    """Train to the end of the plan (or continue from ``start.resume``), checkpoint every
     ``--checkpoint-every`` steps and at the end; every process calls this. ``given``: the
-    flags on the command line (:func:`setup`).
-
-    Raises:
-        TrainingError: bad data or model (before any step), a checkpoint that does not fit, an
-            image that can no longer be read or a data loader worker that died (the
-            checkpoints saved before are intact).
-    """
+    flags on the command line (:func:`setup`). Raises ``TrainingError``: bad data or model
+    (before any step), a checkpoint that does not fit, an image that can no longer be read or
+    a dead data loader worker (the checkpoints saved before are intact)."""
+    config, output_dir, resume = start.config, start.output_dir, start.resume
     run = setup(config, runtime, given)
     total = len(run.plan)
     start_step, losses, eval_losses = 0, [], []
@@ -238,11 +220,11 @@ def train(
             resume, state, run.model, run.optimizer, run.scheduler, runtime, total=total
         )
         start_step, losses, eval_losses = state.step, list(state.losses), list(state.eval_losses)
-    num_params = sum(p.numel() for p in run.model.parameters())
     num_trained = sum(p.numel() for p in trainable_parameters(run.model))
     log(
         runtime,
-        f"model: {num_params:,} parameters, {num_trained:,} trained ({config.train}); "
+        f"model: {sum(p.numel() for p in run.model.parameters()):,} parameters, "
+        f"{num_trained:,} trained ({config.train}); "
         f"{len(run.train_data.samples)} conversations, {total} steps; "
         f"{runtime.world_size} process(es) on {runtime.device}"
         + (f" ({config.parallel})" if runtime.distributed else ""),
