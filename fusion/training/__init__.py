@@ -18,7 +18,8 @@
   checkpoint and merged on ``--resume``.
 - :mod:`~fusion.training.job`: a recipe's start (:func:`plan_start`, :func:`agree_on_start`:
   the output directory, or the checkpoint to resume and its configuration), checkpoints
-  checked against what their config builds, :func:`run_job` (one-line errors, exit status)
+  checked against what their config builds (and an early-fusion checkpoint's decoder against
+  a plain one, :func:`compare_plain_decoder`), :func:`run_job` (one-line errors, exit status)
   and :func:`run_recipe` (a recipe's job: start, train, report).
 - :mod:`~fusion.training.loop`: resuming and saving with their log lines
   (:func:`resume_checkpoint`, :func:`save_step`), the end of a step (:func:`optimizer_step`).
@@ -77,6 +78,7 @@ from fusion.training.job import (
     agree_on_start,
     check_config_model,
     check_optimizer_state,
+    compare_plain_decoder,
     default_output_dir,
     plan_start,
     run_job,
@@ -122,6 +124,7 @@ __all__ = [
     "check_writable",
     "checkpoint_dir",
     "checkpoint_root",
+    "compare_plain_decoder",
     "default_output_dir",
     "export_trained",
     "flat",

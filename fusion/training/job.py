@@ -30,12 +30,14 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
+from fusion.checkpoint.prefix import select_prefix
 from fusion.training.checkpoint import (
     check_model_tensors,
     check_writable,
     checkpoint_root,
     latest_checkpoint,
     newest_intact_checkpoint,
+    read_model_state_dict,
     set_aside_damaged,
 )
 from fusion.training.config import resumed_config
@@ -205,6 +207,30 @@ def check_optimizer_state(
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     match_saved(path, "optimizer.param_groups", state.param_groups, groups)
     match_saved(path, "scheduler", state.scheduler, scheduler.state_dict())
+
+
+def compare_plain_decoder(
+    path: Path, model: nn.Module, build_decoder: Callable[[], nn.Module], tokens: torch.Tensor
+) -> tuple[bool, float]:
+    """Whether an early-fusion checkpoint's decoder stands alone: the ``decoder.*`` tensors of
+    checkpoint ``path``, loaded with ``strict=True`` into a plain ``build_decoder()`` (built as
+    the fused model builds its own; the global RNG is left as it was), give the logits of
+    ``model`` (the fused model, in eval mode) on text-only ``tokens`` [b, s], on ``tokens``'
+    device without gradients.
+
+    Returns:
+        whether the two logits are bitwise equal, and their largest absolute difference.
+
+    Raises:
+        TrainingError: a file of the checkpoint is damaged (naming it).
+        RuntimeError: the checkpoint's decoder tensors do not fit ``build_decoder()``'s.
+    """
+    with torch.random.fork_rng(devices=[]):  # its initial values are overwritten
+        decoder = build_decoder()
+    decoder.load_state_dict(select_prefix(read_model_state_dict(path), "decoder."), strict=True)
+    with torch.no_grad():
+        fused, plain = model(tokens), decoder.to(tokens.device).eval()(tokens)
+    return torch.equal(fused, plain), float((fused - plain).abs().max())
 
 
 # ------------------------------------------------------------------------ the exit status

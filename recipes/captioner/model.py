@@ -1,11 +1,12 @@
-"""The captioning model: the recipe's small vision encoder fused early into a Llama decoder,
-and its greedy captions."""
+"""The captioning model: the recipe's small vision encoder fused early into a Llama decoder;
+its optimizer and its greedy captions."""
 
 import torch
 from torch import nn
 
 from fusion import EarlyFusion, TransformerDecoder, generate
 from fusion.models import llama3_2
+from fusion.training import adamw_warmup_cosine
 from recipes.captioner.batching import prompt_tokens, sequence_length
 from recipes.captioner.config import TrainConfig
 from recipes.captioner.shapes import caption_words, max_caption_words
@@ -64,6 +65,16 @@ def build_model(config: TrainConfig) -> EarlyFusion:
         encoders_trainable=True,
         fusion_trainable=True,
     )
+
+
+def build_optimizer(
+    params: list[nn.Parameter], config: TrainConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The job's AdamW and schedule (:func:`fusion.training.adamw_warmup_cosine`)."""
+    return adamw_warmup_cosine(
+        params, lr=config.lr, weight_decay=config.weight_decay, warmup=config.warmup_steps,
+        total=config.steps,
+    )  # fmt: skip
 
 
 def image_input(images: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:

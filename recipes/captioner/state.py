@@ -6,12 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from fusion.early_fusion import EarlyFusion
-from fusion.training import check_config_model, checkpoint_dir, read_model_state_dict, safe_dcp
-from fusion.training import state as generic
-from fusion.training.safe_dcp import CheckedMetadata
-from fusion.training.state import TrainState, key_error
+from fusion import EarlyFusion, training
+from fusion.training import TrainState, key_error, safe_dcp
 from recipes.captioner import model as models  # build_model looked up when called: tests patch it
 from recipes.captioner.config import TrainConfig, config_from_values
 
@@ -27,7 +25,7 @@ def train_state(*, step: int, config: TrainConfig, **fields: Any) -> TrainState:
 def load_train_state(path: Path) -> TrainState:
     """The checked ``train_state.json`` of checkpoint ``path``, its data position
     :func:`train_state`'s; a ``TrainingError`` names the file and key at fault."""
-    state = generic.load_train_state(path, parse_config=config_from_values)
+    state = training.load_train_state(path, parse_config=config_from_values)
     batch, num_train = state.config.batch_size, state.config.num_train
     samples_seen = state.step * batch
     if state.samples_seen != samples_seen:
@@ -39,18 +37,22 @@ def load_train_state(path: Path) -> TrainState:
     return state
 
 
-def _check_model_tensors(path: Path, checked: CheckedMetadata, config: TrainConfig) -> None:
+def _checked_metadata(path: Path, config: TrainConfig) -> safe_dcp.CheckedMetadata:
+    """The metadata of checkpoint ``path``, its model tensors those of ``config``'s model."""
+    checked = safe_dcp.read_metadata(path)
     layers = config.decoder_layers + config.encoder_layers
-    check_config_model(path, checked, lambda: models.build_model(config), layers=layers)
+    training.check_config_model(path, checked, lambda: models.build_model(config), layers=layers)
+    return checked
 
 
 def inspect_checkpoint(path: Path) -> TrainState:
-    """The train state of checkpoint ``path`` once every file of it checks out; a
+    """The train state of checkpoint ``path`` once every file of it checks out, its optimizer
+    and scheduler state against :func:`~recipes.captioner.model.build_optimizer`'s included; a
     ``TrainingError`` names the file and what is wrong with it."""
     state = load_train_state(path)
-    checked = safe_dcp.read_metadata(path)
-    _check_model_tensors(path, checked, state.config)
-    safe_dcp.verify_data(path, checked)
+    safe_dcp.verify_data(path, _checked_metadata(path, state.config))
+    built = models.build_optimizer([nn.Parameter(torch.zeros(1))], state.config)
+    training.check_optimizer_state(path, state, *built)
     return state
 
 
@@ -63,10 +65,10 @@ def load_model(path: str | os.PathLike) -> tuple[EarlyFusion, TrainConfig]:
         TrainingError: a file of the checkpoint is missing, damaged or inconsistent with the
             others; the message names the file (and key).
     """
-    path = checkpoint_dir(path)
+    path = training.checkpoint_dir(path)
     config = load_train_state(path).config
-    _check_model_tensors(path, safe_dcp.read_metadata(path), config)
+    _checked_metadata(path, config)
     with torch.random.fork_rng(devices=[]):  # the initial values are overwritten anyway
         model = models.build_model(config)
-    model.load_state_dict(read_model_state_dict(path), strict=True)
+    model.load_state_dict(training.read_model_state_dict(path), strict=True)
     return model.eval(), config

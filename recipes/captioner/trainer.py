@@ -8,29 +8,17 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fusion import training
-from fusion.checkpoint import select_prefix
-from fusion.training import Runtime, TrainingError, TrainState
+from fusion import masked_token_loss, training
+from fusion.training import Runtime, TrainingError
 from recipes.captioner import model as models
-from recipes.captioner.batching import IGNORE_INDEX, CaptionDataset, encode_captions
+from recipes.captioner.batching import CaptionDataset, encode_captions
 from recipes.captioner.config import FIXED_GROUPS, TrainConfig, parse_args
 from recipes.captioner.shapes import ShapesSplit, make_splits
 from recipes.captioner.state import inspect_checkpoint, load_model, load_train_state, train_state
 
 PROG = "python -m recipes.captioner"
-
-
-def build_optimizer(
-    params: list[nn.Parameter], config: TrainConfig
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The job's AdamW and schedule (:func:`fusion.training.adamw_warmup_cosine`)."""
-    return training.adamw_warmup_cosine(
-        params, lr=config.lr, weight_decay=config.weight_decay, warmup=config.warmup_steps,
-        total=config.steps,
-    )  # fmt: skip
 
 
 @dataclass
@@ -59,7 +47,7 @@ def setup(config: TrainConfig, runtime: Runtime) -> Setup:
     model = models.build_model(config)
     num_params = sum(p.numel() for p in model.parameters())
     wrapped = training.wrap_model(model, runtime, config.parallel, per_module=False)
-    optimizer, scheduler = build_optimizer(list(wrapped.parameters()), config)
+    optimizer, scheduler = models.build_optimizer(list(wrapped.parameters()), config)
     sampler = training.EpochSampler(len(dataset), config.seed)
     return Setup(
         config, runtime, dataset, sampler, heldout, wrapped, optimizer, scheduler, num_params
@@ -78,9 +66,7 @@ def train_step(run: Setup, step: int) -> torch.Tensor:
     mine = indices[runtime.rank * local_batch : (runtime.rank + 1) * local_batch]
     batch = run.dataset.batch(mine).to(runtime.device)
     logits = run.model(batch.tokens, encoder_input=models.image_input(batch.images))
-    loss_sum = F.cross_entropy(
-        logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    loss_sum, _ = masked_token_loss(logits, batch.labels)
     # Gradients are averaged over processes, hence the factor `world`.
     (loss_sum * (world / num_targets)).backward()
     return training.optimizer_step(
@@ -178,15 +164,10 @@ def final_report(
     )
     # Text-only sequences (no image placeholder): "describe: <caption> <eos>".
     texts = encode_captions(models.build_tokenizer(), heldout.captions[:16], 0)[0]
-    texts = texts.to(runtime.device)
-    with torch.random.fork_rng(devices=[]):
-        plain = models.build_decoder(saved_config)
-    decoder_state = select_prefix(training.read_model_state_dict(checkpoint), "decoder.")
-    plain.load_state_dict(decoder_state, strict=True)
-    with torch.no_grad():
-        fused_logits, plain_logits = model(texts), plain.to(runtime.device).eval()(texts)
-    equal = torch.equal(fused_logits, plain_logits)
-    max_diff = float((fused_logits - plain_logits).abs().max())
+    build = partial(models.build_decoder, saved_config)
+    equal, max_diff = training.compare_plain_decoder(
+        checkpoint, model, build, texts.to(runtime.device)
+    )
     print(
         f"decoder check: the checkpoint's decoder.* loaded with strict=True into a plain "
         f"TransformerDecoder; text-only logits of the fused model and the plain decoder "
@@ -224,15 +205,6 @@ def final_report(
     return 0 if equal else 1
 
 
-def inspect_for_resume(path: Path) -> TrainState:
-    """Check every file of checkpoint ``path`` (:func:`inspect_checkpoint`) and that its
-    optimizer and scheduler state fit :func:`build_optimizer`'s; returns its train state."""
-    state = inspect_checkpoint(path)
-    built = build_optimizer([nn.Parameter(torch.zeros(1))], state.config)
-    training.check_optimizer_state(path, state, *built)
-    return state
-
-
 def check_batch_split(world_size: int, config: TrainConfig, resume: Path | None) -> TrainConfig:
     """``config`` if its batch size splits over the ``world_size`` processes."""
     if config.batch_size % world_size:
@@ -256,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         # With --resume: the newest intact checkpoint, and the configuration it stores.
         output_dir = Path(config.output_dir or training.default_output_dir("shapes"))
         return training.plan_start(
-            config, given, output_dir, prog=PROG, inspect=inspect_for_resume,
+            config, given, output_dir, prog=PROG, inspect=inspect_checkpoint,
             fixed_groups=FIXED_GROUPS, prepare=partial(check_batch_split, runtime.world_size),
         )  # fmt: skip
 

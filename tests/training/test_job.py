@@ -3,6 +3,7 @@ run (new or resumed), checkpoints against what their config builds, the end of a
 one-line errors with an exit status."""
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from fusion.training import (
     agree_on_start,
     check_config_model,
     check_optimizer_state,
+    compare_plain_decoder,
     load_train_state,
     optimizer_step,
     plan_start,
@@ -23,11 +25,13 @@ from fusion.training import (
     run_job,
     run_recipe,
     safe_dcp,
+    save_checkpoint,
     save_step,
     warmup_cosine,
 )
 from fusion.training.config import build_parser as config_parser
 from fusion.training.config import check_argv, option, parse_args, positive_int
+from helpers import VOCAB, build_tiny_decoder
 
 ONE = Runtime(0, 1, 0, torch.device("cpu"), distributed=False)
 TITLES = {"data": "data", "run": "run", "session": "session"}
@@ -239,3 +243,35 @@ def test_a_recipe_job_starts_trains_and_reports(tmp_path, capsys):
     other = Config(output_dir=str(tmp_path / "other"))
     assert run_recipe("prog", flags, Config, lambda runtime: plan(other), refuse, report) == 1
     assert capsys.readouterr().err == "prog: error: --x: bad\n"
+
+
+class TextOnlyFusion(nn.Module):
+    """An early-fusion model as a checkpoint sees it: its decoder under ``decoder.``."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.head = nn.Linear(2, 2)  # an encoder part the plain decoder does not load
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(tokens)
+
+
+def test_a_checkpoints_decoder_against_a_plain_one(tmp_path, trained):
+    fused = TextOnlyFusion(build_tiny_decoder(seed=0))
+    optimizer = torch.optim.AdamW(fused.parameters(), lr=1e-2)
+    _, _, scheduler = trained.build()
+    state = trained.state(1, scheduler)
+    path = save_checkpoint(tmp_path, fused, optimizer, state, device=torch.device("cpu"), keep=1)
+    tokens = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    rng = torch.get_rng_state()
+    plain = partial(build_tiny_decoder, seed=1)  # other initial values: the checkpoint's load
+    assert compare_plain_decoder(path, fused.eval(), plain, tokens) == (True, 0.0)
+    assert torch.equal(torch.get_rng_state(), rng)  # building the plain decoder drew nothing
+
+    with torch.no_grad():
+        fused.decoder.norm.scale.add_(1.0)  # the live model no longer matches its checkpoint
+    equal, max_diff = compare_plain_decoder(path, fused, plain, tokens)
+    assert not equal and max_diff > 0
+    with pytest.raises(RuntimeError, match="Missing key"):  # the checkpoint holds a tied one
+        compare_plain_decoder(path, fused, partial(build_tiny_decoder, False), tokens)
