@@ -17,7 +17,8 @@
 - :mod:`~fusion.training.config`: a recipe's config dataclass as its flags, read back from a
   checkpoint and merged on ``--resume``.
 - :mod:`~fusion.training.job`: a recipe's start (:func:`plan_start`, :func:`agree_on_start`:
-  the output directory, or the checkpoint to resume and its configuration), checkpoints
+  the output directory, or the checkpoint to resume and its configuration; a global batch
+  split over the processes, :func:`check_batch_split`), checkpoints
   checked against what their config builds (and an early-fusion checkpoint's decoder against
   a plain one, :func:`compare_plain_decoder`), :func:`run_job` (one-line errors, exit status)
   and :func:`run_recipe` (a recipe's job: start, train, report).
@@ -76,6 +77,7 @@ from fusion.training.fingerprint import check_base_model
 from fusion.training.job import (
     Start,
     agree_on_start,
+    check_batch_split,
     check_config_model,
     check_optimizer_state,
     compare_plain_decoder,
@@ -117,6 +119,7 @@ __all__ = [
     "agree_on_start",
     "atomic_write_bytes",
     "check_base_model",
+    "check_batch_split",
     "check_config_model",
     "check_model_tensors",
     "check_optimizer_state",

@@ -129,6 +129,23 @@ def plan_start(
         ) from None
 
 
+def check_batch_split(world_size: int, config: C, resume: Path | None) -> C:
+    """A :func:`plan_start` ``prepare`` for a recipe of fixed-size global batches: ``config``
+    if its ``batch_size`` splits over the ``world_size`` processes.
+
+    Raises:
+        TrainingError: naming ``--batch-size`` (and checkpoint ``resume`` when it set it).
+    """
+    batch_size = config.batch_size  # type: ignore[attr-defined]
+    if batch_size % world_size:
+        source = "" if resume is None else f" (the batch size of {resume.name})"
+        raise TrainingError(
+            f"--batch-size: expected a multiple of the {world_size} processes, "
+            f"got {batch_size}{source}"
+        )
+    return config
+
+
 def agree_on_start(
     runtime: Runtime, plan: Callable[[], Start[C]], config_class: Callable[..., C]
 ) -> Start[C]:

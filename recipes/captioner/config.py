@@ -103,10 +103,7 @@ def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) ->
     """Raise ``ValueError`` naming the setting when a value is out of range or sizes do not
     fit. ``name`` turns a field name into how the message names it (default: its flag)."""
 
-    def fail(field_name: str, expected: str) -> None:
-        got = getattr(config, field_name)
-        raise ValueError(f"{name(field_name)}: expected {expected}, got {got!r}")
-
+    fail = partial(shared.refuse, config, name=name)
     shared.check_ranges(config, name)
     if not config.lr > 0:
         fail("lr", "a positive learning rate")

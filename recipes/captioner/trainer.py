@@ -3,150 +3,125 @@ then caption the held-out images with the last checkpoint and check that its dec
 into a plain one; the rest is :mod:`fusion.training`'s."""
 
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from fusion import masked_token_loss, training
-from fusion.training import Runtime, TrainingError
+from fusion.training import Runtime
 from recipes.captioner import model as models
 from recipes.captioner.batching import CaptionDataset, encode_captions
 from recipes.captioner.config import FIXED_GROUPS, TrainConfig, parse_args
-from recipes.captioner.shapes import ShapesSplit, make_splits
+from recipes.captioner.shapes import make_splits
 from recipes.captioner.state import inspect_checkpoint, load_model, load_train_state, train_state
 
 PROG = "python -m recipes.captioner"
 
 
-@dataclass
-class Setup:
-    """What a run trains with, the same on every process."""
+class Run:
+    """A run on this process: the data, the model (its initial weights from ``--seed`` alone)
+    wrapped for the runtime and its optimizer, the same on every process; then how far
+    :meth:`train` took it."""
 
-    config: TrainConfig
-    runtime: Runtime
-    dataset: CaptionDataset
-    sampler: training.EpochSampler
-    heldout: ShapesSplit
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    num_params: int
-
-
-def setup(config: TrainConfig, runtime: Runtime) -> Setup:
-    """Render the data, build the model (its initial weights from ``config.seed`` alone), wrap
-    it for ``runtime`` and build the optimizer."""
-    train_split, heldout = make_splits(
-        config.seed, config.num_train, config.num_heldout, config.image_size
-    )
-    dataset = CaptionDataset(train_split, models.build_tokenizer(), models.tokens_per_image(config))
-    torch.manual_seed(config.seed)
-    model = models.build_model(config)
-    num_params = sum(p.numel() for p in model.parameters())
-    wrapped = training.wrap_model(model, runtime, config.parallel, per_module=False)
-    optimizer, scheduler = models.build_optimizer(list(wrapped.parameters()), config)
-    sampler = training.EpochSampler(len(dataset), config.seed)
-    return Setup(
-        config, runtime, dataset, sampler, heldout, wrapped, optimizer, scheduler, num_params
-    )
-
-
-def train_step(run: Setup, step: int) -> torch.Tensor:
-    """One optimizer step on global batch ``step``, of which process ``r`` of ``n`` takes the
-    ``r``-th of ``n`` slices; returns its mean loss per caption target (0-d on the device, not
-    read back). The targets are counted over the global batch, on the host, so the loss does
-    not depend on how the batch is split."""
-    config, runtime = run.config, run.runtime
-    world, local_batch = runtime.world_size, config.batch_size // runtime.world_size
-    indices = run.sampler.indices(step * config.batch_size, config.batch_size)
-    num_targets = run.dataset.count_targets(indices)
-    mine = indices[runtime.rank * local_batch : (runtime.rank + 1) * local_batch]
-    batch = run.dataset.batch(mine).to(runtime.device)
-    logits = run.model(batch.tokens, encoder_input=models.image_input(batch.images))
-    loss_sum, _ = masked_token_loss(logits, batch.labels)
-    # Gradients are averaged over processes, hence the factor `world`.
-    (loss_sum * (world / num_targets)).backward()
-    return training.optimizer_step(
-        runtime, run.model.parameters(), run.optimizer, run.scheduler,
-        grad_clip=config.grad_clip, loss_sum=loss_sum, num_targets=num_targets,
-    )  # fmt: skip
-
-
-@dataclass
-class TrainResult:
-    """What a finished run hands to the report (``losses`` from step 1, resumed runs too)."""
-
-    losses: list[float]
-    checkpoint: Path
-    heldout: ShapesSplit
-    start_step: int
-    train_seconds: float
-
-
-def train(runtime: Runtime, start: training.Start[TrainConfig]) -> TrainResult:
-    """Train (or continue from checkpoint ``start.resume``) to ``--steps``, checkpointing
-    every ``--checkpoint-every`` steps and at the end; every process calls this."""
-    config, output_dir, resume = start.config, start.output_dir, start.resume
-    run = setup(config, runtime)
-    start_step, losses = 0, []
-    if resume is not None:  # weights, optimizer, schedule and this process's RNG states
-        state = load_train_state(resume)
-        training.resume_checkpoint(
-            resume, state, run.model, run.optimizer, run.scheduler, runtime, total=config.steps
+    def __init__(self, config: TrainConfig, runtime: Runtime) -> None:
+        self.config, self.runtime = config, runtime
+        train_split, self.heldout = make_splits(
+            config.seed, config.num_train, config.num_heldout, config.image_size
         )
-        start_step, losses = state.step, list(state.losses)
-        if start_step == config.steps:
-            complete = f"the run is complete at step {start_step}; --steps N trains further"
-            training.log(runtime, complete)
-    parallel = f" ({config.parallel})" if runtime.distributed else ""
-    training.log(
-        runtime,
-        f"model: {run.num_params:,} parameters; {len(run.dataset)} training and "
-        f"{len(run.heldout)} held-out images; {runtime.world_size} process(es) on "
-        f"{runtime.device}{parallel}",
-    )
-    root = training.checkpoint_root(output_dir)
-    # The last checkpoint: the one resumed from, until the loop saves (always its last step).
-    checkpoint = resume if resume is not None else training.step_dir(root, config.steps)
-    pending: list[torch.Tensor] = []  # losses not read back yet: one host sync per log_every
-    run.model.train()
-    bar = training.progress_bar(
-        runtime, total=config.steps, initial=start_step, enabled=config.progress
-    )
-    started = time.perf_counter()
-    for step in range(start_step, config.steps):
-        pending.append(train_step(run, step))
-        done = step + 1
-        save = done % config.checkpoint_every == 0 or done == config.steps
-        if save or done % config.log_every == 0:
-            losses += torch.stack(pending).tolist()
-            pending.clear()
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-        bar.update(1)
-        if save:
-            state = train_state(
-                step=done, losses=losses, config=config, world_size=runtime.world_size,
-                parallel=config.parallel if runtime.distributed else "none",
-                scheduler=run.scheduler.state_dict(),
+        tokens_per_image = models.tokens_per_image(config)
+        self.dataset = CaptionDataset(train_split, models.build_tokenizer(), tokens_per_image)
+        torch.manual_seed(config.seed)
+        model = models.build_model(config)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.model = training.wrap_model(model, runtime, config.parallel, per_module=False)
+        params = list(self.model.parameters())
+        self.optimizer, self.scheduler = models.build_optimizer(params, config)
+        self.sampler = training.EpochSampler(len(self.dataset), config.seed)
+        self.losses: list[float] = []  # one per step from step 1, a resumed run's included
+        self.start_step, self.train_seconds = 0, 0.0
+
+    def train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step on global batch ``step``, of which process ``r`` of ``n`` takes
+        the ``r``-th of ``n`` slices; returns its mean loss per caption target (0-d on the
+        device, not read back). The targets are counted over the global batch, on the host, so
+        the loss does not depend on how the batch is split."""
+        config, runtime = self.config, self.runtime
+        world, local_batch = runtime.world_size, config.batch_size // runtime.world_size
+        indices = self.sampler.indices(step * config.batch_size, config.batch_size)
+        num_targets = self.dataset.count_targets(indices)
+        mine = indices[runtime.rank * local_batch : (runtime.rank + 1) * local_batch]
+        batch = self.dataset.batch(mine).to(runtime.device)
+        logits = self.model(batch.tokens, encoder_input=models.image_input(batch.images))
+        loss_sum, _ = masked_token_loss(logits, batch.labels)
+        # Gradients are averaged over processes, hence the factor `world`.
+        (loss_sum * (world / num_targets)).backward()
+        return training.optimizer_step(
+            runtime, self.model.parameters(), self.optimizer, self.scheduler,
+            grad_clip=config.grad_clip, loss_sum=loss_sum, num_targets=num_targets,
+        )  # fmt: skip
+
+    def train(self, output_dir: Path, resume: Path | None) -> "Run":
+        """Train (or continue from checkpoint ``resume``) to ``--steps``, checkpointing every
+        ``--checkpoint-every`` steps and at the end; every process calls this."""
+        config, runtime = self.config, self.runtime
+        if resume is not None:  # weights, optimizer, schedule and this process's RNG states
+            state = load_train_state(resume)
+            training.resume_checkpoint(
+                resume, state, self.model, self.optimizer, self.scheduler, runtime,
+                total=config.steps,
             )  # fmt: skip
-            checkpoint = training.save_step(
-                root, run.model, run.optimizer, state, runtime, keep=config.keep_checkpoints
-            )
-    bar.close()
-    return TrainResult(losses, checkpoint, run.heldout, start_step, time.perf_counter() - started)
+            self.start_step, self.losses = state.step, list(state.losses)
+            if self.start_step == config.steps:
+                complete = f"the run is complete at step {state.step}; --steps N trains further"
+                training.log(runtime, complete)
+        parallel = f" ({config.parallel})" if runtime.distributed else ""
+        training.log(
+            runtime,
+            f"model: {self.num_params:,} parameters; {len(self.dataset)} training and "
+            f"{len(self.heldout)} held-out images; {runtime.world_size} process(es) on "
+            f"{runtime.device}{parallel}",
+        )
+        root = training.checkpoint_root(output_dir)
+        # The last checkpoint: the one resumed from, until the loop saves (always its last step).
+        self.checkpoint = resume if resume is not None else training.step_dir(root, config.steps)
+        pending: list[torch.Tensor] = []  # losses not read back yet: one host sync per log_every
+        self.model.train()
+        bar = training.progress_bar(
+            runtime, total=config.steps, initial=self.start_step, enabled=config.progress
+        )
+        started = time.perf_counter()
+        for step in range(self.start_step, config.steps):
+            pending.append(self.train_step(step))
+            done = step + 1
+            save = done % config.checkpoint_every == 0 or done == config.steps
+            if save or done % config.log_every == 0:
+                self.losses += torch.stack(pending).tolist()
+                pending.clear()
+                bar.set_postfix(loss=f"{self.losses[-1]:.4f}", refresh=False)
+            bar.update(1)
+            if save:
+                state = train_state(
+                    step=done, losses=self.losses, config=config, world_size=runtime.world_size,
+                    parallel=config.parallel if runtime.distributed else "none",
+                    scheduler=self.scheduler.state_dict(),
+                )  # fmt: skip
+                self.checkpoint = training.save_step(
+                    root, self.model, self.optimizer, state, runtime, keep=config.keep_checkpoints
+                )
+        bar.close()
+        self.train_seconds = time.perf_counter() - started
+        return self
 
 
 def final_report(
-    runtime: Runtime, start: training.Start[TrainConfig], result: TrainResult, started: float
+    runtime: Runtime, start: training.Start[TrainConfig], run: Run, started: float
 ) -> int:
-    """In this process alone: caption the held-out images with the last checkpoint, load its
-    ``decoder.*`` with ``strict=True`` into a plain decoder and compare their text-only logits,
-    and write the report files; returns 1 if the logits differ."""
+    """In this process alone: caption the held-out images with the last checkpoint, check that
+    its decoder loads into a plain one (:func:`fusion.training.compare_plain_decoder`) and
+    write the report files; returns 1 if the decoder's logits differ."""
     config, output_dir = start.config, start.output_dir
-    checkpoint, heldout = result.checkpoint, result.heldout
+    checkpoint, heldout = run.checkpoint, run.heldout
     model, saved_config = load_model(checkpoint)
     model = model.to(runtime.device)
     predictions = models.greedy_captions(model, heldout.images, config.eval_batch_size)
@@ -175,7 +150,7 @@ def final_report(
         f"(max abs diff {max_diff:.3g}, {list(texts.shape)} tokens)"
     )
 
-    steps_run, seconds = len(result.losses) - result.start_step, result.train_seconds
+    steps_run, seconds = len(run.losses) - run.start_step, run.train_seconds
     total = time.perf_counter() - started
     # The metrics first: they are the result; the plot is optional.
     metrics = output_dir / "metrics.json"
@@ -184,7 +159,7 @@ def final_report(
             "heldout_exact_match": accuracy,
             "heldout_size": len(heldout),
             "decoder_check_equal": equal,
-            "losses": result.losses,
+            "losses": run.losses,
             "checkpoint": str(checkpoint),
             "steps_run": steps_run,
             "train_seconds": seconds,
@@ -194,7 +169,7 @@ def final_report(
         metrics,
     )
     plot = training.plot_if_available(
-        PROG, result.losses, output_dir / "loss.png", ylabel="cross-entropy on caption tokens",
+        PROG, run.losses, output_dir / "loss.png", ylabel="cross-entropy on caption tokens",
         title=f"shapes captioning: held-out exact match {accuracy:.1%}",
     )  # fmt: skip
     rate = steps_run / seconds if seconds > 0 else float("nan")
@@ -203,17 +178,6 @@ def final_report(
         f"loss curve: {plot or 'none'}; metrics: {metrics}"
     )
     return 0 if equal else 1
-
-
-def check_batch_split(world_size: int, config: TrainConfig, resume: Path | None) -> TrainConfig:
-    """``config`` if its batch size splits over the ``world_size`` processes."""
-    if config.batch_size % world_size:
-        source = "" if resume is None else f" (the batch size of {resume.name})"
-        raise TrainingError(
-            f"--batch-size: expected a multiple of the {world_size} processes, "
-            f"got {config.batch_size}{source}"
-        )
-    return config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,10 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     def plan(runtime: Runtime) -> training.Start[TrainConfig]:
         # With --resume: the newest intact checkpoint, and the configuration it stores.
         output_dir = Path(config.output_dir or training.default_output_dir("shapes"))
+        prepare = partial(training.check_batch_split, runtime.world_size)
         return training.plan_start(
             config, given, output_dir, prog=PROG, inspect=inspect_checkpoint,
-            fixed_groups=FIXED_GROUPS, prepare=partial(check_batch_split, runtime.world_size),
+            fixed_groups=FIXED_GROUPS, prepare=prepare,
         )  # fmt: skip
+
+    def train(runtime: Runtime, start: training.Start[TrainConfig]) -> Run:
+        return Run(start.config, runtime).train(start.output_dir, start.resume)
 
     report = partial(final_report, started=started)
     return training.run_recipe(PROG, config, TrainConfig, plan, train, report)

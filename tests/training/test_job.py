@@ -15,6 +15,7 @@ from fusion.training import (
     Runtime,
     TrainingError,
     agree_on_start,
+    check_batch_split,
     check_config_model,
     check_optimizer_state,
     compare_plain_decoder,
@@ -275,3 +276,12 @@ def test_a_checkpoints_decoder_against_a_plain_one(tmp_path, trained):
     assert not equal and max_diff > 0
     with pytest.raises(RuntimeError, match="Missing key"):  # the checkpoint holds a tied one
         compare_plain_decoder(path, fused, partial(build_tiny_decoder, False), tokens)
+
+
+def test_a_global_batch_splits_over_the_processes(tmp_path):
+    config = SimpleNamespace(batch_size=6)
+    assert check_batch_split(3, config, None) is config
+    with pytest.raises(TrainingError, match=r"^--batch-size: expected a multiple of the 4 .* 6$"):
+        check_batch_split(4, config, None)
+    with pytest.raises(TrainingError, match=r"got 6 \(the batch size of step_00000002\)$"):
+        check_batch_split(4, config, tmp_path / "step_00000002")
