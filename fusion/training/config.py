@@ -9,7 +9,8 @@ invocation. :func:`build_parser` makes one flag per field (absent from the parse
 unless given, so a resumed run tells the flags given from its stored ones), :func:`parse_args`
 checks them, :func:`config_from_values` reads a checkpoint's stored settings back, every key
 checked, and :func:`resumed_config` merges the two; :func:`check_ranges` is where a recipe's
-``check_config`` starts. A :class:`ConfigSpec` declares all of it once for a recipe.
+``check_config`` starts. A :class:`ConfigSpec` declares all of it once for a recipe;
+:data:`FIXED_GROUPS` and :func:`group_titles` word the convention.
 """
 
 import argparse
@@ -28,6 +29,23 @@ from fusion.training.errors import TrainingError, one_line
 C = TypeVar("C")
 # No count or size of a recipe comes near it; above it products of sizes could overflow int64.
 MAX_INT = 2**31 - 1
+# The groups that define what a checkpoint continues, by convention: resuming with other
+# values would train another model on other data.
+FIXED_GROUPS = ("data", "model", "optim")
+
+
+def group_titles(*, model: str = "model", extend: str = "--steps") -> dict[str, str]:
+    """The ``--help`` titles of the conventional groups, in order, each saying what
+    ``--resume`` does with its settings: ``model`` names the model group, ``extend`` the flags
+    that may extend a resumed run."""
+    fixed = "(restored by --resume; a different value is refused)"
+    return {
+        "data": f"data {fixed}",
+        "model": f"{model} {fixed}",
+        "optim": f"optimisation {fixed}",
+        "run": f"run (restored by --resume unless given; {extend} may extend the run)",
+        "session": "this invocation (never restored)",
+    }
 
 
 def option(

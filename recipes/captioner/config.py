@@ -10,16 +10,7 @@ from fusion.training import config as shared
 from fusion.training.config import config_group, flag_name, option
 
 # What --resume does with each group of settings (see resumed_config).
-GROUP_TITLES = {
-    "data": "data (restored by --resume; a different value is refused)",
-    "model": "model (restored by --resume; a different value is refused)",
-    "optim": "optimisation (restored by --resume; a different value is refused)",
-    "run": "run (restored by --resume unless given; --steps may extend the run)",
-    "session": "this invocation (never restored)",
-}
-# The groups that define what a checkpoint continues: resuming with other values would train
-# another model on other data.
-FIXED_GROUPS = ("data", "model", "optim")
+GROUP_TITLES, FIXED_GROUPS = shared.group_titles(), shared.FIXED_GROUPS
 # An option of each group (fusion.training.config.option without its group argument).
 _data, _model, _optim, _run, _session = (partial(option, group=g) for g in GROUP_TITLES)
 
@@ -100,8 +91,7 @@ class TrainConfig:
 
 
 def check_config(config: TrainConfig, name: Callable[[str], str] = flag_name) -> None:
-    """Raise ``ValueError`` naming the setting when a value is out of range or sizes do not
-    fit. ``name`` turns a field name into how the message names it (default: its flag)."""
+    """Raise ``ValueError`` naming the first setting that does not fit (by ``name``: a flag)."""
 
     fail = partial(shared.refuse, config, name=name)
     shared.check_ranges(config, name)

@@ -13,6 +13,7 @@ import pytest
 
 from fusion.training import TrainingError
 from fusion.training.config import (
+    FIXED_GROUPS,
     ConfigSpec,
     build_parser,
     check_ranges,
@@ -21,6 +22,7 @@ from fusion.training.config import (
     fields_with,
     flag_errors,
     flag_name,
+    group_titles,
     option,
     resumed_config,
 )
@@ -187,3 +189,15 @@ def test_flag_errors_name_the_flag_in_one_line():
         raise KeyError("not one of them")
     with flag_errors("--model", ValueError):
         pass  # no error, nothing raised
+
+
+def test_the_conventional_groups_and_their_titles():
+    titles = group_titles()
+    assert list(titles) == ["data", "model", "optim", "run", "session"]
+    assert set(FIXED_GROUPS) == {"data", "model", "optim"}
+    for group in FIXED_GROUPS:
+        assert titles[group].endswith("(restored by --resume; a different value is refused)")
+    assert titles["run"] == "run (restored by --resume unless given; --steps may extend the run)"
+    named = group_titles(model="model and what trains", extend="--steps/--epochs")
+    assert named["model"].startswith("model and what trains (restored by --resume")
+    assert "; --steps/--epochs may extend the run)" in named["run"]
