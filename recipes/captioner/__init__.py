@@ -1,7 +1,5 @@
 """The main job: train an early-fusion captioner on generated shapes (``python -m
-recipes.captioner --help``; DDP or FSDP2 under ``torchrun``), and caption image files with
-what it trained (``python -m recipes.captioner.caption --checkpoint DIR IMAGE...`` or
-:func:`recipes.captioner.caption.caption`)."""
+recipes.captioner --help``), and caption images with it (:mod:`recipes.captioner.caption`)."""
 
 from fusion.training import TrainingError, read_model_state_dict
 from recipes.captioner.config import TrainConfig, parse_config

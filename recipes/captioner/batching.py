@@ -47,19 +47,12 @@ def encode_captions(
 
 @dataclass(frozen=True)
 class CaptionBatch:
-    """``tokens`` and ``labels`` int64 [b, s], ``images`` float32 [b, 3, h, w] in [0, 1], and
-    the number of labels that count in the loss."""
+    """``tokens``, ``labels`` int64 [b, s] and ``images`` float32 [b, 3, h, w] in [0, 1]."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     images: torch.Tensor
     num_targets: int
-
-    def to(self, device: torch.device) -> "CaptionBatch":
-        tokens, labels, images = (
-            t.to(device, non_blocking=True) for t in (self.tokens, self.labels, self.images)
-        )
-        return CaptionBatch(tokens, labels, images, self.num_targets)
 
 
 class CaptionDataset:
@@ -73,12 +66,13 @@ class CaptionDataset:
     def __len__(self) -> int:
         return len(self.split)
 
-    def batch(self, indices: torch.Tensor) -> CaptionBatch:
-        """The samples at ``indices`` [b] (int64), in that order."""
-        images = self.split.images[indices].float() / 255
-        return CaptionBatch(
-            self.tokens[indices], self.labels[indices], images, self.count_targets(indices)
+    def batch(self, indices: torch.Tensor, device: str | torch.device = "cpu") -> CaptionBatch:
+        """The samples at ``indices`` [b] (int64), in that order, on ``device``."""
+        tokens, labels, pixels = (
+            t[indices].to(device, non_blocking=True)
+            for t in (self.tokens, self.labels, self.split.images)
         )
+        return CaptionBatch(tokens, labels, pixels.float() / 255, self.count_targets(indices))
 
     def count_targets(self, indices: torch.Tensor) -> int:
         """Number of loss targets in the samples at ``indices``, counted on the host."""

@@ -1,11 +1,6 @@
-"""Caption images with a trained checkpoint of the main job::
-
-    python -m recipes.captioner.caption --checkpoint runs/x/checkpoints/step_00002000 a.png b.png
-
-prints ``<file>: <caption>`` per image, in order, and one line on stderr per file it cannot
-read (the others are still captioned; the exit status is then 1). The model knows only what it
-was trained on (:mod:`recipes.captioner.shapes`).
-"""
+"""Caption images with a checkpoint of the main job: ``python -m recipes.captioner.caption
+--checkpoint DIR a.png b.png`` prints ``<file>: <caption>`` per image, in order, and one line on
+stderr per file it cannot read (the others are still captioned; the exit status is then 1)."""
 
 import os
 import sys
@@ -48,12 +43,10 @@ def caption(
     device: str | torch.device = "cpu",
 ) -> list[str]:
     """Greedy captions of ``images`` by the model of ``checkpoint`` (a ``step_<N>`` directory of
-    ``python -m recipes.captioner``), in order, ``batch_size`` at a time on ``device``.
-
-    An image is a file (decoding it needs Pillow: ``pip install -e '.[vision]'``), a Pillow
-    image or a uint8 tensor [1, 3 or 4 channels, h, w], taken as the training images are: RGB
-    (grayscale repeated, transparency over white), square, resized (bicubic, as Pillow) to the
-    model's ``image_size``. Every image is checked, by path or index, before the model loads.
+    ``python -m recipes.captioner``), in order, ``batch_size`` at a time on ``device``. An
+    image is a file (which needs Pillow), a Pillow image or a uint8 tensor [1, 3 or 4, h, w],
+    square; each is checked before the model loads, then taken as the training images are: RGB
+    (grayscale repeated, transparency over white), resized to the model's side (bicubic).
 
     Raises:
         TypeError, ValueError: a bad argument, or an image not square or that cannot be taken.
@@ -78,8 +71,7 @@ def caption(
 
 def main(argv: list[str] | None = None) -> int:
     """Caption the command line's images; returns the exit status: 1 if an image cannot be
-    read (the others are captioned) or nothing can be (a bad checkpoint, no Pillow), 2 for a
-    bad command line (argparse's)."""
+    read (the others are captioned) or nothing can be, 2 for a bad command line (argparse's)."""
     parser = OneLineParser(
         prog=PROG,
         description=(

@@ -1,6 +1,8 @@
 """The captioning model: the recipe's small vision encoder fused early into a Llama decoder;
 its optimizer and its greedy captions."""
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -25,8 +27,7 @@ def tokens_per_image(config: TrainConfig) -> int:
 
 
 def build_decoder(config: TrainConfig) -> TransformerDecoder:
-    """The text decoder alone, exactly as inside :func:`build_model` (same keys and shapes);
-    plain RoPE: the sequences are short."""
+    """The text decoder alone, exactly as inside :func:`build_model`; plain RoPE (short rows)."""
     return llama3_2(
         vocab_size=build_tokenizer().vocab_size,
         num_layers=config.decoder_layers,
@@ -41,8 +42,7 @@ def build_decoder(config: TrainConfig) -> TransformerDecoder:
 
 
 def build_model(config: TrainConfig) -> EarlyFusion:
-    """A trainable ``EarlyFusion`` of a :class:`~recipes.captioner.vision.VisionEncoder` and a
-    decoder, initialised from the global RNG (seed it first)."""
+    """A trainable ``EarlyFusion`` of a ``VisionEncoder`` and a decoder, from the global RNG."""
     decoder = build_decoder(config)
     encoder = VisionEncoder(
         image_size=config.image_size,
@@ -68,7 +68,7 @@ def build_model(config: TrainConfig) -> EarlyFusion:
 
 
 def build_optimizer(
-    params: list[nn.Parameter], config: TrainConfig
+    params: Iterable[nn.Parameter], config: TrainConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The job's AdamW and schedule (:func:`fusion.training.adamw_warmup_cosine`)."""
     return adamw_warmup_cosine(
@@ -83,9 +83,8 @@ def image_input(images: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def greedy_captions(model: EarlyFusion, images: torch.Tensor, batch_size: int) -> list[str]:
-    """One greedy caption per image of ``images`` (uint8 [n, 3, h, w]), in order, ``batch_size``
-    at a time, decoded up to the first ``<eos>`` (anything malformed stays in the text, so it
-    cannot match by accident)."""
+    """One greedy caption per image of ``images`` (uint8 [n, 3, h, w]), ``batch_size`` at a
+    time; anything malformed stays in the text, so it cannot match by accident."""
     tokenizer, device = build_tokenizer(), model.decoder.tok_embeddings.weight.device
     encoder = model.encoders[ENCODER_NAME]
     assert isinstance(encoder, VisionEncoder)

@@ -1,10 +1,7 @@
-"""A captioned shapes dataset rendered with torch: no files, deterministic from a seed.
-
-Each image shows one filled shape (circle, square, triangle, cross) in one of six colours, two
-sizes and nine places, on a dark, light or coloured background, with or without pixel noise;
-its caption names the four, e.g. ``"a small red circle top left"``. The ranges, in the
-constants below, are those of docs/captioner.md ("What it knows").
-"""
+"""A captioned shapes dataset rendered with torch, deterministic from a seed: each image shows
+one filled shape (circle, square, triangle, cross) of six colours, two sizes and nine places
+on a dark, light or coloured background, plain or noisy, and its caption names the four, e.g.
+``"a small red circle top left"`` (the ranges: docs/captioner.md, "What it knows")."""
 
 import math
 from dataclasses import dataclass

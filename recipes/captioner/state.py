@@ -46,9 +46,8 @@ def _checked_metadata(path: Path, config: TrainConfig) -> safe_dcp.CheckedMetada
 
 
 def inspect_checkpoint(path: Path) -> TrainState:
-    """The train state of checkpoint ``path`` once every file of it checks out, its optimizer
-    and scheduler state against :func:`~recipes.captioner.model.build_optimizer`'s included; a
-    ``TrainingError`` names the file and what is wrong with it."""
+    """The train state of checkpoint ``path`` once every file of it checks out (the optimizer
+    and scheduler state included); a ``TrainingError`` names the file and what is wrong."""
     state = load_train_state(path)
     safe_dcp.verify_data(path, _checked_metadata(path, state.config))
     built = models.build_optimizer([nn.Parameter(torch.zeros(1))], state.config)
@@ -58,13 +57,8 @@ def inspect_checkpoint(path: Path) -> TrainState:
 
 def load_model(path: str | os.PathLike) -> tuple[EarlyFusion, TrainConfig]:
     """A single-process ``EarlyFusion`` (on CPU, in eval mode) and the config of checkpoint
-    ``path``, loaded with ``strict=True``.
-
-    Raises:
-        TypeError: ``path`` is not a str or os.PathLike.
-        TrainingError: a file of the checkpoint is missing, damaged or inconsistent with the
-            others; the message names the file (and key).
-    """
+    ``path``, loaded with ``strict=True``; a ``TypeError`` for a ``path`` of another type, a
+    one-line ``TrainingError`` naming the file (and key) for a bad checkpoint."""
     path = training.checkpoint_dir(path)
     config = load_train_state(path).config
     _checked_metadata(path, config)

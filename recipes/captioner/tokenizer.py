@@ -24,15 +24,10 @@ class CaptionTokenizer:
         self.itos = [*specials, *words]
         self.stoi = {w: i for i, w in enumerate(self.itos)}
         self.pad_id, self.eos_id, self.prompt_id = (self.stoi[s] for s in specials)
-        self.image_id = len(self.itos)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.itos)
+        self.vocab_size = self.image_id = len(self.itos)  # the image id: the first after the text's
 
     def encode(self, text: str) -> list[int]:
-        """Ids of the whitespace-separated words of ``text``; a ``ValueError`` names those
-        outside the vocabulary."""
+        """Ids of the words of ``text``; a ``ValueError`` names those outside the vocabulary."""
         unknown = [w for w in text.split() if w not in self.stoi]
         if unknown:
             raise ValueError(f"text: words {unknown} are not in the vocabulary, got {text!r}")

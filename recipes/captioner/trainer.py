@@ -20,9 +20,8 @@ PROG = "python -m recipes.captioner"
 
 
 class Run:
-    """A run on this process: the data, the model (its initial weights from ``--seed`` alone)
-    wrapped for the runtime and its optimizer, the same on every process; then how far
-    :meth:`train` took it."""
+    """A run on this process: its data, model (initial weights from ``--seed`` alone) and
+    optimizer, the same on every process; then how far :meth:`train` took it."""
 
     def __init__(self, config: TrainConfig, runtime: Runtime) -> None:
         self.config, self.runtime = config, runtime
@@ -35,23 +34,21 @@ class Run:
         model = models.build_model(config)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = training.wrap_model(model, runtime, config.parallel, per_module=False)
-        params = list(self.model.parameters())
-        self.optimizer, self.scheduler = models.build_optimizer(params, config)
+        self.optimizer, self.scheduler = models.build_optimizer(self.model.parameters(), config)
         self.sampler = training.EpochSampler(len(self.dataset), config.seed)
         self.losses: list[float] = []  # one per step from step 1, a resumed run's included
         self.start_step, self.train_seconds = 0, 0.0
 
     def train_step(self, step: int) -> torch.Tensor:
-        """One optimizer step on global batch ``step``, of which process ``r`` of ``n`` takes
-        the ``r``-th of ``n`` slices; returns its mean loss per caption target (0-d on the
-        device, not read back). The targets are counted over the global batch, on the host, so
-        the loss does not depend on how the batch is split."""
+        """One optimizer step on global batch ``step`` (process ``r`` of ``n`` takes its ``r``-th
+        slice); returns the mean loss per caption target of the whole batch (0-d on the device,
+        not read back), the same however the batch is split."""
         config, runtime = self.config, self.runtime
         world, local_batch = runtime.world_size, config.batch_size // runtime.world_size
         indices = self.sampler.indices(step * config.batch_size, config.batch_size)
         num_targets = self.dataset.count_targets(indices)
         mine = indices[runtime.rank * local_batch : (runtime.rank + 1) * local_batch]
-        batch = self.dataset.batch(mine).to(runtime.device)
+        batch = self.dataset.batch(mine, runtime.device)
         logits = self.model(batch.tokens, encoder_input=models.image_input(batch.images))
         loss_sum, _ = masked_token_loss(logits, batch.labels)
         # Gradients are averaged over processes, hence the factor `world`.
@@ -117,9 +114,8 @@ class Run:
 def final_report(
     runtime: Runtime, start: training.Start[TrainConfig], run: Run, started: float
 ) -> int:
-    """In this process alone: caption the held-out images with the last checkpoint, check that
-    its decoder loads into a plain one (:func:`fusion.training.compare_plain_decoder`) and
-    write the report files; returns 1 if the decoder's logits differ."""
+    """In this process alone: caption the held-out images with the last checkpoint, check its
+    decoder against a plain one and write the report files; 1 if the decoder's logits differ."""
     config, output_dir = start.config, start.output_dir
     checkpoint, heldout = run.checkpoint, run.heldout
     model, saved_config = load_model(checkpoint)
@@ -181,9 +177,7 @@ def final_report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the job; returns the exit status (:func:`fusion.training.run_job`'s; 2 for a bad
-    command line, argparse's ``SystemExit``). An ``argv`` that is no list of str is a
-    ``TypeError``."""
+    """Run the job; returns its exit status (:func:`fusion.training.run_job`'s, 2 for bad flags)."""
     started = time.perf_counter()
     training.config.check_argv(argv)
     config, given = parse_args(argv)

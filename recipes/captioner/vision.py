@@ -1,5 +1,4 @@
-"""The captioner's small vision transformer: patch embedding, pre-norm blocks and a projection
-head into the decoder's width. Not the library's CLIP / SigLIP towers
+"""The captioner's small vision transformer; not the library's CLIP / SigLIP towers
 (:mod:`fusion.encoders.vit_blocks`): its fused ``qkv`` projections make its checkpoint keys and
 initialisation (hence the trained results) its own."""
 
@@ -29,8 +28,7 @@ class PatchEmbedding(nn.Module):
 
 
 class VisionTransformerLayer(nn.Module):
-    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (hidden width ``mlp_ratio * dim``);
-    every patch attends to every patch (``num_heads`` dividing ``dim``)."""
+    """``x + attn(norm(x))``, every patch attending to every patch, then ``x + mlp(norm(x))``."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4) -> None:
         super().__init__()
@@ -56,14 +54,10 @@ class VisionTransformerLayer(nn.Module):
 
 
 class VisionEncoder(nn.Module):
-    """Patch embedding, ``num_layers`` transformer blocks of width ``dim``, a final norm and a
+    """Patch embedding, ``num_layers`` pre-norm blocks of width ``dim``, a final norm and a
     projection head to the decoder's width ``out_dim`` (a fusion module:
     ``EarlyFusion(fusion_trainable=...)`` governs it); each image becomes ``tokens_per_image``
-    rows, one per patch, row-major.
-
-    Raises:
-        ValueError: a non-positive size, or sizes that do not divide as required.
-    """
+    rows, one per patch, row-major. Sizes that do not fit are a ``ValueError``."""
 
     def __init__(
         self,
