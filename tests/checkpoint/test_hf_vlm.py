@@ -7,11 +7,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fusion import EarlyFusion, TransformerDecoder
 from fusion.checkpoint import CheckpointError
+from fusion.checkpoint.hf_llama import load_hf_llama
 from fusion.checkpoint.hf_vlm import (
     hf_model_kind,
     load_hf_idefics3,
     load_hf_llava,
+    load_hf_model,
     load_hf_vlm,
     read_hf_vlm_layout,
     save_hf_idefics3,
@@ -181,6 +184,24 @@ class TestLayouts:
             16,
         )
         assert isinstance(load_hf_vlm(llava_dir[1]).encoders["image"].vision_tower, torch.nn.Module)
+
+    def test_load_hf_model_takes_whichever_the_directory_holds(
+        self, llava_dir, idefics3_dir, tmp_path
+    ):
+        tiny_hf_llama(tied=True).save_pretrained(tmp_path)
+        llama = load_hf_model(tmp_path, dtype=torch.float64, max_seq_len=24)
+        assert type(llama) is TransformerDecoder and llama.max_seq_len == 24
+        assert llama.tok_embeddings.weight.dtype == torch.float64
+        same_state(llama, load_hf_llama(tmp_path, dtype=torch.float64, max_seq_len=24))
+        for directory in (llava_dir[1], idefics3_dir[1]):
+            model = load_hf_model(directory)
+            assert type(model) is EarlyFusion
+            same_state(model, load_hf_vlm(directory))
+        config = copy_config(llava_dir[1], tmp_path / "other")
+        config["model_type"] = "gemma3"
+        write_config(tmp_path / "other", config)
+        with pytest.raises(CheckpointError, match=r"model_type.*'gemma3'"):
+            load_hf_model(tmp_path / "other")
 
 
 class TestBadInput:
