@@ -13,14 +13,8 @@ PROG = "python -m recipes.finetune"
 
 
 # What --resume does with each group of settings (see resumed_config).
-GROUP_TITLES = {
-    "data": "data (restored by --resume; a different value is refused)",
-    "model": "model and what trains (restored by --resume; a different value is refused)",
-    "optim": "optimisation (restored by --resume; a different value is refused)",
-    "run": "run (restored by --resume unless given; --steps/--epochs may extend the run)",
-    "session": "this invocation (never restored)",
-}
-FIXED_GROUPS = ("data", "model", "optim")
+GROUP_TITLES = shared.group_titles(model="model and what trains", extend="--steps/--epochs")
+FIXED_GROUPS = shared.FIXED_GROUPS
 TRAIN_MODES = ("lora", "full", "projector")
 DTYPES = ("float32", "bfloat16")
 # An option of each group (fusion.training.config.option without its group argument).
