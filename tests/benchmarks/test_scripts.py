@@ -134,6 +134,37 @@ def test_finetune_quick(tmp_path):
     assert "fusion_packed / fusion_padded" in stdout
     assert (tmp_path / "finetune_cpu.txt").read_text() in stdout
 
+    # The floor under these results: the same model and samples, their work counted.
+    floor_file = tmp_path / "floor.json"
+    args = ("--quick", "--rounds", "2", "--results", str(tmp_path / "finetune.json"))
+    stdout = run_script("finetune_floor.py", *args, "--out", str(floor_file))
+    floor = json.loads(floor_file.read_text())
+    work = floor["work"]
+    assert set(work) == set(FINETUNE_CONTESTANTS)
+    assert {name: w["positions"] for name, w in work.items()} == {
+        name: r["positions"][0] for name, r in results.items()
+    }
+    assert len({w["tower_gflop"] for w in work.values()}) == 1  # the same frozen tower
+    assert work["fusion_packed"]["tower_gflop"] > 0
+    # Fewer positions, and the output layer at the targets only: less work.
+    assert work["fusion_packed"]["gflop"] < work["fusion_padded"]["gflop"]
+    assert work["fusion_packed"]["gflop"] < work["transformers_padding_free"]["gflop"]
+    assert work["transformers_padding_free"]["gflop"] < work["transformers_padded"]["gflop"]
+    rate = floor["rate_gflops"]
+    assert rate == max(floor["gemm_gflops"].values()) > 0
+    for w in work.values():
+        assert w["floor_s"] == pytest.approx(w["gflop"] / rate)
+    memory = floor["memory"]
+    parts = ("process_before_load_mib", "parameters_mib", "adamw_state_mib")
+    assert memory["floor_mib"] == pytest.approx(
+        sum(memory[k] for k in parts) + memory["saved_activations_mib"]
+    )
+    assert memory["saved_activations_mib"] > 0
+    step = results["transformers_padded"]["step_s"][0]  # one round: its first timed step
+    bound = floor["bounds"]["fusion_packed / transformers_padded (tokens/s, at most)"]
+    assert bound == pytest.approx(step / work["fusion_packed"]["floor_s"])
+    assert "memory floor" in stdout
+
 
 def test_preprocessing_quick(tmp_path):
     stdout = run_script("preprocessing.py", "--quick", "--threads", "1", "--out", str(tmp_path))

@@ -1,0 +1,246 @@
+"""The arithmetic floor under ``benchmarks/finetune.py``'s CPU results: how fast and how lean
+any implementation of each contestant's step could be on this machine, from the work the step
+cannot skip, so that a target can be checked against what the hardware allows.
+
+For the model, samples and steps of ``finetune.py`` (same flags), in this process:
+
+- **work**: the floating-point operations of each contestant's first timed step, forward and
+  backward (:class:`torch.utils.flop_counter.FlopCounterMode`: matrix products, convolutions
+  and attention; elementwise work and the optimizer step are left out, so the floor is low),
+  in total and in the frozen vision tower (its forward under ``no_grad``);
+- **rate**: the best rate this machine reaches in fp32 matrix products at the model's own
+  shapes (the fastest of ``--rounds`` rounds, the fastest shape: generous, and robust to
+  other jobs on the cores, which only slow rounds down);
+- **time floor** = work / rate: no implementation of the step is faster;
+- **memory floor** of ``fusion_packed``: the resident set of this process before any model
+  (torch and the library imported), plus the model's parameters, plus the trained
+  parameters' AdamW state (created by the first step, resident from then on), plus the
+  activations its forward saves for the backward pass (measured with saved-tensor hooks; the
+  weights themselves are not counted again): all live at once when the backward pass starts.
+
+With ``--results`` (a ``finetune.json`` of the same settings) the floors are set against the
+measured medians: the best ratio ``fusion_packed`` could reach against each baseline's
+measured step (the baseline as it is, ``fusion_packed`` at its floor), and against
+``fusion_padded`` at equal efficiency (the two run the same kernels, so their times scale
+with their work), and the memory floor against the measured peak of ``transformers_padded``.
+
+    python benchmarks/finetune_floor.py --results benchmarks/results/finetune/X/finetune.json \
+        --out benchmarks/results/finetune/X/floor.json
+    python benchmarks/finetune_floor.py --quick   # a tiny model: checks the script
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import finetune as bench
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+MiB = 2**20
+#: fp32 matrix products at the SmolVLM-256M shape's sizes: (rows, inner, columns).
+GEMM_SHAPES = ((8192, 768, 3072), (2474, 576, 1536), (1024, 576, 49280))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a tiny model: checks the script")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--rounds", type=int, default=5, help="rounds per matrix product shape")
+    p.add_argument(
+        "--results", type=Path, help="a finetune.json: its settings, and the floors set against it"
+    )
+    p.add_argument("--out", type=Path, help="write the report here as JSON")
+    return p.parse_args(argv)
+
+
+def finetune_settings(args: argparse.Namespace, workdir: Path) -> argparse.Namespace:
+    """``finetune.py``'s settings: those ``--results`` was measured with, else its defaults."""
+    argv = ["--out", str(workdir / "unused")] + ["--quick"] * args.quick
+    if args.results is not None:
+        stored = json.loads(args.results.read_text())["settings"]
+        if stored["family"] != "smolvlm" or stored["device"] != "cpu":
+            raise SystemExit("--results: expected a CPU run of the smolvlm family")
+        argv = ["--out", str(workdir / "unused")] + ["--quick"] * stored["quick"]
+        argv += ["--short-warmup"] * stored["short_warmup"]
+        for key in ("samples_per_step", "steps", "seed", "max_seq_len", "text_layers"):
+            if stored[key] is not None:
+                argv += [f"--{key.replace('_', '-')}", str(stored[key])]
+        if stored["vision_layers"] is not None:
+            argv += ["--vision-layers", str(stored["vision_layers"])]
+    return bench.parse_args(argv)
+
+
+def rss_mib() -> float:
+    return bench.rss_bytes() / MiB
+
+
+def load(name: str, model_dir: Path):
+    """``name``'s model as ``finetune.py`` trains it: the tower frozen, the rest trained."""
+    worker = argparse.Namespace(worker=name, model_dir=model_dir, family="smolvlm")
+    model, tower, _ = bench.load_contestant(worker, torch.device("cpu"))
+    model.train().requires_grad_(True)
+    tower.requires_grad_(False)
+    return model, tower
+
+
+def step_work(name: str, model, tower, steps, settings) -> dict:
+    """The first timed step's floating-point operations, in total and in the tower."""
+    with ExitStack() as stack:
+        if name.startswith("fusion_"):
+            model.skip_output_layer = True
+            feed = stack.enter_context(bench.fusion_feed(steps, settings, name == "fusion_packed"))
+            next(feed)  # the warm-up step's micro-batch
+            settings = dataclasses.replace(settings, feed=feed)
+        tower_flops = []
+        counter = FlopCounterMode(display=False)
+        handle = tower.register_forward_hook(
+            lambda *_: tower_flops.append(counter.get_total_flops())
+        )
+        before = tower.register_forward_pre_hook(
+            lambda *_: tower_flops.append(-counter.get_total_flops())
+        )
+        with counter:
+            _, positions = bench.STEPS[name](model, steps[1], settings)
+        handle.remove()
+        before.remove()
+    return {
+        "gflop": counter.get_total_flops() / 1e9,
+        "tower_gflop": sum(tower_flops) / 1e9,
+        "positions": positions,
+    }
+
+
+def saved_activations_mib(model, steps, settings) -> float:
+    """What ``fusion_packed``'s forward saves for its backward, parameters left out."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in weights and pointer not in seen:
+            seen.add(pointer)
+            total += tensor.untyped_storage().nbytes()
+        return tensor
+
+    model.skip_output_layer = True
+    with bench.fusion_feed(steps, settings, packing=True) as feed:
+        next(feed)
+        batch = next(feed).batch
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            hidden = model(**batch.model_inputs())
+            loss, _ = bench.chunked_token_loss(
+                hidden, batch.labels, model.decoder.unembed, num_targets=batch.num_targets
+            )
+    del loss, hidden
+    return total / MiB
+
+
+def gemm_gflops(rounds: int, shapes=GEMM_SHAPES) -> dict:
+    """The best rate of each fp32 matrix product shape over ``rounds`` rounds."""
+    rates = {}
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        out = torch.empty(m, n)
+        torch.mm(a, b, out=out)  # warm-up
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            times.append(time.perf_counter() - start)
+        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / min(times) / 1e9
+    return rates
+
+
+def measured(results: dict) -> dict:
+    """Median first-timed-step seconds and peak MiB of each contestant in ``finetune.json``."""
+    out = {}
+    for name, r in results["results"].items():
+        firsts = r["step_s"][:: len(r["tokens"])]  # round after round, each its timed steps
+        out[name] = {
+            "step_s": statistics.median(firsts),
+            "peak_mib": r["peak_memory_bytes"] / MiB,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    baseline_mib = rss_mib()  # torch and this script, before any model
+    report: dict = {"settings": vars(args) | {"out": str(args.out), "results": str(args.results)}}
+    with tempfile.TemporaryDirectory(prefix="finetune_floor_") as workdir:
+        fargs = finetune_settings(args, Path(workdir))
+        config = bench.hf_config(fargs.quick, "smolvlm", fargs.text_layers, fargs.vision_layers)
+        settings = bench.StepSettings(torch.device("cpu"), bench.pad_id(config), fargs.max_seq_len)
+        steps = bench.step_samples(fargs, config)
+        report["finetune_settings"] = {k: str(v) for k, v in vars(fargs).items()}
+        model_dir = Path(workdir) / "model"
+        torch.manual_seed(fargs.seed)
+        bench.save_model("smolvlm", config, model_dir)
+        work = {}
+        for name in bench.CONTESTANTS:
+            model, tower = load(name, model_dir)
+            work[name] = step_work(name, model, tower, steps, settings)
+            del model, tower
+        model, _ = load("fusion_packed", model_dir)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        activations = saved_activations_mib(model, steps, settings)
+    rates = gemm_gflops(args.rounds)
+    rate = max(rates.values())
+    for entry in work.values():
+        entry["floor_s"] = entry["gflop"] / rate
+    memory = {
+        "process_before_load_mib": baseline_mib,
+        "parameters_mib": weights / MiB,
+        "adamw_state_mib": 2 * trained / MiB,
+        "saved_activations_mib": activations,
+    }
+    memory["floor_mib"] = sum(memory.values())
+    report |= {"gemm_gflops": rates, "rate_gflops": rate, "work": work, "memory": memory}
+    packed = work["fusion_packed"]
+    lines = [
+        f"fp32 matrix products: best {rate:.0f} GFLOP/s "
+        + ", ".join(f"{shape} {r:.0f}" for shape, r in rates.items()),
+        f"{'contestant':26} {'GFLOP/step':>10} {'tower':>8} {'positions':>9} {'floor s':>8}",
+    ]
+    lines += [
+        f"{name:26} {w['gflop']:10.1f} {w['tower_gflop']:8.1f} {w['positions']:9d} "
+        f"{w['floor_s']:8.2f}"
+        for name, w in work.items()
+    ]
+    lines.append(
+        f"fusion_packed memory floor {memory['floor_mib']:.0f} MiB = process "
+        f"{baseline_mib:.0f} + parameters {memory['parameters_mib']:.0f} + AdamW state "
+        f"{memory['adamw_state_mib']:.0f} + saved activations {activations:.0f}"
+    )
+    if args.results is not None:
+        seen = measured(json.loads(args.results.read_text()))
+        bounds = {
+            f"fusion_packed / {name} (tokens/s, at most)": seen[name]["step_s"] / packed["floor_s"]
+            for name in ("transformers_padded", "transformers_padding_free")
+        }
+        bounds["fusion_packed / fusion_padded (tokens/s, equal efficiency)"] = (
+            work["fusion_padded"]["gflop"] / packed["gflop"]
+        )
+        bounds["fusion_packed / transformers_padded (peak memory, at least)"] = (
+            memory["floor_mib"] / seen["transformers_padded"]["peak_mib"]
+        )
+        report |= {"measured": seen, "bounds": bounds}
+        lines += [f"{key}: {value:.2f}x" for key, value in bounds.items()]
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
