@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from fusion.checkpoint import CheckpointError, read_hf_config
+from fusion.checkpoint.files import read_tokenizer
 from fusion.checkpoint.hf_vlm import VlmImageLayout, hf_model_kind, read_hf_vlm_layout
 from fusion.early_fusion import EarlyFusion
 from fusion.models.idefics3 import Idefics3ImageEncoder
@@ -551,22 +552,17 @@ class VisionLanguageProcessor:
 
 
 def _tokenizer_encode(directory: Path) -> Encode:
-    file = directory / TOKENIZER_FILE
-    if not file.is_file():
-        raise CheckpointError(
-            file, None, "missing: text prompts need the model's tokenizer (or pass encode)"
-        )
+    """The encoder of the directory's ``tokenizer.json``, read bounded (untrusted text)."""
     try:
-        from tokenizers import Tokenizer
+        tokenizer = read_tokenizer(
+            directory / TOKENIZER_FILE,
+            missing="text prompts need the model's tokenizer (or pass encode)",
+        )
     except ImportError:
         raise ImportError(
             "reading tokenizer.json needs the tokenizers package: pip install tokenizers "
             "(or pass encode)"
         ) from None
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as error:  # tokenizers raises plain Exception
-        raise CheckpointError(file, None, f"unreadable tokenizer: {error}") from error
     return lambda text: tokenizer.encode(text).ids
 
 

@@ -182,3 +182,22 @@ def test_defaults_said_once_when_no_settings(saved, tmp_path_factory):
         VisionLanguageProcessor.from_directory(bare)
         VisionLanguageProcessor.from_directory(bare)
     assert len([w for w in seen if "defaults" in str(w.message)]) == 1
+
+
+def test_tokenizer_json_is_read_bounded_and_named(saved, monkeypatch):
+    # tokenizer.json is untrusted text: its size is bounded before it is read.
+    _, _, directory = saved
+    import fusion.checkpoint.files as files
+
+    size = (directory / "tokenizer.json").stat().st_size
+    monkeypatch.setattr(files, "MAX_TOKENIZER_BYTES", size - 1)
+    with pytest.raises(CheckpointError, match=rf"tokenizer\.json.*larger than {size - 1} bytes"):
+        VisionLanguageProcessor.from_directory(directory)
+    monkeypatch.setattr(files, "MAX_TOKENIZER_BYTES", size)
+    assert VisionLanguageProcessor.from_directory(directory).encode("a") != []
+    (directory / "tokenizer.json").rename(directory / "moved.json")
+    try:
+        with pytest.raises(CheckpointError, match="missing: text prompts need the model's tok"):
+            VisionLanguageProcessor.from_directory(directory)
+    finally:
+        (directory / "moved.json").rename(directory / "tokenizer.json")
