@@ -6,7 +6,15 @@ from fusion.errors import FusionError
 class TrainingError(FusionError, RuntimeError):
     """A problem with a training job's input (flags, output directory, data, checkpoints),
     found before anything was changed on disk. The message is one line meant for the user:
-    it names the file (and key) or the flag at fault."""
+    it names the file (and key) or the flag at fault.
+
+    ``local``: found by this process alone (in its share of the data, by its data loader), so
+    this process reports it, with its rank; otherwise every process finds it alike and the
+    main process alone reports it."""
+
+    def __init__(self, message: str, *, local: bool = False) -> None:
+        super().__init__(message)
+        self.local = local
 
 
 def one_line(error: BaseException) -> str:

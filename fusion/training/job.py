@@ -256,15 +256,18 @@ def compare_plain_decoder(
 def run_job(prog: str, device: str, job: Callable[[Runtime], int]) -> int:
     """Run ``job`` on this process's runtime (:func:`~fusion.training.init_runtime` of
     ``device``), shut it down in any case, and return the exit status: ``job``'s, or 1 with
-    one line on stderr (no traceback) for a ``TrainingError`` (said by the main process: every
-    process fails alike), an I/O error or running out of memory (said by each process, with
-    its rank), or 130 on Ctrl-C. Other errors are bugs, whose traceback is wanted."""
+    one line on stderr (no traceback) for a ``TrainingError`` (said by the main process when
+    every process fails alike; by the process that found it, with its rank, when it is
+    ``local``), an I/O error or running out of memory (said by each process, with its rank),
+    or 130 on Ctrl-C. Other errors are bugs, whose traceback is wanted."""
     runtime = None
     try:
         runtime = init_runtime(device)
         return job(runtime)
     except TrainingError as error:
-        if runtime is None or runtime.is_main:
+        if runtime is not None and runtime.distributed and error.local:
+            print(f"{prog}: error: [rank {runtime.rank}] {flat(error)}", file=sys.stderr)
+        elif runtime is None or runtime.is_main:
             print(f"{prog}: error: {flat(error)}", file=sys.stderr)
         return 1
     except (OSError, MemoryError, RuntimeError) as error:

@@ -177,7 +177,7 @@ def evaluate(run: Setup) -> float | None:
     except LoaderError as error:
         if error.died:  # a worker of the training's loader
             raise
-        raise TrainingError(f"--eval-data: {error}") from None
+        raise TrainingError(f"--eval-data: {error}", local=True) from None
 
 
 # ------------------------------------------------------------------------------------ the loop
@@ -220,11 +220,11 @@ def train(
             resume, state, run.model, run.optimizer, run.scheduler, runtime, total=total
         )
         start_step, losses, eval_losses = state.step, list(state.losses), list(state.eval_losses)
+    num_params = sum(p.numel() for p in run.model.parameters())
     num_trained = sum(p.numel() for p in trainable_parameters(run.model))
     log(
         runtime,
-        f"model: {sum(p.numel() for p in run.model.parameters()):,} parameters, "
-        f"{num_trained:,} trained ({config.train}); "
+        f"model: {num_params:,} parameters, {num_trained:,} trained ({config.train}); "
         f"{len(run.train_data.samples)} conversations, {total} steps; "
         f"{runtime.world_size} process(es) on {runtime.device}"
         + (f" ({config.parallel})" if runtime.distributed else ""),
@@ -276,10 +276,11 @@ def train(
                     )  # fmt: skip
     except LoaderError as error:
         if not error.died:
-            raise TrainingError(f"--data: {error}") from None
+            raise TrainingError(f"--data: {error}", local=True) from None
         raise TrainingError(
             f"--num-workers: {error}; the checkpoints saved before are intact (--resume "
-            "continues from the newest)"
+            "continues from the newest)",
+            local=True,
         ) from None
     finally:
         run.stream = None
