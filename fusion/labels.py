@@ -1,6 +1,7 @@
 """Targets for next-token training of a decoder or an early-fusion model."""
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -270,11 +271,9 @@ def chunked_token_loss(
     for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
         if torch.is_grad_enabled():
             # Saves only the chunk's rows and targets; its logits are recomputed in backward.
-            part = checkpoint(
-                _chunk_loss, chunk_rows, chunk_targets, unembed, ignore_index, use_reentrant=False
-            )
+            part = checkpoint(_chunk_loss, chunk_rows, chunk_targets, unembed, use_reentrant=False)
         else:
-            part = _chunk_loss(chunk_rows, chunk_targets, unembed, ignore_index)
+            part = _chunk_loss(chunk_rows, chunk_targets, unembed)
         total = total + part
     return total, count
 
@@ -283,7 +282,6 @@ def _chunk_loss(
     rows: torch.Tensor,
     targets: torch.Tensor,
     unembed: Callable[[torch.Tensor], torch.Tensor],
-    ignore_index: int,
 ) -> torch.Tensor:
     """The summed float32 cross-entropy of one chunk: rows [n, d], targets [n]."""
     try:
@@ -301,4 +299,29 @@ def _chunk_loss(
     ):
         got = describe(logits) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"unembed: expected logits [1, {rows.size(0)}, vocab], got {got}")
-    return F.cross_entropy(logits[0].float(), targets, ignore_index=ignore_index, reduction="sum")
+    return _SummedCrossEntropy.apply(logits[0].float(), targets)
+
+
+class _SummedCrossEntropy(torch.autograd.Function):
+    """``F.cross_entropy(logits, targets, reduction="sum")`` over float32 logits [n, vocab]
+    whose every target is a class (the chunk's rows were chosen by their targets), with the
+    same forward (log-softmax, then the negative log-likelihood), and a backward that turns
+    the kept log-probabilities into their gradient in place: softmax minus one at the target.
+    Autograd's own backward allocates two more [n, vocab] tensors (the likelihood's gradient,
+    then the log-softmax's); one chunk's backward then holds one instead of three, and writes
+    no fresh memory. Each chunk's forward runs again in the backward (checkpointed), so the
+    in-place use of what this forward kept never meets a second backward."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_probs = torch.log_softmax(logits, dim=-1)
+        ctx.save_for_backward(log_probs, targets)
+        return F.nll_loss(log_probs, targets, reduction="sum")  # IndexError outside the vocab
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        log_probs, targets = ctx.saved_tensors
+        grad_logits = log_probs.exp_().mul_(grad)
+        rows = torch.arange(targets.numel(), device=targets.device)
+        grad_logits[rows, targets] -= grad
+        return grad_logits, None

@@ -201,6 +201,24 @@ def test_no_tensor_of_all_logits_exists_forward_or_backward():
     assert chunked["peak"] <= 4 * (6 * chunk * vocab) + gradients < 4 * all_logits / 4
 
 
+def test_a_chunks_backward_holds_two_logits_tensors_at_most():
+    # The recomputed logits and their log-probabilities, which become the gradient in place;
+    # autograd's own cross-entropy backward holds a third (the likelihood's gradient, then the
+    # log-softmax's): 3.25x the logits, failing this.
+    tokens, dim, vocab = 64, 16, 4096
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, tokens, dim, generator=generator, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens), generator=generator)
+    output = head(dim, vocab, seed=1)
+    total, _ = chunked_token_loss(hidden, labels, output, chunk_size=tokens, num_targets=tokens)
+    backward = LiveFloats()
+    with backward:
+        total.backward()
+    logits, gradients = 4 * tokens * vocab, 4 * (tokens * dim + vocab * dim)
+    scalars = 4096  # the loss and its gradient, the rows' indices
+    assert 2 * logits <= backward.peak <= 2 * logits + gradients + scalars
+
+
 # ------------------------------------------------------------------------ dtypes and devices
 
 
