@@ -18,11 +18,14 @@ For the model, samples and steps of ``finetune.py`` (same flags), in this proces
   activations its forward saves for the backward pass (measured with saved-tensor hooks; the
   weights themselves are not counted again): all live at once when the backward pass starts.
 
-With ``--results`` (a ``finetune.json`` of the same settings) the floors are set against the
-measured medians: the best ratio ``fusion_packed`` could reach against each baseline's
-measured step (the baseline as it is, ``fusion_packed`` at its floor), and against
-``fusion_padded`` at equal efficiency (the two run the same kernels, so their times scale
-with their work), and the memory floor against the measured peak of ``transformers_padded``.
+With ``--results`` (a ``finetune.json`` measured on this machine, whose settings are taken)
+the floors are set against the measured medians: the best ratio ``fusion_packed`` could reach
+against each baseline's measured step (the baseline as it is, ``fusion_packed`` at its
+floor); against ``fusion_padded`` at equal efficiency (the two run the same kernels, so their
+times scale with their work); and the memory floor against the measured peak of
+``transformers_padded``. A time floor only bounds times measured on the same machine in the
+same state: run this right after ``finetune.py``; results from another machine (another
+``platform``) are refused.
 
     python benchmarks/finetune_floor.py --results benchmarks/results/finetune/X/finetune.json \
         --out benchmarks/results/finetune/X/floor.json
@@ -32,6 +35,7 @@ with their work), and the memory floor against the measured peak of ``transforme
 import argparse
 import dataclasses
 import json
+import platform
 import statistics
 import tempfile
 import time
@@ -63,9 +67,15 @@ def finetune_settings(args: argparse.Namespace, workdir: Path) -> argparse.Names
     """``finetune.py``'s settings: those ``--results`` was measured with, else its defaults."""
     argv = ["--out", str(workdir / "unused")] + ["--quick"] * args.quick
     if args.results is not None:
-        stored = json.loads(args.results.read_text())["settings"]
+        results = json.loads(args.results.read_text())
+        stored, measured_on = results["settings"], results["machine"]["platform"]
         if stored["family"] != "smolvlm" or stored["device"] != "cpu":
             raise SystemExit("--results: expected a CPU run of the smolvlm family")
+        if measured_on != platform.platform():
+            raise SystemExit(
+                f"--results: measured on {measured_on}, this is {platform.platform()}: a time "
+                "floor only bounds times measured on the same machine"
+            )
         argv = ["--out", str(workdir / "unused")] + ["--quick"] * stored["quick"]
         argv += ["--short-warmup"] * stored["short_warmup"]
         for key in ("samples_per_step", "steps", "seed", "max_seq_len", "text_layers"):
