@@ -10,6 +10,7 @@ from bench_helpers import (
     BENCHMARKS,
     FINETUNE_CONTESTANTS,
     assert_padding_free_matches_padded,
+    load_script,
     run_script,
 )
 from fusion.merge.fused import triton
@@ -164,6 +165,15 @@ def test_finetune_quick(tmp_path):
     bound = floor["bounds"]["fusion_packed / transformers_padded (tokens/s, at most)"]
     assert bound == pytest.approx(step / work["fusion_packed"]["floor_s"])
     assert "memory floor" in stdout
+
+    # Times measured on another machine are not bounded by this one's floor: refused.
+    elsewhere = json.loads((tmp_path / "finetune.json").read_text())
+    elsewhere["machine"]["platform"] = "Linux-another-machine"
+    (tmp_path / "elsewhere.json").write_text(json.dumps(elsewhere))
+    floor_script = load_script("finetune_floor")
+    args = floor_script.parse_args(["--quick", "--results", str(tmp_path / "elsewhere.json")])
+    with pytest.raises(SystemExit, match="measured on Linux-another-machine, this is"):
+        floor_script.finetune_settings(args, tmp_path)
 
 
 def test_preprocessing_quick(tmp_path):
