@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -49,6 +49,13 @@ from fusion.training.state import TRAIN_STATE, TrainState, match_saved
 
 C = TypeVar("C")
 R = TypeVar("R")
+
+
+class _GlobalBatch(Protocol):
+    batch_size: int
+
+
+B = TypeVar("B", bound=_GlobalBatch)
 
 
 # ------------------------------------------------------------------------------ the start
@@ -129,14 +136,14 @@ def plan_start(
         ) from None
 
 
-def check_batch_split(world_size: int, config: C, resume: Path | None) -> C:
+def check_batch_split(world_size: int, config: B, resume: Path | None) -> B:
     """A :func:`plan_start` ``prepare`` for a recipe of fixed-size global batches: ``config``
     if its ``batch_size`` splits over the ``world_size`` processes.
 
     Raises:
         TrainingError: naming ``--batch-size`` (and checkpoint ``resume`` when it set it).
     """
-    batch_size = config.batch_size  # type: ignore[attr-defined]
+    batch_size = config.batch_size
     if batch_size % world_size:
         source = "" if resume is None else f" (the batch size of {resume.name})"
         raise TrainingError(
