@@ -4,7 +4,10 @@ import os
 import resource
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -143,3 +146,17 @@ def run_bounded(
         cwd=root,
         env=environment,
     )
+
+
+@contextmanager
+def recording_pin_memory() -> Iterator[list[torch.Tensor]]:
+    """``Tensor.pin_memory`` recorded instead of run (a CPU-only torch cannot pin): the tensors
+    asked to be pinned, in order; each returns a copy."""
+    pinned: list[torch.Tensor] = []
+
+    def pin(tensor: torch.Tensor) -> torch.Tensor:
+        pinned.append(tensor)
+        return tensor.clone()
+
+    with mock.patch.object(torch.Tensor, "pin_memory", pin):
+        yield pinned

@@ -2,8 +2,6 @@
 batch gives every sample the logits, loss and gradients it gets alone, with every attention
 that runs on CPU: the dense mask, per-sample SDPA and (forward only there) FlexAttention."""
 
-from unittest import mock
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +19,7 @@ from fusion.data import (
     pack_samples,
 )
 from fusion.decoder import PackedSegments
-from helpers import EMBED_DIM, IMAGE_ID, VOCAB, build_tiny_decoder
+from helpers import EMBED_DIM, IMAGE_ID, VOCAB, build_tiny_decoder, recording_pin_memory
 
 ROWS_PER_IMAGE = 4  # a 2 x 2 image, one row per pixel
 PAD = 0
@@ -188,13 +186,7 @@ def test_batch_to():
 def test_batch_pin_memory_pins_every_tensor():
     a = Sample(torch.tensor([5, 6]), torch.tensor([6, -100]), torch.zeros(1, 3, 2, 2))
     batch = collate_packed([[a, a], [a]], pad_id=PAD)
-    pinned = []
-
-    def pin(tensor: torch.Tensor) -> torch.Tensor:  # CPU-only torch cannot pin: record it
-        pinned.append(tensor)
-        return tensor.clone()
-
-    with mock.patch.object(torch.Tensor, "pin_memory", pin):
+    with recording_pin_memory() as pinned:
         out = batch.pin_memory()
     pixels = batch.encoder_input["image"]["pixel_values"]
     expected = [batch.tokens, batch.labels, batch.mask.segment_ids, batch.mask.cu_seqlens]

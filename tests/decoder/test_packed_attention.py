@@ -20,7 +20,7 @@ from fusion.decoder.packed_attention import (
     prepare,
     resolve_backend,
 )
-from helpers import VOCAB, build_tiny_decoder
+from helpers import VOCAB, build_tiny_decoder, recording_pin_memory
 
 CPU = torch.device("cpu")
 
@@ -136,13 +136,7 @@ def test_to_and_pin_memory_move_the_tensors_and_keep_the_lengths():
         segments.padding,
         "flex",
     )
-    pinned = []
-
-    def pin(tensor: torch.Tensor) -> torch.Tensor:  # CPU-only torch cannot pin: record it
-        pinned.append(tensor)
-        return tensor.clone()
-
-    with mock.patch.object(torch.Tensor, "pin_memory", pin):
+    with recording_pin_memory() as pinned:
         out = segments.pin_memory()
     assert pinned[0] is segments.segment_ids and pinned[1] is segments.cu_seqlens
     assert torch.equal(out.segment_ids, segments.segment_ids) and out.lengths == segments.lengths
