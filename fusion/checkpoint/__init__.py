@@ -1,13 +1,14 @@
 """Checkpoints in and out: Hugging Face directories, Meta and torchtune state dicts, safetensors
 and torch files.
 
-- :func:`load_hf_llama` / :func:`save_hf_llama`: a Hugging Face Llama directory <-> a
-  ``llama3_2`` decoder (config, key names and the q/k rotary row permutation).
-- :func:`load_hf_llava`, :func:`load_hf_idefics3` (also SmolVLM), :func:`load_hf_vlm` (any of
-  them, Qwen2-VL and Qwen2.5-VL too) and :func:`save_hf_llava` / :func:`save_hf_idefics3` /
-  :func:`save_hf_qwen2_vl` / :func:`save_hf_qwen3_vl`: vision-language directories <-> a
-  ready ``EarlyFusion``; :func:`load_hf_model`: whichever of a Llama or a vision-language
-  model the directory holds.
+- :func:`load_hf_model` / :func:`save_hf_model`: a Hugging Face directory of any registered
+  family (:mod:`fusion.families`: Llama, LLaVA, Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL,
+  Qwen3-VL) <-> a ``llama3_2`` decoder or a ready ``EarlyFusion``.
+- :func:`load_hf_llama` / :func:`save_hf_llama`: the same for a Llama directory only (config,
+  key names and the q/k rotary row permutation). The per-family ``load_hf_llava``,
+  ``load_hf_idefics3``, ``load_hf_vlm``, ``save_hf_llava``, ``save_hf_idefics3``,
+  ``save_hf_qwen2_vl`` and ``save_hf_qwen3_vl`` are deprecated aliases, kept for one
+  release.
 - :func:`export_hf`: a trained model (LoRA merged) as a Hugging Face directory with the
   source directory's tokenizer, processor, chat-template and generation-config files, written
   whole or not at all.
@@ -29,10 +30,10 @@ from fusion.checkpoint.export import export_hf
 from fusion.checkpoint.files import load_state_dict, save_state_dict
 from fusion.checkpoint.hf_config import read_hf_config
 from fusion.checkpoint.hf_llama import load_hf_llama, save_hf_llama
+from fusion.checkpoint.hf_model import load_hf_model, save_hf_model
 from fusion.checkpoint.hf_vlm import (
     load_hf_idefics3,
     load_hf_llava,
-    load_hf_model,
     load_hf_vlm,
     save_hf_idefics3,
     save_hf_llava,
@@ -60,6 +61,7 @@ __all__ = [
     "save_hf_idefics3",
     "save_hf_llama",
     "save_hf_llava",
+    "save_hf_model",
     "save_hf_qwen2_vl",
     "save_hf_qwen3_vl",
     "save_state_dict",

@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -19,19 +19,10 @@ from fusion._wrappers import unwrap
 from fusion.checkpoint.errors import CheckpointError, as_path, check_positive_int, short_repr
 from fusion.checkpoint.files import fsync_path
 from fusion.checkpoint.hf_config import CONFIG_NAME, read_hf_config
-from fusion.checkpoint.hf_llama import save_hf_llama
-from fusion.checkpoint.hf_vlm import (
-    save_hf_idefics3,
-    save_hf_llava,
-    save_hf_qwen2_vl,
-    save_hf_qwen3_vl,
-)
+from fusion.checkpoint.hf_model import save_family
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
-from fusion.encoders.qwen_vision import Qwen3VisionTransformer
-from fusion.models.idefics3 import Idefics3ImageEncoder
-from fusion.models.llava import LlavaImageEncoder
-from fusion.models.qwen2_vl import VISION_TOWERS
+from fusion.families import Family, family_of
 
 # What a model directory holds besides weights and config.json, for tokenizers, processors and
 # generation (transformers' names); those present in the source are copied.
@@ -165,34 +156,26 @@ def _saver(model: object) -> Callable[[Path, int | None], list[Path]]:
             f"model: carries LoRA adapters ({adapted!r}, ...); merge them first "
             "with fusion.lora.merge_lora(model) (save them apart with save_adapter)"
         )
-    if isinstance(inner, EarlyFusion) and inner.encoders:
-        encoders = list(inner.encoders.values())
-        if len(encoders) == 1 and isinstance(encoders[0], LlavaImageEncoder):
-            return partial(_save, save_hf_llava, inner)
-        if len(encoders) == 1 and isinstance(encoders[0], Idefics3ImageEncoder):
-            return partial(_save, save_hf_idefics3, inner)
-        if len(encoders) == 1 and isinstance(encoders[0], tuple(VISION_TOWERS.values())):
-            return partial(_save, save_hf_qwen2_vl, inner)
-        if len(encoders) == 1 and isinstance(encoders[0], Qwen3VisionTransformer):
-            return partial(_save, save_hf_qwen3_vl, inner)
-        got = {name: type(e).__name__ for name, e in inner.encoders.items()}
-        raise TypeError(
-            f"model: expected a LLaVA, Idefics3 or Qwen-VL EarlyFusion (one 'image' encoder, a "
-            f"LlavaImageEncoder, an Idefics3ImageEncoder or a Qwen vision tower), or a text "
-            f"decoder; got encoders {got}"
-        )
     if isinstance(inner, EarlyFusion | TransformerDecoder):
-        return partial(_save, save_hf_llama, inner)
+        try:
+            family = family_of(inner)
+        except TypeError:
+            encoders = cast(EarlyFusion, inner).encoders  # a decoder always has a family
+            got = {name: type(e).__name__ for name, e in encoders.items()}
+            raise TypeError(
+                f"model: expected a LLaVA, Idefics3 or Qwen-VL EarlyFusion (one 'image' encoder, "
+                f"a LlavaImageEncoder, an Idefics3ImageEncoder or a Qwen vision tower), or a "
+                f"text decoder; got encoders {got}"
+            ) from None
+        return partial(_save, family, inner)
     raise TypeError(
         "model: expected an EarlyFusion (LLaVA, Idefics3) or a TransformerDecoder, possibly "
         f"wrapped by torch.compile or DDP; got {type(model).__name__}"
     )
 
 
-def _save(
-    saver: Callable[..., list[Path]], model: nn.Module, directory: Path, shard: int | None
-) -> list[Path]:
-    return saver(model, directory, max_shard_size=shard)
+def _save(family: Family, model: nn.Module, directory: Path, shard: int | None) -> list[Path]:
+    return save_family(model, family, directory, shard, overwrite=False)
 
 
 def _token_ids(source: Path) -> dict[str, dict[str, Any]]:

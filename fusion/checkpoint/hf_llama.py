@@ -417,7 +417,7 @@ def save_hf_llama(
             ``overwrite`` is False; it is a file.
         OSError: the file system failed (a checkpoint being replaced is then left as it was).
     """
-    decoder = _text_decoder(decoder)
+    decoder = text_decoder(decoder)
     config = hf_config_from_decoder(decoder)
     return save_hf(
         decoder.state_dict(),
@@ -474,7 +474,7 @@ def save_hf(
     )
 
 
-def _text_decoder(model: object) -> TransformerDecoder:
+def text_decoder(model: object) -> TransformerDecoder:
     """The ``TransformerDecoder`` that ``model`` is or holds, through wrappers that keep the
     whole model inside them unchanged (``torch.compile``, DDP, DataParallel)."""
     inner = unwrap(model)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save_file
@@ -45,7 +45,6 @@ from fusion.checkpoint.files import (
     write_files,
 )
 from fusion.checkpoint.hf_config import read_hf_config
-from fusion.checkpoint.hf_vlm import _KINDS
 from fusion.checkpoint.keys import (
     fusion_key_to_hf,
     hf_key_to_fusion,
@@ -55,14 +54,8 @@ from fusion.checkpoint.keys import (
 )
 from fusion.decoder import MultiHeadAttention, TransformerDecoder
 from fusion.early_fusion import EarlyFusion
-from fusion.encoders.qwen_vision import (
-    Qwen2VisionTransformer,
-    Qwen3VisionTransformer,
-    Qwen25VisionTransformer,
-)
+from fusion.families import Family, family_of
 from fusion.lora.apply import ADAPTER_CHILDREN, apply_lora, lora_linears, lora_settings
-from fusion.models.idefics3 import Idefics3ImageEncoder
-from fusion.models.llava import LlavaImageEncoder
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -77,80 +70,45 @@ _BASE_COPY = re.compile(r"base_model\.model\.(.+)\.base_layer\.weight")
 
 @dataclass(frozen=True)
 class _Family:
-    """Where transformers' class of a model keeps its layers in memory (peft's names)."""
+    """A model family as peft sees it: transformers' class of one of its model types, and
+    where that class keeps its layers in memory (peft's names)."""
 
-    kind: str  # "llama", or a key of fusion.checkpoint.hf_vlm's kinds (its key reader)
-    architecture: str  # transformers' class
-    library: str  # the module defining it (peft's auto_mapping)
-    text: str  # the prefix of the text model's layers, where a Llama has "model."
-    encoder: tuple[tuple[str, str], ...] = ()  # our prefix -> transformers' prefix
+    family: Family
+    model_type: str
+
+    @property
+    def kind(self) -> str:
+        return self.family.name
+
+    @property
+    def architecture(self) -> str:  # transformers' class
+        return self.family.architectures[self.model_type]
+
+    @property
+    def library(self) -> str:  # the module defining it (peft's auto_mapping)
+        return self.family.transformers_module(self.model_type)
+
+    @property
+    def text(self) -> str:  # the prefix of the text model's layers, where a Llama has "model."
+        return self.family.peft_text
+
+    @property
+    def encoder(self) -> tuple[tuple[str, str], ...]:  # our prefix -> transformers' prefix
+        return self.family.peft_encoder
 
     def named_by(self, base: str | None) -> "_Family":
-        """This family as the base directory's ``config.json`` names it: SmolVLM is an
-        Idefics3 to this library, with a class of its own in transformers (same layer
-        names)."""
-        if self.kind != "idefics3" or base is None or not os.path.isdir(base):
+        """This family as the base directory's ``config.json`` names it, when that is another
+        model type of the same family with a class of its own in transformers (SmolVLM is an
+        Idefics3 to this library; same layer names)."""
+        if base is None or not os.path.isdir(base):
             return self
         try:
             model_type = read_hf_config(Path(base) / "config.json").get("model_type")
-        except CheckpointError:  # not ours to judge here: the class stays Idefics3's
+        except CheckpointError:  # not ours to judge here: the class stays the model's
             return self
-        if model_type != "smolvlm":
+        if model_type == self.model_type or model_type not in self.family.model_types:
             return self
-        library = "transformers.models.smolvlm.modeling_smolvlm"
-        return replace(self, architecture="SmolVLMForConditionalGeneration", library=library)
-
-
-def _family(kind: str, architecture: str, module: str, text: str, *encoder: str) -> _Family:
-    pairs = tuple(zip(encoder[::2], encoder[1::2], strict=True))
-    return _Family(kind, architecture, f"transformers.models.{module}", text, pairs)
-
-
-_LLAMA = _family("llama", "LlamaForCausalLM", "llama.modeling_llama", "model.")
-_TOWERS: dict[type[nn.Module], _Family] = {
-    LlavaImageEncoder: _family(
-        "llava",
-        "LlavaForConditionalGeneration",
-        "llava.modeling_llava",
-        "model.language_model.",
-        "encoders.image.vision_tower.",
-        "model.vision_tower.",
-        "encoders.image.multi_modal_projector.",
-        "model.multi_modal_projector.",
-    ),
-    Idefics3ImageEncoder: _family(
-        "idefics3",
-        "Idefics3ForConditionalGeneration",
-        "idefics3.modeling_idefics3",
-        "model.text_model.",
-        "encoders.image.",
-        "model.",
-    ),
-    Qwen2VisionTransformer: _family(
-        "qwen2_vl",
-        "Qwen2VLForConditionalGeneration",
-        "qwen2_vl.modeling_qwen2_vl",
-        "model.language_model.",
-        "encoders.image.",
-        "model.visual.",
-    ),
-    Qwen25VisionTransformer: _family(
-        "qwen2_vl",
-        "Qwen2_5_VLForConditionalGeneration",
-        "qwen2_5_vl.modeling_qwen2_5_vl",
-        "model.language_model.",
-        "encoders.image.",
-        "model.visual.",
-    ),
-    Qwen3VisionTransformer: _family(
-        "qwen3_vl",
-        "Qwen3VLForConditionalGeneration",
-        "qwen3_vl.modeling_qwen3_vl",
-        "model.language_model.",
-        "encoders.image.",
-        "model.visual.",
-    ),
-}
+        return replace(self, model_type=model_type)
 
 
 @dataclass(frozen=True)
@@ -184,7 +142,7 @@ class _Model:
             if self.family.kind == "llama":
                 key: str | None = self.decoder + hf_key_to_fusion(hf + ".weight")
             else:
-                key = _KINDS[self.family.kind].layout.ours(hf + ".weight")
+                key = self.family.family.layout.ours(hf + ".weight")
         except KeyError:
             return None
         return None if key is None else key.removesuffix(".weight")
@@ -218,21 +176,19 @@ class _Model:
 
 def _describe(model: object) -> _Model:
     inner = unwrap(model)
-    if isinstance(inner, TransformerDecoder):
-        return _Model(inner, _LLAMA, "")
-    if isinstance(inner, EarlyFusion):
-        if not inner.encoders:
-            return _Model(inner, _LLAMA, "decoder.")
-        encoder = inner.encoders["image"] if set(inner.encoders) == {"image"} else None
-        family = _TOWERS.get(type(encoder)) if encoder is not None else None
-        if family is not None:
-            return _Model(inner, family, "decoder.")
-        got = {name: type(e).__name__ for name, e in inner.encoders.items()}
-        raise TypeError(
-            "model: expected a LLaVA, Idefics3, Qwen2-VL, Qwen2.5-VL or Qwen3-VL EarlyFusion "
-            f"(one 'image' encoder as fusion.checkpoint's loaders build it) or a text decoder; "
-            f"got encoders {got}"
-        )
+    if isinstance(inner, TransformerDecoder | EarlyFusion):
+        try:
+            family = family_of(inner)
+        except TypeError:
+            encoders = cast(EarlyFusion, inner).encoders  # a decoder always has a family
+            got = {name: type(e).__name__ for name, e in encoders.items()}
+            raise TypeError(
+                "model: expected a LLaVA, Idefics3, Qwen2-VL, Qwen2.5-VL or Qwen3-VL EarlyFusion "
+                "(one 'image' encoder as fusion.checkpoint's loaders build it) or a text "
+                f"decoder; got encoders {got}"
+            ) from None
+        peft = _Family(family, family.model_type_of(inner))
+        return _Model(inner, peft, "" if isinstance(inner, TransformerDecoder) else "decoder.")
     raise TypeError(
         "model: expected an EarlyFusion or a TransformerDecoder (possibly wrapped by "
         f"torch.compile or DDP), got {type(model).__name__}"
