@@ -202,6 +202,48 @@ def chunked_token_loss(
             a tied output, or an output in the root unit, once the root resharded after its
             forward (the message says what to change).
     """
+    _check_chunked_loss_arguments(hidden, labels, unembed, ignore_index, chunk_size, num_targets)
+    tokens = labels.numel()  # b * s: the checks matched labels' shape to hidden's
+    flat_labels = labels.reshape(tokens)
+    targeted = flat_labels != ignore_index
+    count = targeted.sum()
+    if num_targets is None:
+        positions = targeted.nonzero().squeeze(1)  # the one synchronisation: its size
+    else:
+        check_values(
+            count == num_targets,
+            f"num_targets: expected the number of labels that are not {ignore_index}, "
+            f"got {num_targets}",
+            eager=host_reads_are_free(labels.device),
+            details=lambda: f" for {int(count)} targets",
+        )
+        # A static size: no host read. Fill with a valid index (a wrong count fails above).
+        positions = torch.nonzero_static(targeted, size=num_targets, fill_value=0).squeeze(1)
+    # Gathered once: chunks are slices of these, whose gradients the backward concatenates.
+    rows = hidden.reshape(tokens, hidden.size(-1)).index_select(0, positions)  # [n, d]
+    targets = flat_labels.index_select(0, positions).long()  # [n]
+    pieces = zip(rows.split(chunk_size), targets.split(chunk_size), strict=True)
+    total = torch.zeros((), dtype=torch.float32, device=labels.device)
+    for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
+        if torch.is_grad_enabled():
+            # Saves only the chunk's rows and targets; its logits are recomputed in backward.
+            part = checkpoint(_chunk_loss, chunk_rows, chunk_targets, unembed, use_reentrant=False)
+        else:
+            part = _chunk_loss(chunk_rows, chunk_targets, unembed)
+        total = total + part
+    return total, count
+
+
+def _check_chunked_loss_arguments(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    unembed: Callable[[torch.Tensor], torch.Tensor],
+    ignore_index: int,
+    chunk_size: int,
+    num_targets: int | None,
+) -> None:
+    """The argument checks of :func:`chunked_token_loss`, made before anything is computed: the
+    errors its docstring lists, except those about what ``unembed`` returns or raises."""
     if not isinstance(hidden, torch.Tensor) or is_dtensor(hidden):
         kind = "a DTensor" if is_dtensor(hidden) else type(hidden).__name__
         raise TypeError(
@@ -248,34 +290,6 @@ def chunked_token_loss(
         raise ValueError(
             "num_targets: expected an int on the meta device (no labels to count), got None"
         )
-    flat_labels = labels.reshape(tokens)
-    targeted = flat_labels != ignore_index
-    count = targeted.sum()
-    if num_targets is None:
-        positions = targeted.nonzero().squeeze(1)  # the one synchronisation: its size
-    else:
-        check_values(
-            count == num_targets,
-            f"num_targets: expected the number of labels that are not {ignore_index}, "
-            f"got {num_targets}",
-            eager=host_reads_are_free(labels.device),
-            details=lambda: f" for {int(count)} targets",
-        )
-        # A static size: no host read. Fill with a valid index (a wrong count fails above).
-        positions = torch.nonzero_static(targeted, size=num_targets, fill_value=0).squeeze(1)
-    # Gathered once: chunks are slices of these, whose gradients the backward concatenates.
-    rows = hidden.reshape(tokens, hidden.size(-1)).index_select(0, positions)  # [n, d]
-    targets = flat_labels.index_select(0, positions).long()  # [n]
-    pieces = zip(rows.split(chunk_size), targets.split(chunk_size), strict=True)
-    total = torch.zeros((), dtype=torch.float32, device=labels.device)
-    for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
-        if torch.is_grad_enabled():
-            # Saves only the chunk's rows and targets; its logits are recomputed in backward.
-            part = checkpoint(_chunk_loss, chunk_rows, chunk_targets, unembed, use_reentrant=False)
-        else:
-            part = _chunk_loss(chunk_rows, chunk_targets, unembed)
-        total = total + part
-    return total, count
 
 
 def _chunk_loss(

@@ -709,31 +709,8 @@ def save_peft_adapter(
             key = f"{_PREFIX}{hf_names[name]}.lora_B.weight"
             raw[key] = interleaved_to_rotate_half(raw[key], heads)
     tensors = prepare_tensors(dict(sorted(raw.items())), "model", safetensors=True)
-    rank, alpha = settings[first].rank, settings[first].alpha
-    family = target.family.named_by(base_model_name_or_path)
-    config = {
-        "alpha_pattern": {},
-        "auto_mapping": {"base_model_class": family.architecture, "parent_library": family.library},
-        "base_model_name_or_path": base_model_name_or_path,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "init_lora_weights": True,
-        "layers_pattern": None,
-        "layers_to_transform": None,
-        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
-        "lora_dropout": dropouts[first],
-        "modules_to_save": None,
-        "peft_type": "LORA",
-        "r": rank,
-        "rank_pattern": {},
-        "revision": None,
-        "target_modules": _target_modules(target, set(hf_names.values())),
-        "task_type": None,
-        "use_dora": False,
-        "use_rslora": False,
-    }
-    text = json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    adapted = set(hf_names.values())  # transformers' names of the adapted layers
+    text = _adapter_config_text(target, base_model_name_or_path, adapted, *kinds[first])
     if os.path.lexists(out) and not out.is_dir():
         raise CheckpointError(out, None, "exists and is not a directory")
     present = [
@@ -751,6 +728,43 @@ def save_peft_adapter(
     write: Callable[[Path], None] = partial(_save_tensors, tensors)
     stale = [ADAPTER_WEIGHTS_BIN] if ADAPTER_WEIGHTS_BIN in present else []
     return write_files(out, {ADAPTER_WEIGHTS: write, ADAPTER_CONFIG: text}, remove=stale)
+
+
+def _adapter_config_text(
+    target: _Model,
+    base_model_name_or_path: str | None,
+    adapted: set[str],
+    rank: int,
+    alpha: float,
+    dropout: float,
+) -> str:
+    """``adapter_config.json`` as peft writes it, for adapters of one ``rank``, ``alpha`` and
+    ``dropout`` on the layers ``adapted`` (transformers' names): every field peft's
+    ``LoraConfig`` saves, those this library does not use at their defaults."""
+    family = target.family.named_by(base_model_name_or_path)
+    config = {
+        "alpha_pattern": {},
+        "auto_mapping": {"base_model_class": family.architecture, "parent_library": family.library},
+        "base_model_name_or_path": base_model_name_or_path,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": dropout,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": _target_modules(target, adapted),
+        "task_type": None,
+        "use_dora": False,
+        "use_rslora": False,
+    }
+    return json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
 def _save_tensors(tensors: Mapping[str, torch.Tensor], file: Path) -> None:
