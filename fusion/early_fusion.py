@@ -1,8 +1,8 @@
 """EarlyFusion: encoders whose outputs are written into a text decoder's input embeddings."""
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,9 +15,9 @@ from fusion.decoder_kinds import (
     embedding_module,
     vocab_size,
 )
+from fusion.hooks import DeepStackRows, FusionHook, MRopePositions
 from fusion.merge import IMPLEMENTATIONS, EncoderRows, merge_embeddings
-from fusion.merge.placement import PlaceholderIds, Placement
-from fusion.positions import grids_from, mrope_positions
+from fusion.merge.placement import PlaceholderIds
 
 _FUSION_MODULE_FLAG = "_fusion_module"
 
@@ -94,16 +94,12 @@ class EarlyFusion(nn.Module):
             :func:`register_fusion_module`, overriding the other two.
         merge_impl, eager_checks: passed to :func:`fusion.merge_embeddings` (``eager_checks=True``
             checks placeholder counts on the host, with a synchronisation, on any device).
-        mrope: for a decoder with M-RoPE (Qwen2-VL): ``(encoder name, spatial merge size)``.
-            Positions are then derived as :func:`fusion.positions.mrope_positions` does, from
-            the 1-D ``input_pos`` (or none), that encoder's placeholders and its input's
-            ``image_grid_thw``; with an enabled KV cache they are carried on in the decoder's
-            ``mrope_deltas``, so that decoding steps fed to the decoder continue them.
-        deepstack: for Qwen3-VL's DeepStack, the name of an encoder that returns ``(rows,
-            layer_rows)``: ``rows`` replace its placeholders as any encoder's, and
-            ``layer_rows[k]`` (each shaped like ``rows``) is added to the output of decoder
-            layer ``k`` at the same placeholders, through the decoder's ``after_layer``
-            (this library's decoder only; no layer is replaced, no key changes).
+        hooks: what a family's decoder computes beyond the merge, called in order at each
+            forward through this library's decoder, without ``EarlyFusion`` knowing the
+            family (:mod:`fusion.hooks`: :class:`~fusion.hooks.MRopePositions`,
+            :class:`~fusion.hooks.DeepStackRows`); kept as ``self.hooks``.
+        mrope, deepstack: deprecated shorthands for ``hooks=[MRopePositions(*mrope),
+            DeepStackRows(deepstack)]``.
 
     Raises:
         TypeError: ``decoder`` is none of the kinds above (the message names what was looked
@@ -129,6 +125,7 @@ class EarlyFusion(nn.Module):
         fusion_trainable: bool | None = None,
         merge_impl: str = "auto",
         eager_checks: bool | None = None,
+        hooks: Sequence[FusionHook] = (),
         mrope: tuple[str, int] | None = None,
         deepstack: str | None = None,
     ) -> None:
@@ -157,20 +154,16 @@ class EarlyFusion(nn.Module):
         self.encoder_tokens = encoder_tokens
         self.merge_impl = merge_impl
         self.eager_checks = eager_checks
-        if mrope is not None and (
-            kind != FUSION or not decoder.multimodal_rope or mrope[0] not in encoder_tokens
-        ):
-            raise ValueError(
-                "mrope: expected an encoder name of this model over this library's decoder "
-                f"with M-RoPE, got {mrope!r} for a {kind} decoder"
-            )
-        self.mrope = mrope
-        if deepstack is not None and (kind != FUSION or deepstack not in encoder_tokens):
-            raise ValueError(
-                "deepstack: expected an encoder name of this model over this library's "
-                f"decoder, got {deepstack!r} for a {kind} decoder"
-            )
-        self.deepstack = deepstack
+        hooks = [
+            *hooks,
+            *([MRopePositions(*mrope)] if mrope is not None else []),
+            *([DeepStackRows(deepstack)] if deepstack is not None else []),
+        ]
+        for hook in hooks:
+            if kind != FUSION:
+                raise ValueError(f"hooks: {hook!r} needs this library's decoder, got a {kind} one")
+            hook.check(decoder, encoder_tokens)
+        self.hooks = tuple(hooks)
         flags = (decoder_trainable, encoders_trainable, fusion_trainable)
         if any(flag is not None for flag in flags):
             self.set_trainable(
@@ -274,8 +267,18 @@ class EarlyFusion(nn.Module):
         if kind != FUSION:
             _check_foreign_arguments(kind, mask, input_pos, kwargs)
         rows = self.encode(encoder_input or {})
-        layer_rows = self._split_layer_rows(rows)
         if kind == FUSION:
+            kwargs = dict(kwargs)
+            for hook in self.hooks:
+                input_pos = hook.before_decoder(
+                    self.decoder,
+                    tokens,
+                    self.encoder_tokens,
+                    rows,
+                    encoder_input or {},
+                    input_pos,
+                    kwargs,
+                )
 
             def embed(tok_embeddings: nn.Module, ids: torch.Tensor) -> torch.Tensor:
                 # Called inside the decoder's forward, so the embedding is called as the
@@ -291,17 +294,6 @@ class EarlyFusion(nn.Module):
                     eager_checks=self.eager_checks,
                 )
 
-            if self.mrope is not None:
-                input_pos = self._mrope_positions(tokens, input_pos, encoder_input)
-            if layer_rows:
-                placeholder = self.encoder_tokens[cast(str, self.deepstack)]
-
-                def after_layer(index: int, hidden: torch.Tensor) -> torch.Tensor:
-                    if index >= len(layer_rows):
-                        return hidden
-                    return add_at_placeholders(hidden, tokens, placeholder, layer_rows[index])
-
-                kwargs = {**kwargs, "after_layer": after_layer}
             return self.decoder(tokens, mask=mask, input_pos=input_pos, embed=embed, **kwargs)
         embedding = embedding_module(self.decoder, kind)
         check_gathered(embedding)
@@ -319,59 +311,6 @@ class EarlyFusion(nn.Module):
         given = {"mask": mask, "input_pos": input_pos}
         kwargs = {**{k: v for k, v in given.items() if v is not None}, **kwargs}
         return self.decoder(None, input_embeds=embeds, **kwargs)
-
-    def _split_layer_rows(self, rows: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-        """Take the DeepStack encoder's ``(rows, layer_rows)`` apart: its ``rows`` stay in
-        ``rows`` for the merge, its layer rows are returned (checked to be shaped alike)."""
-        name = self.deepstack
-        if name is None or not isinstance(rows.get(name), tuple):
-            return ()
-        main, layer_rows = rows[name]
-        rows[name] = main
-        for k, extra in enumerate(layer_rows):
-            if not isinstance(extra, torch.Tensor) or extra.shape != main.shape:
-                got = list(extra.shape) if isinstance(extra, torch.Tensor) else type(extra)
-                raise ValueError(
-                    f"encoder {name!r}: its layer rows [{k}] must be shaped like its rows "
-                    f"{list(main.shape)}, got {got}"
-                )
-        return tuple(layer_rows)
-
-    def _mrope_positions(
-        self,
-        tokens: torch.Tensor,
-        input_pos: torch.Tensor | None,
-        encoder_input: Mapping[str, Any] | None,
-    ) -> torch.Tensor:
-        """[3, b, s] positions for an M-RoPE decoder: as given when 3-D, else derived."""
-        if isinstance(input_pos, torch.Tensor) and input_pos.dim() == 3:
-            return input_pos
-        name, merge_size = cast(tuple[str, int], self.mrope)
-        given = (encoder_input or {}).get(name)
-        if given is not None and not isinstance(given, Mapping):
-            # Rows computed beforehand (encode()) do not say where each image's rows sit.
-            raise ValueError(
-                f"encoder_input[{name!r}]: rows computed beforehand carry no image_grid_thw "
-                "for the M-RoPE positions; pass the encoder's input (pixel_values and "
-                "image_grid_thw) or [3, b, s] input_pos"
-            )
-        decoder = self.decoder
-        cached = decoder.caches_are_enabled()
-        if input_pos is None and cached:  # the cache's next slots, as the decoder's default
-            input_pos = decoder.kv_caches()[0].fill + torch.arange(
-                tokens.size(1), device=tokens.device
-            )
-        positions, offsets = mrope_positions(
-            tokens,
-            input_pos,
-            self.encoder_tokens[name],
-            grids_from(encoder_input, name),
-            merge_size,
-            carry=decoder.mrope_deltas if cached else None,
-        )
-        if cached:
-            decoder.mrope_deltas.copy_(offsets)
-        return positions
 
     # ------------------------------------------------------------------ delegated to the decoder
     # A Hugging Face decoder keeps its cache in its ``cache`` argument and has none of these;
@@ -428,22 +367,6 @@ class EarlyFusion(nn.Module):
     @output_hidden_states.setter
     def output_hidden_states(self, value: list[int]) -> None:
         self.decoder.output_hidden_states = list(value)
-
-
-def add_at_placeholders(
-    hidden: torch.Tensor, tokens: torch.Tensor, placeholder_id: int, rows: torch.Tensor
-) -> torch.Tensor:
-    """``hidden`` [b, s, d] with packed ``rows`` [n, d] added at the ``n`` placeholders of
-    ``tokens`` [b, s]: row ``k`` at the ``k``-th placeholder across the batch, placed as the
-    merge places an encoder's rows (:meth:`fusion.merge.placement.Placement.destinations`),
-    so each row stays in its sample; sync-free. Other positions are left as they are."""
-    if rows.size(0) == 0:
-        return hidden
-    placement = Placement("deepstack", placeholder_id, rows, None, tokens == placeholder_id)
-    flat = hidden.reshape(-1, hidden.size(-1))
-    spill = flat.new_zeros(1, flat.size(1))  # where rows without a placeholder would go
-    added = torch.cat([flat, spill]).index_add(0, placement.destinations(), rows.to(flat.dtype))
-    return added[:-1].view_as(hidden)
 
 
 def _check_foreign_arguments(

@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fusion.early_fusion import EarlyFusion, register_fusion_module
+from fusion.hooks import DeepStackRows, MRopePositions
 from fusion.encoders.qwen_vision import Qwen3VisionTransformer
 from fusion.models.llama3_2 import llama3_2
 
@@ -13,7 +14,7 @@ def qwen3_vl(
     *, text: Mapping[str, Any], vision: Mapping[str, Any], image_token_id: int
 ) -> EarlyFusion:
     """A Qwen3-VL model: ``EarlyFusion(decoder, {"image": tower}, {"image": image_token_id},
-    mrope=..., deepstack="image")``.
+    hooks=[MRopePositions(...), DeepStackRows("image")])``.
 
     The tower returns its rows and one set of DeepStack rows per ``deepstack_visual_indexes``
     entry; ``EarlyFusion`` writes the rows at the ``<|image_pad|>`` placeholders and adds the
@@ -49,6 +50,5 @@ def qwen3_vl(
         decoder,
         {"image": tower},
         {"image": image_token_id},
-        mrope=("image", tower.spatial_merge_size),
-        deepstack="image",
+        hooks=[MRopePositions("image", tower.spatial_merge_size), DeepStackRows("image")],
     )

@@ -15,10 +15,10 @@ import torch
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-import fusion.early_fusion
+import fusion.hooks
 from fusion import EarlyFusion, masked_token_loss
 from fusion.data import IGNORE_INDEX, Sample, collate_packed, collate_padded, pack_samples
-from fusion.early_fusion import add_at_placeholders
+from fusion.hooks import add_at_placeholders
 from fusion.models import qwen2_vl
 from fusion.positions import mrope_positions
 from qwen3_helpers import tiny_qwen3_vl
@@ -260,8 +260,8 @@ def packed_differs(
     with torch.no_grad():
         expected = [[alone(model, sample, fusion_positions) for sample in row] for row in rows]
         inputs["input_pos"] = positions(model, inputs)
-        right = fusion.early_fusion.add_at_placeholders
-        with mock.patch.object(fusion.early_fusion, "add_at_placeholders", placement or right):
+        right = fusion.hooks.add_at_placeholders
+        with mock.patch.object(fusion.hooks, "add_at_placeholders", placement or right):
             logits = model(**inputs)
     for r, row in enumerate(rows):
         start = 0
