@@ -25,10 +25,8 @@ conversion in :mod:`~fusion.checkpoint.hf_config`, single keys and the row permu
 :mod:`~fusion.checkpoint.keys`) stay importable from their modules.
 """
 
-from fusion.checkpoint.errors import CheckpointError
 from fusion.checkpoint.export import export_hf
 from fusion.checkpoint.files import load_state_dict, save_state_dict
-from fusion.checkpoint.hf_config import read_hf_config
 from fusion.checkpoint.hf_llama import load_hf_llama, save_hf_llama
 from fusion.checkpoint.hf_model import load_hf_model, save_hf_model
 from fusion.checkpoint.hf_vlm import (
@@ -42,6 +40,8 @@ from fusion.checkpoint.hf_vlm import (
 )
 from fusion.checkpoint.keys import fusion_to_hf, fusion_to_meta, hf_to_fusion, meta_to_fusion
 from fusion.checkpoint.prefix import decoder_state_dict, select_prefix
+from fusion.hf.config import read_hf_config
+from fusion.hf.errors import CheckpointError
 
 __all__ = [
     "CheckpointError",

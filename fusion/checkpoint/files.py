@@ -28,29 +28,32 @@ import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from io import BufferedReader
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 import torch
 from safetensors.torch import save_file
 
-from fusion._io import FileTooLarge, NotRegularFile, open_regular, read_regular
-from fusion.checkpoint.errors import (
+# The bounded readers moved to fusion.hf.files; imported ``as`` themselves, they stay importable
+# from here.
+from fusion.hf.errors import (
     CheckpointError,
     as_path,
     check_positive_int,
     check_state_dict,
     short_repr,
 )
+from fusion.hf.files import MAX_JSON_BYTES as MAX_JSON_BYTES
+from fusion.hf.files import MAX_TOKENIZER_BYTES as MAX_TOKENIZER_BYTES
+from fusion.hf.files import open_regular_file, parse_json, read_json
+from fusion.hf.files import read_bounded as read_bounded
+from fusion.hf.files import read_tokenizer as read_tokenizer
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_SINGLE = "pytorch_model.bin"
 TORCH_INDEX = "pytorch_model.bin.index.json"
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
-MAX_JSON_BYTES = 32 * 2**20  # config.json and indexes: real ones are kilobytes
-MAX_TOKENIZER_BYTES = 256 * 2**20  # tokenizer.json: the largest real ones are tens of megabytes
 MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 
 _DTYPES = {  # safetensors' names
@@ -133,7 +136,7 @@ class CheckpointFiles:
             return self._loaded[key]
         entry, (start, end) = self.entries[key], self._ranges[key]
         data = bytearray(end - start)
-        with _open_regular(entry.file) as f:
+        with open_regular_file(entry.file) as f:
             try:
                 f.seek(start)
                 complete = f.readinto(data) == len(data)
@@ -237,83 +240,6 @@ def _resolve(path: Path) -> Path:
     return path / present[0]
 
 
-def _open_regular(file: Path, what: str = "file") -> BufferedReader:
-    """Open ``file`` for reading, refusing anything but a regular file (after symlinks)."""
-    try:
-        return open_regular(file)
-    except NotRegularFile:
-        raise CheckpointError(
-            file, None, f"{what} is not a regular file (a FIFO, device, ...)"
-        ) from None
-    except OSError as error:
-        raise CheckpointError(file, None, f"unreadable {what}: {error.strerror}") from error
-
-
-def _parse_json(raw: bytes, file: Path, problem: str) -> Any:
-    """Parse untrusted JSON; a failure is a :class:`CheckpointError` starting with ``problem``.
-
-    ``Infinity``/``NaN`` parse to floats, and so do integers of more than 40 digits (as JSON
-    numbers beyond a float's range already do), never to a huge int: the caller's type checks
-    then name the key at fault."""
-    try:
-        return json.loads(raw, parse_int=lambda text: int(text) if len(text) <= 40 else float(text))
-    except RecursionError:
-        raise CheckpointError(file, None, f"{problem}: nested too deeply") from None
-    except ValueError as error:  # includes JSONDecodeError and UnicodeDecodeError
-        raise CheckpointError(file, None, f"{problem}: {error}") from error
-
-
-def read_bounded(file: Path, limit: int, what: str = "") -> bytes:
-    """The content of the regular file ``file``, refused when it holds more than ``limit`` bytes
-    (:func:`fusion._io.read_regular`: a huge or growing file costs nothing); ``what`` names
-    the file at the start of its errors.
-
-    Raises:
-        CheckpointError: naming ``file``: not a regular file, unreadable, or too large.
-    """
-    try:
-        return read_regular(file, limit)
-    except NotRegularFile:
-        problem = f"{what} is not" if what else "not"
-        raise CheckpointError(
-            file, None, f"{problem} a regular file (a FIFO, device, ...)"
-        ) from None
-    except FileTooLarge:
-        named = f"{what} larger" if what else "larger"
-        raise CheckpointError(file, None, f"{named} than {limit} bytes: refused") from None
-    except OSError as error:
-        named = f"unreadable {what}" if what else "unreadable"
-        raise CheckpointError(file, None, f"{named}: {error.strerror}") from error
-
-
-def read_tokenizer(file: Path, *, missing: str | None = None) -> Any:
-    """``tokenizer.json`` (a regular file of at most :data:`MAX_TOKENIZER_BYTES`) as a
-    ``tokenizers.Tokenizer``: JSON data, nothing executed. With ``missing``, a file that does
-    not exist is refused as ``missing: {missing}``.
-
-    Raises:
-        ImportError: the ``tokenizers`` package is not installed.
-        CheckpointError: naming ``file``: missing, not a regular file, too large or unreadable.
-    """
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ImportError("reading tokenizer.json needs the tokenizers package") from None
-    if missing is not None and not file.exists():
-        raise CheckpointError(file, None, f"missing: {missing}")
-    raw = read_bounded(file, MAX_TOKENIZER_BYTES)
-    try:
-        return Tokenizer.from_str(raw.decode("utf-8"))
-    except Exception as error:  # tokenizers raises plain Exception
-        raise CheckpointError(file, None, f"unreadable tokenizer: {error}") from None
-
-
-def read_json(file: Path, what: str) -> Any:
-    """Read a JSON file of at most :data:`MAX_JSON_BYTES` (``what`` names it in errors)."""
-    raw = read_bounded(file, MAX_JSON_BYTES, what)
-    return _parse_json(raw, file, f"unreadable {what}")
-
-
 def _is_int_list(value: object, length: int | None = None) -> TypeGuard[list[int]]:
     return (
         isinstance(value, list)
@@ -325,7 +251,7 @@ def _is_int_list(value: object, length: int | None = None) -> TypeGuard[list[int
 def _read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, tuple[int, int]]]:
     """A safetensors file's entries and each key's byte range in the file, in file order, read
     and checked without reading tensor data."""
-    with _open_regular(file) as f:
+    with open_regular_file(file) as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
@@ -339,7 +265,7 @@ def _read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, tuple[in
                 f"{size - 8} after the length field (and headers are capped at "
                 f"{MAX_HEADER_BYTES})",
             )
-        header = _parse_json(f.read(header_len), file, "corrupt header")
+        header = parse_json(f.read(header_len), file, "corrupt header")
     if not isinstance(header, dict):
         raise CheckpointError(file, None, "corrupt header: expected a JSON object")
     metadata = header.pop("__metadata__", {})
@@ -388,7 +314,7 @@ def _read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, tuple[in
 
 def _torch_load(file: Path) -> dict[str, torch.Tensor]:
     """``torch.load(weights_only=True)``: tensors and plain containers only, never objects."""
-    with _open_regular(file) as f:
+    with open_regular_file(file) as f:
         try:
             is_zip = zipfile.is_zipfile(f)
             if is_zip:

@@ -1,16 +1,14 @@
-"""Hugging Face ``config.json``: read strictly, and a Llama's <-> the arguments of
-:func:`fusion.models.llama3_2`."""
+"""Hugging Face ``config.json``: a Llama's <-> the arguments of :func:`fusion.models.llama3_2`.
 
-import math
+Reading the file and its values strictly (:func:`read_hf_config`, :class:`ConfigReader`,
+:data:`CONFIG_NAME`) moved to :mod:`fusion.hf.config`; they stay importable from here."""
+
 import os
-from collections.abc import Callable, Collection, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, TypeGuard
 
 import torch
 
-from fusion.checkpoint.errors import CheckpointError, as_path, short_repr
-from fusion.checkpoint.files import read_json
 from fusion.decoder import (
     FeedForward,
     MultiHeadAttention,
@@ -19,8 +17,10 @@ from fusion.decoder import (
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
-
-CONFIG_NAME = "config.json"
+from fusion.hf.config import CONFIG_NAME as CONFIG_NAME
+from fusion.hf.config import ConfigReader
+from fusion.hf.config import read_hf_config as read_hf_config
+from fusion.hf.errors import as_path, short_repr
 
 # Keys without a usable default: Hugging Face's defaults describe a 7B model, so a config that
 # omits them is almost certainly not the one meant.
@@ -31,92 +31,6 @@ _REQUIRED = (
     "num_hidden_layers",
     "num_attention_heads",
 )
-
-
-def read_hf_config(path: str | bytes | os.PathLike) -> dict[str, Any]:
-    """Read ``config.json`` (``path`` is the file or its directory).
-
-    Raises:
-        TypeError, ValueError: ``path`` is not a path.
-        CheckpointError: missing, not a regular file, larger than
-            :data:`~fusion.checkpoint.files.MAX_JSON_BYTES`, unreadable or not a JSON object.
-    """
-    path = as_path(path, "path")
-    file = path / CONFIG_NAME if path.is_dir() else path
-    config = read_json(file, "config")
-    if not isinstance(config, dict):
-        raise CheckpointError(file, None, "expected a JSON object")
-    return config
-
-
-def _is_int(value: object, low: int, high: int) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
-
-
-class ConfigReader:
-    """Checked reads of a config object found at ``prefix`` (e.g. ``"text_config."``) in the
-    file ``source``: a value refused is a :class:`CheckpointError` naming the file, the key and
-    the value."""
-
-    def __init__(self, values: Mapping[str, Any], source: Path, prefix: str = "") -> None:
-        self.values, self.source, self.prefix = values, source, prefix
-
-    def fail(self, key: str, message: str) -> CheckpointError:
-        return CheckpointError(self.source, self.prefix + key, message)
-
-    def get(self, key: str, default: Any, valid: Callable[[Any], bool], expected: str) -> Any:
-        """``values[key]`` (or ``default``) if ``valid``; refused as not ``expected`` if not."""
-        value = self.values.get(key, default)
-        if not valid(value):
-            raise self.fail(key, f"expected {expected}, got {short_repr(value)}")
-        return value
-
-    def integer(self, key: str, default: int | None = None, *, low: int = 1) -> int:
-        if self.values.get(key, default) is None:
-            raise self.fail(key, "missing; expected a positive integer")
-        return self.get(
-            key, default, lambda v: _is_int(v, low, 2**31), f"an integer in [{low}, 2**31)"
-        )
-
-    def number(
-        self,
-        key: str,
-        default: float | None,
-        low: float,
-        *,
-        closed: bool = False,
-        high: float = math.inf,
-    ) -> float:
-        """A finite number in (low, high], or in [low, high] with ``closed``."""
-
-        def valid(v: Any) -> bool:
-            is_number = isinstance(v, int | float) and not isinstance(v, bool)
-            return (
-                is_number and math.isfinite(v) and (low <= v if closed else low < v) and v <= high
-            )
-
-        bounds = f"{'>=' if closed else '>'} {low:g}" + (
-            f", <= {high:g}" if high < math.inf else ""
-        )
-        return float(self.get(key, default, valid, f"a finite number {bounds}"))
-
-    def flag(self, key: str, default: bool = False) -> bool:
-        return self.get(key, default, lambda v: isinstance(v, bool), "true or false")
-
-    def choice(self, key: str, default: str | None, choices: Collection[str]) -> str:
-        expected = f"one of {sorted(choices)}"
-        return self.get(key, default, lambda v: isinstance(v, str) and v in choices, expected)
-
-    def section(
-        self, key: str, what: str, defaults: Mapping[str, Any] | None = None
-    ) -> "ConfigReader":
-        """The object under ``key`` (required), over ``defaults``."""
-        value = self.values.get(key)
-        if value is None:
-            raise self.fail(key, f"missing; a {what} config needs it")
-        if not isinstance(value, Mapping):
-            raise self.fail(key, f"expected an object, got {short_repr(value)}")
-        return ConfigReader({**(defaults or {}), **value}, self.source, f"{self.prefix}{key}.")
 
 
 def llama3_2_kwargs_from_hf_config(

@@ -10,7 +10,6 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -19,7 +18,6 @@ import torch
 from torch import nn
 
 from fusion._wrappers import unwrap
-from fusion.checkpoint.errors import CheckpointError, as_path, check_positive_int
 from fusion.checkpoint.files import (
     CheckpointFiles,
     check_not_sharded,
@@ -27,78 +25,19 @@ from fusion.checkpoint.files import (
     prepare_tensors,
     write_checkpoint,
 )
-from fusion.checkpoint.hf_config import (
-    CONFIG_NAME,
-    ConfigReader,
-    hf_config_from_decoder,
-    llama_kwargs,
-    read_hf_config,
-)
-from fusion.checkpoint.keys import (
-    HF_DERIVED_KEY,
-    fusion_key_to_hf,
-    fusion_to_hf,
-    hf_key_to_fusion,
-    rope_heads,
-    rotate_half_to_interleaved,
-)
+from fusion.checkpoint.hf_config import hf_config_from_decoder, llama_kwargs
 from fusion.decoder import RotaryPositionalEmbeddings, TransformerDecoder
 from fusion.early_fusion import EarlyFusion
+from fusion.hf.config import CONFIG_NAME, ConfigReader, read_hf_config
+from fusion.hf.errors import CheckpointError, as_path, check_positive_int
+from fusion.hf.keys import fusion_to_hf, rope_heads, rotate_half_to_interleaved
+from fusion.hf.layout import KeyLayout
 from fusion.models import llama3_2
 
 _LOADABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Bytes of rotary table allowed whatever the size of the weights (a 256k-position table at
 # head_dim 64); beyond it the table may not outweigh the weights themselves.
 _ROPE_TABLE_FLOOR = 64 * 2**20
-
-
-@dataclass(frozen=True)
-class KeyLayout:
-    """Where a model's parts sit in a Hugging Face checkpoint.
-
-    ``read``: (pattern, prefix) pairs; a checkpoint key has its start, matched by the first
-    pattern that matches, replaced by ``prefix``. ``write``: (our prefix, saved prefix) pairs,
-    the layout the savers write. Keys below ``decoder`` are then a Hugging Face Llama's, renamed
-    by :mod:`fusion.checkpoint.keys`; those of a vision tower's ``embeddings.position_ids``
-    (older checkpoints saved this function of the config) are skipped.
-    """
-
-    decoder: str = ""
-    read: tuple[tuple[str, str], ...] = (("", ""),)
-    write: tuple[tuple[str, str], ...] = ()
-
-    def ours(self, name: str) -> str | None:
-        """This library's key for checkpoint key ``name``; None for a derived buffer.
-
-        Raises:
-            KeyError: ``name`` belongs to no part.
-        """
-        for pattern, prefix in self.read:
-            if match := re.match(pattern, name):
-                key = prefix + name[match.end() :]
-                break
-        else:
-            raise KeyError(name)
-        if not key.startswith(self.decoder):
-            return None if key.endswith(".embeddings.position_ids") else key
-        llama_key = key.removeprefix(self.decoder)
-        if HF_DERIVED_KEY.fullmatch(llama_key):
-            return None
-        return self.decoder + hf_key_to_fusion(llama_key)
-
-    def saved(self, key: str) -> str:
-        """The key the savers write for ``key``, whose decoder part is already Hugging Face's."""
-        for ours, theirs in self.write:
-            if key.startswith(ours):
-                return theirs + key.removeprefix(ours)
-        return key
-
-    def theirs(self, key: str) -> str:
-        """The key the savers write for this library's ``key`` (for errors)."""
-        if key.startswith(self.decoder):
-            with suppress(KeyError):  # a decoder key without a Hugging Face name stays ours
-                key = self.decoder + fusion_key_to_hf(key.removeprefix(self.decoder))
-        return self.saved(key)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from fusion.checkpoint.errors import check_state_dict
+from fusion.hf.errors import check_state_dict
 
 # A TransformerDecoder's children whose keys identify it in a state dict, whatever modules
 # fill them (a LoRA-wrapped or scaled embedding, another norm).

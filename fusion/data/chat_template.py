@@ -27,9 +27,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fusion.checkpoint.errors import CheckpointError, as_path
-from fusion.checkpoint.files import read_bounded, read_json
 from fusion.errors import FusionError
+from fusion.hf.errors import CheckpointError, as_path
+from fusion.hf.files import read_bounded, read_json
 
 MAX_TEMPLATE_BYTES = 2**20  # real templates are a few kilobytes
 MAX_OUTPUT_CHARS = 2**22

@@ -11,10 +11,10 @@ import dataclasses
 import os
 from pathlib import Path
 
-from fusion.checkpoint import CheckpointError
-from fusion.checkpoint.files import read_json
 from fusion.data.conversations import read_conversations
 from fusion.data.samples import ConversationEncoder, EncodedData, encode_conversations
+from fusion.hf.errors import CheckpointError
+from fusion.hf.files import read_json
 
 # Where fusion.data.load_special_tokens reads special tokens from, in its order.
 _SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")

@@ -35,15 +35,15 @@ from typing import Any
 import torch
 
 from fusion._validation import describe
-from fusion.checkpoint.errors import as_path
-from fusion.checkpoint.files import MAX_TOKENIZER_BYTES as MAX_TOKENIZER_BYTES
-from fusion.checkpoint.files import read_tokenizer
 from fusion.data.chat_template import (
     GENERATION_END,
     GENERATION_START,
     ChatTemplate,
 )
 from fusion.data.conversations import Conversation, DataError, load_conversation_image
+from fusion.hf.errors import as_path
+from fusion.hf.files import MAX_TOKENIZER_BYTES as MAX_TOKENIZER_BYTES
+from fusion.hf.files import read_tokenizer
 from fusion.labels import shift_targets
 
 IGNORE_INDEX = -100

@@ -26,10 +26,11 @@ from typing import Any, NamedTuple, NoReturn, TextIO, cast
 import torch
 
 from fusion._arguments import as_device
-from fusion.checkpoint import CheckpointError, load_hf_model
-from fusion.checkpoint.files import read_bounded, read_tokenizer
+from fusion.checkpoint import load_hf_model
 from fusion.generation.autoregressive import generate_stream
 from fusion.generation.sampling import check_sampling_args
+from fusion.hf.errors import CheckpointError
+from fusion.hf.files import read_bounded, read_tokenizer
 from fusion.padding import left_pad
 from fusion.preprocessing import detect_model_kind, load_image, prepare_inputs
 

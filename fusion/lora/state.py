@@ -11,13 +11,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fusion._io import open_regular
-from fusion.checkpoint.errors import CheckpointError, as_path
 from fusion.checkpoint.files import (
     CheckpointFiles,
     check_not_sharded,
     prepare_tensors,
     write_files,
 )
+from fusion.hf.errors import CheckpointError, as_path
 from fusion.lora.apply import lora_linears, lora_settings
 
 METADATA_KEY = "fusion_lora"  # safetensors metadata: layer name -> {"rank": r, "alpha": a}

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fusion.preprocessing.config import ConfigReader
+from fusion.hf.config import ConfigReader
 from fusion.preprocessing.images import (
     CLIP_MEAN,
     CLIP_STD,
@@ -18,7 +18,7 @@ from fusion.preprocessing.images import (
     rescale_normalize,
     to_rgb,
 )
-from fusion.preprocessing.resize import BICUBIC, resize
+from fusion.preprocessing.resize import BICUBIC, FILTER_NAMES, resize
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class ClipImageProcessor:
                 supported form (``shortest_edge``, or ``height`` and ``width``), named with its
                 key.
         """
-        read = ConfigReader(config, where)
+        read = ConfigReader.for_image_processor(config, where)
         size = read.size("size", config.get("size", {"shortest_edge": 224}))
         if "shortest_edge" in size and ("height" not in size or "width" not in size):
             resize_to: dict[str, int | None] = {"shortest_edge": size["shortest_edge"]}
@@ -85,7 +85,7 @@ class ClipImageProcessor:
             **resize_to,
             crop_height=crop["height"],
             crop_width=crop["width"],
-            resample=read.resample("resample", BICUBIC),
+            resample=read.resample("resample", BICUBIC, FILTER_NAMES),
             do_resize=read.flag("do_resize", True),
             do_center_crop=read.flag("do_center_crop", True),
             # CLIP's own processor saves do_pad but never pads; LLaVA's pads.

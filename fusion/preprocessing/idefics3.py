@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fusion.preprocessing.config import ConfigReader
+from fusion.hf.config import ConfigReader
 from fusion.preprocessing.images import (
     STANDARD_MEAN,
     STANDARD_STD,
@@ -19,6 +19,7 @@ from fusion.preprocessing.images import (
     to_rgb,
 )
 from fusion.preprocessing.resize import (
+    FILTER_NAMES,
     LANCZOS,
     resize,
     resize_pillow_image,
@@ -89,7 +90,7 @@ class Idefics3ImageProcessor:
             TypeError: ``config`` not a mapping.
             ValueError: a value of the wrong type or range, named with its key.
         """
-        read = ConfigReader(config, where)
+        read = ConfigReader.for_image_processor(config, where)
         tile = read.size("max_image_size", config.get("max_image_size", {"longest_edge": 364}))
         if "longest_edge" not in tile:
             raise read.fail("max_image_size", f"expected longest_edge, got {tile}")
@@ -103,7 +104,7 @@ class Idefics3ImageProcessor:
         return cls(
             max_image_size=tile["longest_edge"],
             **target,
-            resample=read.resample("resample", LANCZOS),
+            resample=read.resample("resample", LANCZOS, FILTER_NAMES),
             do_resize=read.flag("do_resize", True),
             do_image_splitting=read.flag("do_image_splitting", True),
             do_rescale=read.flag("do_rescale", True),

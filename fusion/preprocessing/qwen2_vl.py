@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from fusion.checkpoint import CheckpointError, hf_config, read_hf_config
-from fusion.checkpoint.errors import as_path, short_repr
-from fusion.preprocessing.config import MAX_SIDE, ConfigReader
+from fusion.hf.config import CONFIG_NAME, MAX_SIDE, ConfigReader, read_hf_config
+from fusion.hf.errors import CheckpointError, as_path, short_repr
 from fusion.preprocessing.images import (
     CLIP_MEAN,
     CLIP_STD,
@@ -261,7 +260,7 @@ class Qwen2VLImageProcessor:
                 transformers 5.24 no longer reads); an ``image_processor_type`` of another
                 family.
         """
-        read = ConfigReader(config, where)
+        read = ConfigReader.for_image_processor(config, where)
         kind = config.get("image_processor_type")
         if kind is not None and not (
             isinstance(kind, str) and kind.startswith("Qwen2VLImageProcessor")
@@ -300,9 +299,11 @@ class Qwen2VLImageProcessor:
                     f"{value}",
                 )
         # Type errors named with the key first; ranges and consistency by the constructor.
-        sizes = {key: read.integer(key, 2) for key in ("temporal_patch_size", "merge_size")}
-        patch_size = read.integer("patch_size", 14)
-        resample = read.resample("resample", BICUBIC)
+        sizes = {
+            key: read.integer(key, 2, low=None) for key in ("temporal_patch_size", "merge_size")
+        }
+        patch_size = read.integer("patch_size", 14, low=None)
+        resample = read.resample("resample", BICUBIC, FILTER_NAMES)
         flags = {
             key: read.flag(key, True)
             for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
@@ -486,7 +487,7 @@ def read_qwen2_vl_layout(path: str | bytes | os.PathLike) -> Qwen2VLLayout:
             list ``patch_size``).
     """
     path = as_path(path, "path")
-    file = path / hf_config.CONFIG_NAME if path.is_dir() else path
+    file = path / CONFIG_NAME if path.is_dir() else path
     config = read_hf_config(file)
     model_type = qwen2_vl_model_type(config)
     if model_type is None:
@@ -496,14 +497,14 @@ def read_qwen2_vl_layout(path: str | bytes | os.PathLike) -> Qwen2VLLayout:
             f"expected one of {list(QWEN2_VL_MODEL_TYPES)}, got "
             f"{short_repr(config.get('model_type'))}",
         )
-    read = hf_config.ConfigReader(config, file)
+    read = ConfigReader(config, file)
     ids = {key: read.integer(key, default, low=0) for key, default in DEFAULT_TOKEN_IDS.items()}
     vision = config.get("vision_config")
     if vision is None:
         vision = {}
     if not isinstance(vision, Mapping):
         raise read.fail("vision_config", f"expected an object, got {short_repr(vision)}")
-    read_vision = hf_config.ConfigReader(vision, file, "vision_config.")
+    read_vision = ConfigReader(vision, file, "vision_config.")
     highs = {
         "patch_size": MAX_PATCH_SIZE,
         "spatial_merge_size": MAX_MERGE_SIZE,

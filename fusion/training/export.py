@@ -8,9 +8,9 @@ from pathlib import Path
 
 from torch import nn
 
-from fusion.checkpoint import CheckpointError
 from fusion.checkpoint.export import export_hf
 from fusion.checkpoint.files import fsync_path
+from fusion.hf.errors import CheckpointError
 from fusion.lora import merge_lora, save_peft_adapter
 from fusion.training.errors import TrainingError, one_line
 

@@ -20,6 +20,7 @@ from fusion.checkpoint import (
 )
 from fusion.checkpoint import files as checkpoint_files
 from fusion.checkpoint.files import CheckpointFiles
+from fusion.hf import files as hf_files
 from helpers import build_tiny_decoder
 
 
@@ -148,7 +149,7 @@ class TestAllocationBombs:
         monkeypatch.setattr(checkpoint_files, "MAX_HEADER_BYTES", 100, raising=False)
         with pytest.raises(CheckpointError, match="capped at 100"):
             load_state_dict(directory)
-        monkeypatch.setattr(checkpoint_files, "MAX_JSON_BYTES", 100, raising=False)
+        monkeypatch.setattr(hf_files, "MAX_JSON_BYTES", 100, raising=False)
         with pytest.raises(CheckpointError, match="larger than 100 bytes"):
             read_hf_config(directory)
 

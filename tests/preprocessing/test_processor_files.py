@@ -187,7 +187,7 @@ def test_defaults_said_once_when_no_settings(saved, tmp_path_factory):
 def test_tokenizer_json_is_read_bounded_and_named(saved, monkeypatch):
     # tokenizer.json is untrusted text: its size is bounded before it is read.
     _, _, directory = saved
-    import fusion.checkpoint.files as files
+    import fusion.hf.files as files
 
     size = (directory / "tokenizer.json").stat().st_size
     monkeypatch.setattr(files, "MAX_TOKENIZER_BYTES", size - 1)
