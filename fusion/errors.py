@@ -13,9 +13,18 @@ them:
   directory, data or checkpoints;
 - ``fusion._io.NotRegularFile`` and ``fusion._io.FileTooLarge`` (``OSError``\\ s): a file
   refused before it is read; readers turn them into the errors above, naming the file.
+
+:func:`one_line` gives any error's message (torch's often span many lines) as the one line
+that command-line reports print.
 """
 
 
 class FusionError(Exception):
     """An input this library refuses: the message names the argument, file or flag at fault,
     what was expected and what was got."""
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message as one line (torch's are often many), for a one-line report."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

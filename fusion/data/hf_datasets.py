@@ -43,20 +43,21 @@ import json
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fusion.checkpoint.errors import short_repr
-from fusion.data.conversations import (
+from fusion.data.records import (
     Conversation,
     ConversationFile,
     ConversationImage,
     DataError,
+    EmbeddedImage,
+    _image_list,
     _image_problem,
+    _name,
     _resolve,
+    _Table,
     parse_conversation,
 )
 
@@ -92,28 +93,6 @@ def _datasets() -> Any:
             f"package: {INSTALL_DATA_EXTRA} (or datasets)"
         ) from None
     return datasets
-
-
-def _name(file: Path) -> str:
-    return os.fsencode(file).decode("utf-8", "backslashreplace")
-
-
-class _Table:
-    """One data set's rows, read a chunk at a time to check them, and one cell at a time
-    again later (an image's bytes)."""
-
-    file: Path  # what errors name
-    base: Path  # relative image paths are relative to it
-    columns: list[str]
-    num_rows: int
-
-    def chunks(self, columns: Sequence[str]) -> Iterator[tuple[int, list[dict[str, Any]]]]:
-        """(first row, rows as Python values of ``columns``), every row once, in order."""
-        raise NotImplementedError
-
-    def cell(self, row: int, column: str) -> Any:
-        """Row ``row``'s value of ``column``, read again."""
-        raise NotImplementedError
 
 
 class _ParquetTable(_Table):
@@ -194,69 +173,6 @@ class _DatasetTable(_Table):
 
     def cell(self, row: int, column: str) -> Any:
         return self._data[row : row + 1].column(column)[0].as_py()
-
-
-@dataclass(frozen=True, eq=False)
-class EmbeddedImage:
-    """An image whose encoded bytes are in a data set's row: where they are, not the bytes.
-
-    Attributes:
-        column: the column (``images``, or LLaVA-Instruct's ``image``).
-        row: the row (0-based).
-        index: the image's place in the row's list (0 for a single image).
-    """
-
-    table: _Table
-    row: int
-    column: str
-    index: int
-
-    @property
-    def name(self) -> str:
-        """``"images[k]"``: how the row names it."""
-        return f"{self.column}[{self.index}]"
-
-    def __str__(self) -> str:
-        return f"{_name(self.table.file)}:row {self.row}: {self.name}"
-
-    def read(self) -> bytes:
-        """The image's encoded bytes, read again from the data set.
-
-        Raises:
-            ValueError: the data set can no longer be read, or the row changed.
-        """
-        try:
-            value = _image_list(self.table.cell(self.row, self.column), self.column)[self.index]
-        except DataError as error:
-            raise ValueError(f"{self}: {error.problem}") from None
-        except (OSError, IndexError, KeyError, ValueError) as error:
-            raise ValueError(f"{self}: cannot be read again: {error}") from None
-        data = value.get("bytes") if isinstance(value, dict) else value
-        if not isinstance(data, bytes):
-            raise ValueError(f"{self}: its bytes are gone: the data set changed during the run")
-        return data
-
-    def load(self) -> torch.Tensor:
-        """Its pixels, uint8 [c, h, w] (:func:`fusion.preprocessing.images.decode_image`).
-
-        Raises:
-            ValueError: naming the image: unreadable, more than ``MAX_IMAGE_BYTES``, not an
-                image, corrupt, or more pixels than the decompression-bomb limit.
-        """
-        from fusion.preprocessing.images import decode_image
-
-        return decode_image(self.read(), self.name)
-
-
-def _image_list(value: Any, column: str) -> list[Any]:
-    """A row's images: a list as stored, a single image as a list of one, null as none."""
-    if value is None:
-        return []
-    if isinstance(value, list):
-        return value
-    if column == "image":  # LLaVA-Instruct's: one image per row
-        return [value]
-    raise ValueError(f"{column}: expected a list of images, got {short_repr(value, 80)}")
 
 
 def _without_nulls(value: Any) -> Any:

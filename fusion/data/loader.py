@@ -2,11 +2,10 @@
 
 A run's data plan (each optimizer step's samples, :func:`fusion.training.steps.plan_steps`)
 becomes, for one process, a sequence of micro-batches (:class:`StepBatches`): each step's
-samples are dealt over the processes and micro-batches
-(:func:`fusion.training.steps.split_step`), a process whose share would leave it idle or
-without images gets a filler (a sample with no target: :func:`fill`), then the pixels are
-decoded and processed, the samples packed or padded and collated (:class:`Collate`).
-:class:`MicroBatches` makes them in ``num_workers`` processes of a
+samples are dealt over the processes and micro-batches (:func:`split_step`), a process whose
+share would leave it idle or without images gets a filler (a sample with no target:
+:func:`fill`), then the pixels are decoded and processed, the samples packed or padded and
+collated (:class:`Collate`). :class:`MicroBatches` makes them in ``num_workers`` processes of a
 :class:`torch.utils.data.DataLoader` while the current micro-batch trains, and hands them over
 in order on the device (pinned and copied without a host sync on CUDA).
 
@@ -41,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from fusion.data.packing import Batch, collate_packed, collate_padded, pack_samples
 from fusion.data.samples import IGNORE_INDEX, ConversationEncoder, Sample
-from fusion.errors import FusionError
+from fusion.errors import FusionError, one_line
 
 # torch's messages when a worker process dies (the SIGCHLD handler's and the status check's).
 _WORKER_DIED = "DataLoader worker"
@@ -75,6 +74,20 @@ def image_filler(samples: Sequence[Sample]) -> Sample | None:
     """The shortest of ``samples`` with images, with no target; None if none has images."""
     with_images = [sample for sample in samples if sample.has_images]
     return ignored(min(with_images, key=len)) if with_images else None
+
+
+def split_step(samples: Sequence[int], lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Deal a step's samples into ``parts`` groups of about equal tokens: longest first, each
+    to the group with the fewest tokens so far (ties: the lower group). Each group keeps the
+    step's order. Group ``k`` is micro-batch ``k // world`` of process ``k % world``."""
+    loads = [0] * parts
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    for index in sorted(samples, key=lambda i: (-lengths[i], i)):
+        target = min(range(parts), key=lambda g: (loads[g], g))
+        groups[target].append(index)
+        loads[target] += lengths[index]
+    order = {index: position for position, index in enumerate(samples)}
+    return [sorted(group, key=order.__getitem__) for group in groups]
 
 
 def fill(
@@ -162,11 +175,10 @@ class StepBatches(Dataset[MicroBatch]):
     ``i % micro_batches`` of step ``i // micro_batches``.
 
     Step ``s``'s samples (``steps[s]``, indices into ``samples``) are dealt into
-    ``world_size * micro_batches`` groups of about equal tokens
-    (:func:`fusion.training.steps.split_step`); group ``k * world_size + r`` is micro-batch
-    ``k`` of process ``r``, with the fillers of :func:`fill` (``filler``), made by
-    ``collate``. Every process computes the same deal, so together they train each step's
-    samples exactly once.
+    ``world_size * micro_batches`` groups of about equal tokens (:func:`split_step`); group
+    ``k * world_size + r`` is micro-batch ``k`` of process ``r``, with the fillers of
+    :func:`fill` (``filler``), made by ``collate``. Every process computes the same deal, so
+    together they train each step's samples exactly once.
 
     Args:
         samples: the data set's samples.
@@ -220,10 +232,6 @@ class StepBatches(Dataset[MicroBatch]):
         """
         if not 0 <= index < len(self):
             raise IndexError(f"index: expected an integer in [0, {len(self)}), got {index}")
-        # fusion.training is imported on first use, so that `import fusion.data` stays light.
-        from fusion.training.errors import one_line
-        from fusion.training.steps import split_step
-
         step, k = divmod(index, self.micro_batches)
         world = self.world_size
         groups = split_step(self.steps[step], self.lengths, world * self.micro_batches)

@@ -12,23 +12,20 @@ for :func:`mean_loss`'s result.
 """
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fusion.data import Batch, MicroBatch, MicroBatches, StepBatches
 from fusion.training.distributed import Runtime
-
-if TYPE_CHECKING:  # fusion.data imports fusion.training on first use, not at import
-    from fusion.data import Batch, MicroBatch, StepBatches
 
 
 def accumulate_step(
-    stream: Iterator["MicroBatch"],
+    stream: Iterator[MicroBatch],
     step: int,
     micro_batches: int,
-    loss_sum: Callable[["Batch"], torch.Tensor],
+    loss_sum: Callable[[Batch], torch.Tensor],
     *,
     num_targets: int,
     runtime: Runtime,
@@ -68,8 +65,8 @@ def accumulate_step(
 @torch.no_grad()
 def mean_loss(
     model: nn.Module,
-    batches: "StepBatches",
-    loss_sum: Callable[["Batch"], torch.Tensor],
+    batches: StepBatches,
+    loss_sum: Callable[[Batch], torch.Tensor],
     runtime: Runtime,
 ) -> float:
     """The mean loss per target over ``batches`` (this process's share of a data set, every
@@ -80,8 +77,6 @@ def mean_loss(
     Raises:
         LoaderError: a micro-batch could not be made (:class:`fusion.data.MicroBatches`).
     """
-    from fusion.data import MicroBatches
-
     model.eval()
     sums = torch.zeros(2, device=runtime.device, dtype=torch.float64)  # loss, targets
     try:

@@ -2,6 +2,9 @@
 
 from fusion.errors import FusionError
 
+# Moved down to fusion.errors for the data loader (below training); still importable from here.
+from fusion.errors import one_line as one_line
+
 
 class TrainingError(FusionError, RuntimeError):
     """A problem with a training job's input (flags, output directory, data, checkpoints),
@@ -15,9 +18,3 @@ class TrainingError(FusionError, RuntimeError):
     def __init__(self, message: str, *, local: bool = False) -> None:
         super().__init__(message)
         self.local = local
-
-
-def one_line(error: BaseException) -> str:
-    """An error's message as one line (torch's are often many), for a one-line report."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -1,20 +1,21 @@
-"""Which samples each optimizer step trains on, and how a step splits over processes and
-micro-batches: a pure function of the sample lengths (token-budget steps, :func:`plan_steps`)
-or of the position alone (fixed-size batches, :class:`EpochSampler`), the seed and the
-settings, so every process computes the same plan and a resumed run (on any number of
-processes) continues it exactly."""
+"""Which samples each optimizer step trains on: a pure function of the sample lengths
+(token-budget steps, :func:`plan_steps`) or of the position alone (fixed-size batches,
+:class:`EpochSampler`), the seed and the settings, so every process computes the same plan and
+a resumed run (on any number of processes) continues it exactly. How a step splits over
+processes and micro-batches, as purely, is the data loader's
+(:func:`fusion.data.loader.split_step`)."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+# The data loader deals each step over processes and micro-batches, so split_step lives there
+# (fusion.data stands below fusion.training); still importable from here, its old home.
+from fusion.data.loader import split_step as split_step
 from fusion.training.errors import TrainingError
-
-if TYPE_CHECKING:  # the data loader's workers import this module: kept light
-    from fusion.training.state import TrainState
+from fusion.training.state import TrainState
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def plan_position(plan: Sequence[Step], step: int) -> tuple[int, int]:
 
 
 def check_plan_position(
-    path: Path, state: "TrainState", plan: Sequence[Step], *, flag: str = "--data"
+    path: Path, state: TrainState, plan: Sequence[Step], *, flag: str = "--data"
 ) -> None:
     """Refuse checkpoint ``path`` (its train state ``state``) when ``plan``, the resumed run's
     plan of the data ``flag`` gave, does not reach its step at its data position
@@ -102,20 +103,6 @@ def plan_in_order(lengths: Sequence[int], *, batch_tokens: int) -> list[Step]:
         current.append(index)
         tokens += length
     return [*plan, Step(tuple(current), 0)] if current else plan
-
-
-def split_step(samples: Sequence[int], lengths: Sequence[int], parts: int) -> list[list[int]]:
-    """Deal a step's samples into ``parts`` groups of about equal tokens: longest first, each
-    to the group with the fewest tokens so far (ties: the lower group). Each group keeps the
-    step's order. Group ``k`` is micro-batch ``k // world`` of process ``k % world``."""
-    loads = [0] * parts
-    groups: list[list[int]] = [[] for _ in range(parts)]
-    for index in sorted(samples, key=lambda i: (-lengths[i], i)):
-        target = min(range(parts), key=lambda g: (loads[g], g))
-        groups[target].append(index)
-        loads[target] += lengths[index]
-    order = {index: position for position, index in enumerate(samples)}
-    return [sorted(group, key=order.__getitem__) for group in groups]
 
 
 class EpochSampler:
