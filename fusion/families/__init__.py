@@ -12,8 +12,6 @@ from typing import Any
 from torch import nn
 
 from fusion._wrappers import unwrap
-from fusion.checkpoint.errors import CheckpointError, short_repr
-from fusion.checkpoint.hf_config import CONFIG_NAME
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
 from fusion.families.base import Family, ModelSpec
@@ -21,6 +19,8 @@ from fusion.families.idefics3 import IDEFICS3
 from fusion.families.llama import LLAMA
 from fusion.families.llava import LLAVA
 from fusion.families.qwen_vl import QWEN2_VL, QWEN3_VL
+from fusion.hf.config import CONFIG_NAME
+from fusion.hf.errors import CheckpointError, short_repr
 
 #: Every family, in the order errors list their model types.
 FAMILIES: tuple[Family, ...] = (LLAMA, LLAVA, IDEFICS3, QWEN2_VL, QWEN3_VL)

@@ -3,10 +3,10 @@ converter look up instead of branching on a family's name.
 
 A family (:class:`Family`) holds its ``config.json`` model types and transformers' class names,
 the config mapping both ways (``config.json`` -> :class:`ModelSpec` -> the model, and the model
--> ``config.json``), where its weights sit in a checkpoint (:class:`~fusion.checkpoint.hf_llama.
-KeyLayout`) and in transformers' in-memory model (peft's names), and the encoders it builds
-(so that a model tells its family). Each family is one module of :mod:`fusion.families`; the
-registry lists them.
+-> ``config.json``), where its weights sit in a checkpoint (:class:`~fusion.hf.KeyLayout`) and
+in transformers' in-memory model (peft's names), and the encoders it builds (so that a model
+tells its family). Each family is one module of :mod:`fusion.families`; the registry lists
+them.
 """
 
 import re
@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion.checkpoint.errors import short_repr
-from fusion.checkpoint.hf_config import CONFIG_NAME, ConfigReader
-from fusion.checkpoint.hf_llama import KeyLayout
 from fusion.early_fusion import EarlyFusion
+from fusion.hf.config import CONFIG_NAME, ConfigReader
+from fusion.hf.errors import short_repr
+from fusion.hf.layout import KeyLayout
 
 
 @dataclass

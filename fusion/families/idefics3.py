@@ -12,9 +12,6 @@ from typing import Any, cast
 
 from torch import nn
 
-from fusion.checkpoint.errors import CheckpointError
-from fusion.checkpoint.hf_config import ConfigReader, hf_config_from_decoder
-from fusion.checkpoint.hf_llama import KeyLayout
 from fusion.early_fusion import EarlyFusion
 from fusion.families.base import (
     Family,
@@ -23,6 +20,7 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
+from fusion.families.llama_config import hf_config_from_decoder
 from fusion.families.vit_config import (
     VISION_DEFAULTS,
     VISION_LAYERS,
@@ -30,6 +28,9 @@ from fusion.families.vit_config import (
     read_vision,
     tower_config,
 )
+from fusion.hf.config import ConfigReader
+from fusion.hf.errors import CheckpointError
+from fusion.hf.layout import KeyLayout
 from fusion.models.idefics3 import Idefics3ImageEncoder, idefics3
 
 _VISION_TYPES = ("idefics3_vision", "smolvlm_vision")

@@ -5,10 +5,11 @@ from typing import Any, cast
 
 from torch import nn
 
-from fusion.checkpoint.hf_config import ConfigReader, hf_config_from_decoder, llama_kwargs
-from fusion.checkpoint.hf_llama import KeyLayout
 from fusion.decoder import TransformerDecoder
 from fusion.families.base import Family, ModelSpec
+from fusion.families.llama_config import hf_config_from_decoder, llama_kwargs
+from fusion.hf.config import ConfigReader
+from fusion.hf.layout import KeyLayout
 from fusion.models import llama3_2
 
 

@@ -14,8 +14,6 @@ from typing import Any, cast
 
 from torch import nn
 
-from fusion.checkpoint.hf_config import ConfigReader, hf_config_from_decoder
-from fusion.checkpoint.hf_llama import KeyLayout
 from fusion.early_fusion import EarlyFusion
 from fusion.encoders.vit_blocks import ACTIVATIONS
 from fusion.families.base import (
@@ -25,6 +23,7 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
+from fusion.families.llama_config import hf_config_from_decoder
 from fusion.families.vit_config import (
     VISION_DEFAULTS,
     VISION_LAYERS,
@@ -32,6 +31,8 @@ from fusion.families.vit_config import (
     read_vision,
     tower_config,
 )
+from fusion.hf.config import ConfigReader
+from fusion.hf.layout import KeyLayout
 from fusion.models.llava import FEATURE_STRATEGIES, LlavaImageEncoder, llava
 
 _VISION_TYPES = ("clip_vision_model",)

@@ -20,9 +20,6 @@ from typing import Any, cast
 
 from torch import nn
 
-from fusion.checkpoint.errors import short_repr
-from fusion.checkpoint.hf_config import ConfigReader, hf_config_from_decoder, llama_kwargs
-from fusion.checkpoint.hf_llama import KeyLayout
 from fusion.early_fusion import EarlyFusion
 from fusion.encoders.qwen_vision import (
     Qwen2VisionTransformer,
@@ -36,6 +33,10 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
+from fusion.families.llama_config import hf_config_from_decoder, llama_kwargs
+from fusion.hf.config import ConfigReader
+from fusion.hf.errors import short_repr
+from fusion.hf.layout import KeyLayout
 from fusion.models.qwen2_vl import qwen2_vl
 from fusion.models.qwen3_vl import qwen3_vl
 
@@ -211,7 +212,7 @@ def hf_config_from_qwen(
 ) -> dict[str, Any]:
     """The ``config.json`` transformers 5.24's ``save_pretrained`` writes (nested
     ``text_config``, ``rope_parameters``), from the decoder's config ``llama`` (as
-    :func:`~fusion.checkpoint.hf_config.hf_config_from_decoder` writes it with ``qwen=True``),
+    :func:`~fusion.families.llama_config.hf_config_from_decoder` writes it with ``qwen=True``),
     its rotary embeddings ``rope`` and the vision ``tower``'s settings."""
     text_keys = (
         "vocab_size",

@@ -4,10 +4,11 @@ a CLIP-style vision tower (LLaVA's CLIP, Idefics3's SigLIP), both ways."""
 from collections.abc import Mapping
 from typing import Any, cast
 
-from fusion.checkpoint.hf_config import ConfigReader, llama_kwargs
 from fusion.encoders.clip import ClipVisionTransformer
 from fusion.encoders.siglip import SiglipVisionTransformer
 from fusion.encoders.vit_blocks import ACTIVATIONS, VisionEncoderLayer
+from fusion.families.llama_config import llama_kwargs
+from fusion.hf.config import ConfigReader
 
 # transformers' defaults for keys a sub-config leaves out (configs written by transformers 4.x
 # omit those equal to the defaults, e.g. llava-1.5's text_config has no hidden_size).

@@ -5,8 +5,8 @@ from typing import Any
 
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion, register_fusion_module
-from fusion.hooks import MRopePositions
 from fusion.encoders.qwen_vision import Qwen2VisionTransformer, Qwen25VisionTransformer
+from fusion.hooks import MRopePositions
 from fusion.models.llama3_2 import llama3_2
 
 #: The vision towers by model type.
@@ -55,8 +55,8 @@ def qwen2_vl(
     image_token_id: int,
     model_type: str = "qwen2_5_vl",
 ) -> EarlyFusion:
-    """A Qwen2-VL (``model_type="qwen2_vl"``) or Qwen2.5-VL model:
-    ``EarlyFusion(decoder, {"image": tower}, {"image": image_token_id}, hooks=[MRopePositions(...)])``.
+    """A Qwen2-VL (``model_type="qwen2_vl"``) or Qwen2.5-VL model: ``EarlyFusion(decoder,
+    {"image": tower}, {"image": image_token_id}, hooks=[MRopePositions(...)])``.
 
     The tower's merger is registered with :func:`fusion.register_fusion_module`. Called
     without positions, or with fusion's 1-D ones, the model derives M-RoPE positions from its

@@ -5,8 +5,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from fusion.early_fusion import EarlyFusion, register_fusion_module
-from fusion.hooks import DeepStackRows, MRopePositions
 from fusion.encoders.qwen_vision import Qwen3VisionTransformer
+from fusion.hooks import DeepStackRows, MRopePositions
 from fusion.models.llama3_2 import llama3_2
 
 
