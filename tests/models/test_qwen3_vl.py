@@ -1,24 +1,23 @@
 """Qwen3-VL loaded from directories ``transformers`` wrote: logits equal
 ``Qwen3VLForConditionalGeneration``'s (fp32, 1e-4) with DeepStack rows added after the first
-decoder layers, interleaved M-RoPE, images of odd sizes, text only, left padding and packed
-rows; greedy generation equal; exports that transformers loads with equal logits."""
+decoder layers (and far off without them), left padding and packed rows; exports that keep
+the source's key names; the published config layout. Logits with and without images, greedy
+generation, save and peft: the family suite, ``tests/families``."""
 
 import pytest
 import torch
 
-from fusion import EarlyFusion, generate
+from fusion import EarlyFusion
 from fusion.checkpoint import export_hf, load_hf_vlm, load_state_dict
 from fusion.checkpoint.hf_vlm import hf_model_kind
 from fusion.positions import mrope_positions
 from qwen3_helpers import PATCH_WIDTH, tiny_hf_qwen3
 from qwen_helpers import (
     IMAGE_PAD,
-    PAD,
     hf_logits,
     image_prompt,
     left_pad,
     left_padded_mask,
-    mm_token_type_ids,
     our_logits,
     packed_row,
 )
@@ -42,14 +41,6 @@ def pair(tmp_path_factory) -> tuple[torch.nn.Module, EarlyFusion]:
     hf.save_pretrained(directory)
     assert hf_model_kind(directory) == "qwen3_vl"
     return hf, load_hf_vlm(directory).eval()
-
-
-@pytest.mark.parametrize("case", [ONE_IMAGE, TWO_IMAGES, TEXT_ONLY], ids=["one", "two", "text"])
-def test_logits_match_transformers(pair, case):
-    hf, model = pair
-    ids, pixels, grid = prompt(case)
-    theirs = hf_logits(hf, ids, pixels, grid)
-    assert (our_logits(model, ids, pixels, grid) - theirs).abs().max() <= 1e-4
 
 
 def test_deepstack_rows_matter(pair):
@@ -95,32 +86,6 @@ def test_packed_row_keeps_deepstack_rows_in_their_samples(pair):
         input_pos=positions,
     )[0]
     assert (packed - torch.cat(alone)).abs().max() <= 1e-5
-
-
-def test_greedy_generation_equals_transformers(pair):
-    hf, model = pair
-    samples = [prompt(case, seed=i) for i, case in enumerate([TWO_IMAGES, ONE_IMAGE, TEXT_ONLY])]
-    ids, attention = left_pad([s[0] for s in samples])
-    pixels = torch.cat([s[1] for s in samples])
-    grid = torch.cat([s[2] for s in samples])
-    with torch.no_grad():
-        theirs = hf.generate(
-            input_ids=ids,
-            attention_mask=attention,
-            pixel_values=pixels,
-            image_grid_thw=grid,
-            mm_token_type_ids=mm_token_type_ids(ids),
-            max_new_tokens=8,
-            do_sample=False,
-            pad_token_id=PAD,
-            eos_token_id=None,
-        )[:, ids.size(1) :]
-    images = {"image": {"pixel_values": pixels, "image_grid_thw": grid}}
-    ours = generate(model, ids, encoder_input=images, max_new_tokens=8, temperature=0, pad_id=PAD)[
-        :, ids.size(1) :
-    ]
-    assert len({tuple(row) for row in theirs.tolist()}) == 3
-    assert torch.equal(ours, theirs)
 
 
 def test_export_keeps_keys_and_loads_in_transformers(pair, tmp_path):
