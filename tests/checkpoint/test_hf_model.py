@@ -3,12 +3,12 @@ any family's model saved and given back bit for bit, wrappers looked through."""
 
 import pytest
 import torch
-from helpers import build_tiny_decoder
-from vlm_helpers import tiny_hf_llava
 
 import fusion.hf.files
 from fusion.checkpoint import CheckpointError, load_hf_model, save_hf_model
 from fusion.families import FAMILIES, family_named, family_of
+from helpers import build_tiny_decoder
+from vlm_helpers import tiny_hf_llava
 
 
 @pytest.fixture
