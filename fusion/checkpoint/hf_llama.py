@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,7 +174,8 @@ def load_hf(
         for key, name in sources.items():
             tensor = checkpoint.load(name)
             _check_fits(tensor, dtype, checkpoint.entries[name].file, name)
-            if key.startswith(decoder) and (rows := rope_heads(key[len(decoder) :], *heads)):
+            rows = rope_heads(key[len(decoder) :], *heads) if key.startswith(decoder) else None
+            if rows and spec.layout.permute_rope:
                 tensor = rotate_half_to_interleaved(tensor, rows)
             targets[key].copy_(tensor)
         weight = targets[embedding]
@@ -204,6 +206,7 @@ def _match_keys(checkpoint: CheckpointFiles, spec: HfSpec) -> dict[str, str]:
     """Our key -> the checkpoint's, refusing keys of no part and two keys for one weight; then,
     before anything is built (a config may claim millions of layers), the layer counts."""
     sources: dict[str, str] = {}
+    ignored = 0
     for name, entry in checkpoint.entries.items():
         try:
             key = spec.layout.ours(name)
@@ -219,6 +222,14 @@ def _match_keys(checkpoint: CheckpointFiles, spec: HfSpec) -> dict[str, str]:
             )
         if key is not None:
             sources[key] = name
+        elif spec.layout.is_ignored(name):
+            ignored += 1
+    if ignored:
+        warnings.warn(
+            f"{checkpoint.path}: {ignored} weights the model does not use were not loaded "
+            f"(keys matching {spec.layout.ignored!r})",
+            stacklevel=4,
+        )
     for config_key, (pattern, claimed) in spec.layers.items():
         held = {m.group(1) for key in sources if (m := re.match(pattern, key))}
         if claimed > len(held):
@@ -398,6 +409,7 @@ def save_hf(
         },
         num_heads=text_config["num_attention_heads"],
         num_kv_heads=text_config["num_key_value_heads"],
+        permute_rope=layout.permute_rope,
     )
     others = {k: v for k, v in state_dict.items() if not k.startswith(layout.decoder)}
     state = {layout.decoder + k: v for k, v in decoder.items()} | others

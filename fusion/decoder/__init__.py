@@ -2,16 +2,20 @@
 
 from fusion.decoder.attention import MultiHeadAttention
 from fusion.decoder.feed_forward import FeedForward
+from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache
 from fusion.decoder.packed import PACKED_BACKENDS, PackedSegments
-from fusion.decoder.rms_norm import RMSNorm
+from fusion.decoder.rms_norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
 from fusion.decoder.rope import RotaryPositionalEmbeddings
 from fusion.decoder.transformer import TransformerDecoder
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
 __all__ = [
     "PACKED_BACKENDS",
+    "DeltaNetState",
     "FeedForward",
+    "GatedDeltaNet",
+    "GatedRMSNorm",
     "KVCache",
     "MultiHeadAttention",
     "PackedSegments",
@@ -19,4 +23,5 @@ __all__ = [
     "RotaryPositionalEmbeddings",
     "TransformerDecoder",
     "TransformerSelfAttentionLayer",
+    "ZeroCenteredRMSNorm",
 ]

@@ -24,6 +24,9 @@ class MultiHeadAttention(nn.Module):
         attn_dropout: dropout probability on attention weights, in training only.
         qkv_bias: biases on the query, key and value projections (Qwen2), none on the output.
         q_norm, k_norm: norms over each head's query and key, before the rotary (Qwen3).
+        output_gate: ``q_proj`` also gives each head a gate (per head, its query's
+            ``head_dim`` channels then its gate's, as Qwen3.5 and Qwen3-Next store them), and
+            the attention output is multiplied by ``sigmoid(gate)`` before ``output_proj``.
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class MultiHeadAttention(nn.Module):
         qkv_bias: bool = False,
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -47,7 +51,9 @@ class MultiHeadAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.attn_dropout = attn_dropout
-        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=qkv_bias)
+        self.output_gate = output_gate
+        q_width = num_heads * head_dim * (2 if output_gate else 1)
+        self.q_proj = nn.Linear(embed_dim, q_width, bias=qkv_bias)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.output_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=False)
@@ -86,7 +92,12 @@ class MultiHeadAttention(nn.Module):
         """
         b, s, _ = x.shape
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(b, s, heads, head_dim)  # [b, s, h, hd]
+        gate = None
+        if self.output_gate:
+            q, gate = self.q_proj(x).view(b, s, heads, 2 * head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, s, heads * head_dim)
+        else:
+            q = self.q_proj(x).view(b, s, heads, head_dim)  # [b, s, h, hd]
         k = self.k_proj(x).view(b, s, kv_heads, head_dim)  # [b, s, h_kv, hd]
         v = self.v_proj(x).view(b, s, kv_heads, head_dim)  # [b, s, h_kv, hd]
         if self.q_norm is not None and self.k_norm is not None:
@@ -97,7 +108,7 @@ class MultiHeadAttention(nn.Module):
             out = packed_attention(  # [b, s, h, hd]
                 q, k, v, mask, dropout_p=dropout, enable_gqa=heads != kv_heads
             )
-            return self.output_proj(out.reshape(b, s, heads * head_dim))  # [b, s, d]
+            return self._project(out.reshape(b, s, heads * head_dim), gate)  # [b, s, d]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
         if self.kv_cache is not None and self.cache_enabled:
             k, v = self.kv_cache.update(k, v)  # [b, h_kv, cache_len, hd]
@@ -112,4 +123,8 @@ class MultiHeadAttention(nn.Module):
             dropout_p=dropout,
             enable_gqa=heads != kv_heads,
         )
-        return self.output_proj(out.transpose(1, 2).reshape(b, s, heads * head_dim))  # [b, s, d]
+        return self._project(out.transpose(1, 2).reshape(b, s, heads * head_dim), gate)
+
+    def _project(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """``output_proj`` of the heads' outputs [b, s, h * hd], gated when the layer is."""
+        return self.output_proj(out if gate is None else out * torch.sigmoid(gate))

@@ -1,4 +1,5 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -21,3 +22,44 @@ class RMSNorm(nn.Module):
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.scale
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMS norm whose learned ``scale`` is an offset from one: ``normed * (1 + scale)``, all
+    in float32, then cast back (Qwen3.5, Qwen3-Next, Gemma). ``scale`` starts at zero, so a
+    fresh norm is the identity scaling; weight decay pulls it towards one, not zero.
+
+    Shapes: input ``[..., dim]``, output the same shape and dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.scale.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMS norm of ``x`` times ``SiLU(gate)``: Gated DeltaNet's output norm, per head.
+
+    The normed value is cast back to ``x``'s dtype before the (plain, one-initialised)
+    ``scale``, and the gate applied in float32, as transformers' ``Qwen3_5RMSNormGated`` does,
+    so that half-precision outputs round alike.
+
+    Shapes: ``x`` and ``gate`` ``[..., dim]``, output the same shape and ``x``'s dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        scaled = self.scale * normed.to(x.dtype)
+        return (scaled * F.silu(gate.float())).to(x.dtype)

@@ -34,6 +34,12 @@ class RotaryPositionalEmbeddings(nn.Module):
         mrope_section: frequencies per position row (t, h, w), summing to ``dim / 2``; None
             for 1-D RoPE.
         mrope_interleaved: the Qwen3-VL assignment of frequencies to rows (see above).
+        rotate_half: pair channel ``i`` with ``i + dim / 2`` (Hugging Face's ``rotate_half``
+            layout) instead of ``(2i, 2i + 1)``: for stacks whose checkpoints are used as they
+            are, with no rows permuted on load (Qwen3.5's gated query rows).
+
+    A head wider than ``dim`` is rotated on its first ``dim`` channels only, the rest passed
+    through (partial rotary: Qwen3.5 rotates a quarter of its 256 channels).
     """
 
     cache: torch.Tensor  # [max_seq_len, dim / 2, 2]: cos and sin per position and pair
@@ -51,6 +57,7 @@ class RotaryPositionalEmbeddings(nn.Module):
         old_context_len: int = 8192,
         mrope_section: Sequence[int] | None = None,
         mrope_interleaved: bool = False,
+        rotate_half: bool = False,
     ) -> None:
         super().__init__()
         if dim % 2:
@@ -73,6 +80,7 @@ class RotaryPositionalEmbeddings(nn.Module):
         self.old_context_len = old_context_len
         self.mrope_section = None if mrope_section is None else list(mrope_section)
         self.mrope_interleaved = mrope_interleaved
+        self.rotate_half = rotate_half
         # Not in the state dict: pure functions of the config, as in torchtune.
         self.register_buffer("cache", self._build_cache(), persistent=False)
         self.register_buffer("frequency_rows", self._build_frequency_rows(), persistent=False)
@@ -123,7 +131,8 @@ class RotaryPositionalEmbeddings(nn.Module):
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [b, s, n_heads, head_dim] at positions ``input_pos`` [b, s] or [s];
-        with M-RoPE also [3, b, s] (or [3, 1, s])."""
+        with M-RoPE also [3, b, s] (or [3, 1, s]). ``head_dim`` >= ``dim``: channels past
+        ``dim`` pass through."""
         if input_pos.dim() == 3:  # M-RoPE: each frequency's cos/sin from its own row
             tables = self.cache[input_pos]  # [3, b, s, dim / 2, 2]
             rows = cast(torch.Tensor, self.frequency_rows).view(1, 1, 1, -1, 1)
@@ -131,10 +140,15 @@ class RotaryPositionalEmbeddings(nn.Module):
         else:
             rope = self.cache[input_pos]  # [b, s, dim / 2, 2] or [s, dim / 2, 2]
         rope = rope.view(-1, x.size(1), 1, self.dim // 2, 2)
-        pairs = x.float().reshape(*x.shape[:-1], self.dim // 2, 2)
         cos, sin = rope[..., 0], rope[..., 1]
-        rotated = torch.stack(
-            [pairs[..., 0] * cos - pairs[..., 1] * sin, pairs[..., 1] * cos + pairs[..., 0] * sin],
-            dim=-1,
-        )
-        return rotated.flatten(-2).type_as(x)
+        rotary, rest = x[..., : self.dim].float(), x[..., self.dim :]
+        if self.rotate_half:
+            first, second = rotary.chunk(2, dim=-1)
+        else:
+            pairs = rotary.reshape(*rotary.shape[:-1], self.dim // 2, 2)
+            first, second = pairs[..., 0], pairs[..., 1]
+        halves = (first * cos - second * sin, second * cos + first * sin)
+        rotated = torch.cat(halves, -1) if self.rotate_half else torch.stack(halves, -1).flatten(-2)
+        if rest.size(-1):
+            rotated = torch.cat([rotated, rest.float()], dim=-1)
+        return rotated.type_as(x)

@@ -16,10 +16,10 @@ from fusion._validation import (
     is_dtensor,
 )
 from fusion.decoder.attention import MultiHeadAttention
+from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache
 from fusion.decoder.packed import PackedSegments
 from fusion.decoder.packed_attention import prepare
-from fusion.decoder.rms_norm import RMSNorm
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
 
@@ -55,7 +55,7 @@ class TransformerDecoder(nn.Module):
         tok_embeddings: nn.Embedding,
         layers: Sequence[TransformerSelfAttentionLayer],
         max_seq_len: int,
-        norm: RMSNorm,
+        norm: nn.Module,
         output: nn.Linear | None = None,
         output_hidden_states: Sequence[int] | None = None,
     ) -> None:
@@ -76,6 +76,11 @@ class TransformerDecoder(nn.Module):
         #: (torchtune's ``set_num_output_chunks``, for chunked cross-entropy).
         self.num_output_chunks = 0
         self.register_buffer("mrope_deltas", None, persistent=False)
+        if not self.attentions():
+            raise ValueError(
+                "layers: expected at least one attention layer (its rotary embeddings and KV "
+                "cache are the decoder's positions and fill level), got none"
+            )
 
     @property
     def output_hidden_states(self) -> list[int]:
@@ -165,6 +170,8 @@ class TransformerDecoder(nn.Module):
             raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
         for attn in self.attentions():
             attn.setup_cache(batch_size, max_len, dtype, self.device)
+        for mixer in self.recurrent_mixers():
+            mixer.setup_state(batch_size, dtype, self.device)
         if self.multimodal_rope:
             self.mrope_deltas = torch.zeros(batch_size, dtype=torch.long, device=self.device)
 
@@ -179,6 +186,8 @@ class TransformerDecoder(nn.Module):
         self._require_caches("reset_caches")
         for attn in self.attentions():
             cast(KVCache, attn.kv_cache).reset()
+        for mixer in self.recurrent_mixers():
+            cast(DeltaNetState, mixer.state).reset()
         if self.mrope_deltas is not None:
             self.mrope_deltas.zero_()
 
@@ -187,35 +196,52 @@ class TransformerDecoder(nn.Module):
         for attn in self.attentions():
             attn.kv_cache = None
             attn.cache_enabled = False
+        for mixer in self.recurrent_mixers():
+            mixer.state = None
+            mixer.cache_enabled = False
         self.mrope_deltas = None
 
     @contextmanager
     def caches_disabled(self) -> Iterator[None]:
         """Run plain full-sequence forwards inside the block; the caches are left untouched."""
         self._require_caches("caches_disabled")
-        attentions = self.attentions()
-        previous = [attn.cache_enabled for attn in attentions]
-        for attn in attentions:
-            attn.cache_enabled = False
+        stateful: list[MultiHeadAttention | GatedDeltaNet] = [
+            *self.attentions(),
+            *self.recurrent_mixers(),
+        ]
+        previous = [module.cache_enabled for module in stateful]
+        for module in stateful:
+            module.cache_enabled = False
         try:
             yield
         finally:
-            for attn, enabled in zip(attentions, previous, strict=True):
-                attn.cache_enabled = enabled
+            for module, enabled in zip(stateful, previous, strict=True):
+                module.cache_enabled = enabled
 
     def _require_caches(self, method: str) -> None:
         if not self.caches_are_setup():
             raise RuntimeError(f"{method}() needs KV caches: call setup_caches() first")
 
     def attentions(self) -> list[MultiHeadAttention]:
-        """Each layer's attention module, typed (``nn.ModuleList`` items are plain modules):
-        how code outside the decoder reaches head counts and KV caches."""
-        return [cast(TransformerSelfAttentionLayer, layer).attn for layer in self.layers]
+        """Each attention layer's attention module, typed (``nn.ModuleList`` items are plain
+        modules): how code outside the decoder reaches head counts and KV caches. A hybrid
+        stack's recurrent layers are :meth:`recurrent_mixers` instead."""
+        return [mixer for mixer in self._mixers() if isinstance(mixer, MultiHeadAttention)]
+
+    def recurrent_mixers(self) -> list[GatedDeltaNet]:
+        """The token mixers of a hybrid stack's recurrent layers (Qwen3.5's Gated DeltaNet),
+        which keep a state per sequence instead of a KV cache; empty for attention-only
+        stacks."""
+        return [mixer for mixer in self._mixers() if isinstance(mixer, GatedDeltaNet)]
+
+    def _mixers(self) -> Iterator[nn.Module]:
+        return (cast(TransformerSelfAttentionLayer, layer).attn for layer in self.layers)
 
     def _first_attention(self) -> MultiHeadAttention:
-        """The first layer's attention (its cache's length and fill level are every layer's),
-        without building the list of all of them: several calls per decoding step."""
-        return cast(TransformerSelfAttentionLayer, self.layers[0]).attn
+        """The first attention layer's attention (its cache's length and fill level are every
+        layer's), without building the list of all of them: several calls per decoding
+        step."""
+        return next(m for m in self._mixers() if isinstance(m, MultiHeadAttention))
 
     # ------------------------------------------------------------------ forward
 
@@ -313,13 +339,18 @@ class TransformerDecoder(nn.Module):
                 )
         else:
             h = self.tok_embeddings(tokens)
+        # Recurrent layers read the samples or padding from the mask in their own form.
+        recurrent = [isinstance(mixer, GatedDeltaNet) for mixer in self._mixers()]
+        layout = None
+        if any(recurrent):
+            layout = self.recurrent_mixers()[0].token_layout(mask, slots)
         if isinstance(mask, PackedSegments):
             mask = prepare(mask, self._compute_dtype(h), dropout=self._dropout())
         hidden = []
         for i, layer in enumerate(self.layers):
             if i in self.output_hidden_states:
                 hidden.append(h)
-            h = layer(h, mask=mask, input_pos=input_pos)
+            h = layer(h, mask=layout if recurrent[i] else mask, input_pos=input_pos)
             if after_layer is not None:
                 h = after_layer(i, h)
         if len(self.layers) in self.output_hidden_states:

@@ -3,18 +3,26 @@ from torch import nn
 
 from fusion.decoder.attention import MultiHeadAttention
 from fusion.decoder.feed_forward import FeedForward
+from fusion.decoder.gated_deltanet import GatedDeltaNet, TokenLayout
 from fusion.decoder.packed import PackedSegments
-from fusion.decoder.rms_norm import RMSNorm
 
 
 class TransformerSelfAttentionLayer(nn.Module):
     """Pre-norm decoder block: ``h = x + attn(sa_norm(x)); out = h + mlp(mlp_norm(h))``.
 
+    ``attn`` is the token mixer: attention, or in a hybrid stack a recurrent
+    :class:`~fusion.decoder.GatedDeltaNet` (which the decoder gives its own form of the mask).
+    The norms are any ``[..., d] -> [..., d]`` modules (RMSNorm, zero-centred RMSNorm).
+
     Shapes: input and output ``[b, s, d]``.
     """
 
     def __init__(
-        self, attn: MultiHeadAttention, mlp: FeedForward, sa_norm: RMSNorm, mlp_norm: RMSNorm
+        self,
+        attn: MultiHeadAttention | GatedDeltaNet,
+        mlp: FeedForward,
+        sa_norm: nn.Module,
+        mlp_norm: nn.Module,
     ) -> None:
         super().__init__()
         self.sa_norm = sa_norm
@@ -26,7 +34,7 @@ class TransformerSelfAttentionLayer(nn.Module):
         self,
         x: torch.Tensor,
         *,
-        mask: torch.Tensor | PackedSegments | None,
+        mask: torch.Tensor | PackedSegments | TokenLayout,
         input_pos: torch.Tensor,
     ) -> torch.Tensor:
         h = x + self.attn(self.sa_norm(x), mask=mask, input_pos=input_pos)

@@ -171,3 +171,51 @@ class Qwen3VisionTransformer(_QwenVisionTower):
             merger(hidden) for merger, hidden in zip(self.deepstack_merger_list, kept, strict=True)
         )
         return self.merger(x), deepstack
+
+
+class Qwen35VisionTransformer(Qwen3VisionTransformer):
+    """Qwen3.5's vision tower: Qwen3-VL's with no DeepStack (transformers'
+    ``Qwen3_5VisionModel``), so its forward returns the merged rows alone.
+
+    Args: as :class:`Qwen3VisionTransformer`'s, without ``deepstack_visual_indexes``.
+    """
+
+    def __init__(
+        self,
+        *,
+        depth: int,
+        hidden_size: int,
+        hidden_act: str = "gelu_pytorch_tanh",
+        intermediate_size: int,
+        num_heads: int,
+        in_channels: int = 3,
+        patch_size: int = 16,
+        spatial_merge_size: int = 2,
+        temporal_patch_size: int = 2,
+        out_hidden_size: int,
+        num_position_embeddings: int = 2304,
+        rope_theta: float = 10000.0,
+    ) -> None:
+        super().__init__(
+            depth=depth,
+            hidden_size=hidden_size,
+            hidden_act=hidden_act,
+            intermediate_size=intermediate_size,
+            num_heads=num_heads,
+            in_channels=in_channels,
+            patch_size=patch_size,
+            spatial_merge_size=spatial_merge_size,
+            temporal_patch_size=temporal_patch_size,
+            out_hidden_size=out_hidden_size,
+            num_position_embeddings=num_position_embeddings,
+            deepstack_visual_indexes=(),
+            rope_theta=rope_theta,
+        )
+
+    def forward(  # type: ignore[override]
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+    ) -> torch.Tensor:
+        """Patches of images concatenated -> their merged rows ``[n_rows, out_dim]``, as
+        :class:`Qwen3VisionTransformer`'s forward without the DeepStack rows."""
+        rows, _ = super().forward(pixel_values, image_grid_thw)
+        return rows

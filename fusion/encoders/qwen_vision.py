@@ -31,7 +31,7 @@ attention, blocks), :mod:`~fusion.encoders.qwen_vision_tower` (what the towers s
 """
 
 from fusion.encoders.qwen2_vision import Qwen2VisionTransformer, Qwen25VisionTransformer
-from fusion.encoders.qwen3_vision import Qwen3VisionTransformer
+from fusion.encoders.qwen3_vision import Qwen3VisionTransformer, Qwen35VisionTransformer
 from fusion.encoders.qwen_vision_blocks import (
     PatchEmbed,
     PatchMerger,
@@ -62,6 +62,7 @@ __all__ = [
     "Qwen3VisionMLP",
     "Qwen3VisionTransformer",
     "Qwen25VisionTransformer",
+    "Qwen35VisionTransformer",
     "QwenVisionAttention",
     "QwenVisionBlock",
     "RMSNorm",

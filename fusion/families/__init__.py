@@ -18,12 +18,14 @@ from fusion.families.base import Family, ModelSpec
 from fusion.families.idefics3 import IDEFICS3
 from fusion.families.llama import LLAMA
 from fusion.families.llava import LLAVA
+from fusion.families.qwen3_5 import QWEN3_5
 from fusion.families.qwen_vl import QWEN2_VL, QWEN3_VL
 from fusion.hf.config import CONFIG_NAME
 from fusion.hf.errors import CheckpointError, short_repr
 
-#: Every family, in the order errors list their model types.
-FAMILIES: tuple[Family, ...] = (LLAMA, LLAVA, IDEFICS3, QWEN2_VL, QWEN3_VL)
+#: Every family, in the order errors list their model types (a family whose tower subclasses
+#: another's comes first: Qwen3.5's is Qwen3-VL's without DeepStack).
+FAMILIES: tuple[Family, ...] = (LLAMA, LLAVA, IDEFICS3, QWEN2_VL, QWEN3_5, QWEN3_VL)
 
 __all__ = ["FAMILIES", "Family", "ModelSpec", "family_named", "family_of"]
 

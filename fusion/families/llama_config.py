@@ -4,7 +4,7 @@ Qwen's extensions of one) and read and write their ``text_config`` through it to
 
 import os
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 import torch
 
@@ -192,18 +192,21 @@ def hf_config_from_decoder(decoder: TransformerDecoder, *, qwen: bool = False) -
             "RMSNorm), got another structure"
         )
     first = layers[0]
-    attn, rope = first.attn, first.attn.pos_embeddings
+    # _is_llama_layer checked the parts' types; the layer's annotations are any mixer's.
+    attn = cast(MultiHeadAttention, first.attn)
+    rope = attn.pos_embeddings
 
     def signature(layer: TransformerSelfAttentionLayer) -> tuple:
-        a, r = layer.attn, layer.attn.pos_embeddings
+        a = cast(MultiHeadAttention, layer.attn)
+        r = a.pos_embeddings
         return (
             a.num_heads,
             a.num_kv_heads,
             a.head_dim,
             a.attn_dropout,
             layer.mlp.w1.out_features,
-            layer.sa_norm.eps,
-            layer.mlp_norm.eps,
+            cast(RMSNorm, layer.sa_norm).eps,
+            cast(RMSNorm, layer.mlp_norm).eps,
             (r.dim, r.base, r.scale_factor, r.low_freq_factor, r.high_freq_factor),
             r.old_context_len,
         )

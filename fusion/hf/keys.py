@@ -42,6 +42,21 @@ _NAMES = (
             ("mlp_norm.scale", "post_attention_layernorm.weight", "ffn_norm.weight"),
         )
     ),
+    # Qwen3.5's Gated DeltaNet layers (no Meta checkpoint has them: named as Hugging Face's)
+    *(
+        (f"layers.{{}}.attn.{ours}", f"model.layers.{{}}.linear_attn.{theirs}", theirs)
+        for ours, theirs in (
+            ("in_proj_qkv.weight", "in_proj_qkv.weight"),
+            ("in_proj_z.weight", "in_proj_z.weight"),
+            ("in_proj_b.weight", "in_proj_b.weight"),
+            ("in_proj_a.weight", "in_proj_a.weight"),
+            ("conv1d.weight", "conv1d.weight"),
+            ("dt_bias", "dt_bias"),
+            ("A_log", "A_log"),
+            ("norm.scale", "norm.weight"),
+            ("out_proj.weight", "out_proj.weight"),
+        )
+    ),
 )
 _HF_TO_FUSION = {hf: ours for ours, hf, _ in _NAMES}
 _FUSION_TO_HF = {ours: hf for ours, hf, _ in _NAMES}
@@ -192,12 +207,18 @@ def hf_to_fusion(
 
 
 def fusion_to_hf(
-    state_dict: Mapping[str, torch.Tensor], *, num_heads: int, num_kv_heads: int
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    permute_rope: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Convert this library's Llama state dict to Hugging Face's ``LlamaForCausalLM`` layout.
 
     A tied decoder has no ``output.weight``, so the result has no ``lm_head.weight``, as in
     Hugging Face's own tied checkpoints. ``hf_to_fusion(fusion_to_hf(sd)) == sd`` bitwise.
+    ``permute_rope=False``: the decoder rotates in Hugging Face's rotate-half layout already
+    (Qwen3.5), so only the names change.
 
     Raises:
         TypeError: ``state_dict`` not a mapping; ``num_heads``/``num_kv_heads`` not ints.
@@ -209,7 +230,7 @@ def fusion_to_hf(
         state_dict,
         _FUSION_TO_HF,
         "a Llama decoder",
-        interleaved_to_rotate_half,
+        interleaved_to_rotate_half if permute_rope else None,
         num_heads,
         num_kv_heads,
     )

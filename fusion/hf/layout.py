@@ -17,12 +17,22 @@ class KeyLayout:
     pattern that matches, replaced by ``prefix``. ``write``: (our prefix, saved prefix) pairs,
     the layout the savers write. Keys below ``decoder`` are then a Hugging Face Llama's, renamed
     by :mod:`fusion.hf.keys`; those of a vision tower's ``embeddings.position_ids``
-    (older checkpoints saved this function of the config) are skipped.
+    (older checkpoints saved this function of the config) are skipped, as are checkpoint keys
+    matching ``ignored`` (weights of heads the model does not have, e.g. Qwen3.5's
+    multi-token prediction ``mtp.*``). ``permute_rope``: the decoder rotates queries and keys
+    in Meta's interleaved pairs, so their rows are permuted to and from Hugging Face's
+    rotate-half layout; False for decoders that rotate in Hugging Face's layout.
     """
 
     decoder: str = ""
     read: tuple[tuple[str, str], ...] = (("", ""),)
     write: tuple[tuple[str, str], ...] = ()
+    ignored: str | None = None
+    permute_rope: bool = True
+
+    def is_ignored(self, name: str) -> bool:
+        """Whether checkpoint key ``name`` is a weight this model has no place for, by design."""
+        return self.ignored is not None and re.match(self.ignored, name) is not None
 
     def ours(self, name: str) -> str | None:
         """This library's key for checkpoint key ``name``; None for a derived buffer.
@@ -30,6 +40,8 @@ class KeyLayout:
         Raises:
             KeyError: ``name`` belongs to no part.
         """
+        if self.is_ignored(name):
+            return None
         for pattern, prefix in self.read:
             if match := re.match(pattern, name):
                 key = prefix + name[match.end() :]

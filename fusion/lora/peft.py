@@ -150,6 +150,8 @@ class _Model:
     def rope_rows(self, ours: str) -> int | None:
         """The head count whose rows the decoder permutes in layer ``ours`` (q_proj, k_proj);
         None for another layer."""
+        if not self.family.family.layout.permute_rope:  # rotates in transformers' layout
+            return None
         if not ours.startswith(self.decoder) or "." not in ours:
             return None
         parent = self.module.get_submodule(ours.rsplit(".", 1)[0])
