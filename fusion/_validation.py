@@ -15,12 +15,12 @@ def host_reads_are_free(device: torch.device) -> bool:
 
 
 def is_int(value: object, low: int | None = None, high: int | None = None) -> TypeGuard[int]:
-    """Whether ``value`` is an int (a bool is not) in ``[low, high)``, either bound optional."""
+    """Whether ``value`` is an int (a bool is not) in ``[low, high]``, either bound optional."""
     return (
         isinstance(value, int)
         and not isinstance(value, bool)
         and (low is None or value >= low)
-        and (high is None or value < high)
+        and (high is None or value <= high)
     )
 
 
@@ -32,10 +32,10 @@ def check_int(
     high: int | None = None,
     expected: str | None = None,
 ) -> int:
-    """``value`` if :func:`is_int` (an int in ``[low, high)``, never a bool); otherwise
+    """``value`` if :func:`is_int` (an int in ``[low, high]``, never a bool); otherwise
     ``ValueError(f"{name}: expected {expected}, got {value!r}")``, ``expected`` saying by
     default "a positive integer" (``low=1``), "a non-negative integer" (``low=0``), "an
-    integer in [low, high)" or "an integer >= low"."""
+    integer in [low, high]", ...: the one integer check of the library's arguments."""
     if is_int(value, low, high):
         return value
     if expected is None:
@@ -43,7 +43,7 @@ def check_int(
         if high is None:
             expected = words.get(low, f"an integer >= {low}")
         else:
-            expected = f"an integer < {high}" if low is None else f"an integer in [{low}, {high})"
+            expected = f"an integer <= {high}" if low is None else f"an integer in [{low}, {high}]"
     raise ValueError(f"{name}: expected {expected}, got {value!r}")
 
 

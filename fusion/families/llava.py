@@ -14,6 +14,7 @@ from typing import Any, cast
 
 from torch import nn
 
+from fusion._validation import is_int
 from fusion.early_fusion import EarlyFusion
 from fusion.encoders.vit_blocks import ACTIVATIONS
 from fusion.families.base import (
@@ -126,15 +127,9 @@ class LlavaFamily(Family):
         return config
 
 
-def _is_layer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_layers(value: object) -> bool:
     """One layer number, or a non-empty list of them."""
-    return _is_layer(value) or (
-        isinstance(value, list) and bool(value) and all(map(_is_layer, value))
-    )
+    return is_int(value) or (isinstance(value, list) and bool(value) and all(map(is_int, value)))
 
 
 LLAVA = LlavaFamily()
