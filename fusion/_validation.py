@@ -2,6 +2,7 @@
 
 import sys
 from collections.abc import Callable
+from typing import TypeGuard
 
 import torch
 
@@ -11,6 +12,39 @@ def host_reads_are_free(device: torch.device) -> bool:
     ``torch.compile``. Checks then raise before any work (elsewhere they are device-side
     assertions), and cached attention skips the cache's unfilled slots."""
     return device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def is_int(value: object, low: int | None = None, high: int | None = None) -> TypeGuard[int]:
+    """Whether ``value`` is an int (a bool is not) in ``[low, high]``, either bound optional."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (low is None or value >= low)
+        and (high is None or value <= high)
+    )
+
+
+def check_int(
+    value: object,
+    name: str,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    expected: str | None = None,
+) -> int:
+    """``value`` if :func:`is_int` (an int in ``[low, high]``, never a bool); otherwise
+    ``ValueError(f"{name}: expected {expected}, got {value!r}")``, ``expected`` saying by
+    default "a positive integer" (``low=1``), "a non-negative integer" (``low=0``), "an
+    integer in [low, high]", ...: the one integer check of the library's arguments."""
+    if is_int(value, low, high):
+        return value
+    if expected is None:
+        words = {1: "a positive integer", 0: "a non-negative integer", None: "an integer"}
+        if high is None:
+            expected = words.get(low, f"an integer >= {low}")
+        else:
+            expected = f"an integer <= {high}" if low is None else f"an integer in [{low}, {high}]"
+    raise ValueError(f"{name}: expected {expected}, got {value!r}")
 
 
 def check_values(

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from fusion._validation import is_dtensor
+from fusion._validation import is_dtensor, is_int
 from fusion._wrappers import is_wrapper
 from fusion.decoder import TransformerDecoder
 
@@ -135,4 +135,4 @@ def vocab_size(decoder: Any, kind: str, embedding: nn.Module) -> int | None:
         count = getattr(getattr(decoder, "config", None), "vocab_size", None)
     if count is None:
         count = getattr(decoder, "vocab_size", None)
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
+    return count if is_int(count) else None

@@ -204,16 +204,21 @@ class EarlyFusion(nn.Module):
         """Run the encoders once: name -> kwargs for that encoder, or an already-computed
         output (a tensor, ``Packed`` or ``Padded``), which passes through. The result can be
         passed back as ``encoder_input`` (e.g. reused across steps) without re-encoding."""
-        unknown = sorted(set(encoder_input) - set(self.encoders))
+        self.check_encoder_names(encoder_input)
+        return {
+            name: self._run_encoder(name, value) if isinstance(value, Mapping) else value
+            for name, value in encoder_input.items()
+        }
+
+    def check_encoder_names(self, encoder_input: Mapping[Any, Any]) -> None:
+        """Refuse ``encoder_input`` naming an encoder this model lacks (``ValueError``
+        listing the names it has)."""
+        unknown = sorted(set(encoder_input) - set(self.encoders), key=str)
         if unknown:
             raise ValueError(
                 f"encoder_input: unknown encoder names {unknown}, expected some of "
                 f"{sorted(self.encoders)}"
             )
-        return {
-            name: self._run_encoder(name, value) if isinstance(value, Mapping) else value
-            for name, value in encoder_input.items()
-        }
 
     def _run_encoder(self, name: str, kwargs: Mapping[str, Any]) -> EncoderRows:
         """Call encoder ``name``; one with nothing to train (every parameter frozen, no input

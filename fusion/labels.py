@@ -14,6 +14,7 @@ from fusion._validation import (
     describe,
     host_reads_are_free,
     is_dtensor,
+    is_int,
 )
 
 
@@ -57,7 +58,7 @@ def next_token_labels(
     check_token_ids(tokens)
     ignore_ids = list(ignore_ids)
     for value in [*ignore_ids, ignore_index]:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise ValueError(
                 f"ignore_ids, ignore_index: expected Python ints, got {value!r} "
                 f"({type(value).__name__})"
@@ -272,7 +273,7 @@ def _check_chunked_loss_arguments(
             f"got {type(unembed).__name__}"
         )
     for name, value, low in (("ignore_index", ignore_index, None), ("chunk_size", chunk_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or (low and value < low):
+        if not is_int(value) or (low and value < low):
             expected = "a Python int" if low is None else f"an int >= {low}"
             raise ValueError(f"{name}: expected {expected}, got {value!r:.40}")
     tokens = batch * seq_len

@@ -15,6 +15,7 @@ from torch import nn
 
 from fusion._adapters import first_lora_layer
 from fusion._io import FileTooLarge, NotRegularFile, read_regular
+from fusion._validation import is_int
 from fusion._wrappers import unwrap
 from fusion.checkpoint.errors import CheckpointError, as_path, check_positive_int, short_repr
 from fusion.checkpoint.files import fsync_path
@@ -195,9 +196,7 @@ def _token_ids(source: Path) -> dict[str, dict[str, Any]]:
     for part in found.values():
         for key, value in part.items():
             values = value if isinstance(value, list) else [value]
-            if value is not None and not all(
-                isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31 for v in values
-            ):
+            if value is not None and not all(is_int(v, 0, 2**31 - 1) for v in values):
                 raise CheckpointError(file, key, f"expected a token id, got {short_repr(value)}")
     return found
 

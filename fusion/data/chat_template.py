@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fusion._validation import check_int, is_int
 from fusion.errors import FusionError
 from fusion.hf.errors import CheckpointError, as_path
 from fusion.hf.files import read_bounded, read_json
@@ -183,8 +184,7 @@ class ChatTemplate:
             raise TypeError(f"source: expected the template text, got {type(source).__name__}")
         if len(source) > MAX_TEMPLATE_BYTES:
             raise ChatTemplateError(f"template longer than {MAX_TEMPLATE_BYTES} characters")
-        if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 1:
-            raise ValueError(f"max_chars: expected a positive integer, got {max_chars!r}")
+        check_int(max_chars, "max_chars", low=1)
         self.source = source
         self.special_tokens = dict(special_tokens or {})
         self.max_chars = max_chars
@@ -511,29 +511,21 @@ def _refuse(message: str) -> None:
     raise jinja2.exceptions.SecurityError(message)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     """No call or filter gets a count above :data:`MAX_OUTPUT_CHARS` (``center(10**10)``,
     ``lipsum(10**9)``): no template needs one, and it could allocate that much."""
     for value in (*args, *kwargs.values()):
-        if _is_int(value) and abs(value) > MAX_OUTPUT_CHARS:
+        if is_int(value) and abs(value) > MAX_OUTPUT_CHARS:
             _refuse(f"the number {value} is too large (at most {MAX_OUTPUT_CHARS})")
 
 
 def _check_binop(operator: str, left: Any, right: Any) -> None:
     sized = (str, list, tuple)
-    if operator == "**" and _is_int(left) and _is_int(right) and abs(left) > 1 and right > 256:
+    if operator == "**" and is_int(left) and is_int(right) and abs(left) > 1 and right > 256:
         _refuse(f"{left} ** {right} is too large")
     if operator == "*":
         for items, count in ((left, right), (right, left)):
-            if (
-                isinstance(items, sized)
-                and _is_int(count)
-                and len(items) * count > MAX_OUTPUT_CHARS
-            ):
+            if isinstance(items, sized) and is_int(count) and len(items) * count > MAX_OUTPUT_CHARS:
                 _refuse(f"repeating {len(items)} items {count} times is too large")
     if operator == "+" and isinstance(left, sized) and isinstance(right, sized):
         if len(left) + len(right) > MAX_OUTPUT_CHARS:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from fusion._validation import check_int
 from fusion.data.packing import Batch, collate_packed, collate_padded, pack_samples
 from fusion.data.samples import IGNORE_INDEX, ConversationEncoder, Sample
 from fusion.errors import FusionError, one_line
@@ -206,11 +207,11 @@ class StepBatches(Dataset[MicroBatch]):
         rank: int = 0,
         filler: Sample | None = None,
     ) -> None:
-        for name, value in (("micro_batches", micro_batches), ("world_size", world_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank: expected an integer in [0, {world_size}), got {rank!r}")
+        check_int(micro_batches, "micro_batches", low=1)
+        check_int(world_size, "world_size", low=1)
+        check_int(
+            rank, "rank", low=0, high=world_size - 1, expected=f"an integer in [0, {world_size})"
+        )
         self.samples = samples
         self.steps = steps
         self.collate = collate

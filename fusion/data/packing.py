@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from fusion._validation import check_int
 from fusion.data.samples import IGNORE_INDEX, Sample
 from fusion.decoder.packed import PACKED_BACKENDS, PackedSegments
 
@@ -148,7 +149,7 @@ def pack(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
             ``[1, max_seq_len]`` (named by index; fit samples first, see
             :func:`fusion.data.fit_sample`).
     """
-    _check_positive(max_seq_len, "max_seq_len")
+    check_int(max_seq_len, "max_seq_len", low=1)
     for i, length in enumerate(lengths):
         if (
             isinstance(length, bool)
@@ -245,8 +246,7 @@ def _collate(
     attention: str | None,
 ) -> Batch:
     """``attention``: what ``collate_packed`` takes; None for a padded batch."""
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
-        raise ValueError(f"pad_id: expected an integer >= 0, got {pad_id!r}")
+    check_int(pad_id, "pad_id", low=0, expected="an integer >= 0")
     if not rows:
         raise ValueError("rows: expected at least one row of samples, got none")
     lengths = []
@@ -256,7 +256,7 @@ def _collate(
         lengths.append(sum(len(sample) for sample in row))
     if seq_len is None:
         seq_len = max(lengths)
-    _check_positive(seq_len, "seq_len")
+    check_int(seq_len, "seq_len", low=1)
     for r, length in enumerate(lengths):
         if length > seq_len:
             raise ValueError(f"rows[{r}]: {length} tokens, more than seq_len={seq_len}")
@@ -309,8 +309,3 @@ def _collate(
         num_targets=int((labels != IGNORE_INDEX).sum()),
         num_samples=sum(len(row) for row in rows),
     )
-
-
-def _check_positive(value: object, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")

@@ -11,6 +11,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from fusion._validation import check_int
 from fusion.data.conversations import read_conversations
 from fusion.data.samples import ConversationEncoder, EncodedData, encode_conversations
 from fusion.hf.errors import CheckpointError
@@ -73,8 +74,7 @@ def pad_token_id(
             comes from (the EOS token is not taken instead: a pad token that does not fit is a
             broken directory).
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size: expected a positive integer, got {vocab_size!r}")
+    check_int(vocab_size, "vocab_size", low=1)
     tokens = encoder.template.special_tokens
     for key in ("pad_token", "eos_token"):
         if key in tokens and (found := encoder.tokenizer.token_to_id(tokens[key])) is not None:

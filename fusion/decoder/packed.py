@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fusion._validation import describe
+from fusion._validation import check_int, describe, is_int
 
 #: The attention backends over packed segments (see :mod:`fusion.decoder.packed_attention`):
 #: ``"auto"`` (chosen per device and dtype), ``"sdpa"`` (one ``scaled_dot_product_attention``
@@ -114,8 +114,7 @@ class PackedSegments:
             ValueError: no row, an empty row, a length that is not a positive integer, a row
                 longer than ``seq_len``, an unknown backend.
         """
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len: expected a positive integer, got {seq_len!r}")
+        check_int(seq_len, "seq_len", low=1)
         if isinstance(lengths, str | bytes) or not isinstance(lengths, Sequence) or not lengths:
             raise ValueError(
                 f"lengths: expected a list of rows of sample lengths, got {lengths!r:.80}"
@@ -127,8 +126,7 @@ class PackedSegments:
                     f"lengths[{r}]: expected a non-empty list of lengths, got {row!r:.80}"
                 )
             for n in row:
-                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                    raise ValueError(f"lengths[{r}]: expected positive integers, got {n!r}")
+                check_int(n, f"lengths[{r}]", low=1, expected="positive integers")
             used = sum(row)
             if used > seq_len:
                 raise ValueError(f"lengths[{r}]: {used} tokens, more than seq_len={seq_len}")
@@ -212,11 +210,7 @@ def _check_lengths(lengths: Any, padding: Any) -> None:
         )
     seq_len = None
     for r, (row, pad) in enumerate(zip(lengths, padding, strict=True)):
-        if (
-            not isinstance(row, tuple)
-            or not row
-            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in row)
-        ):
+        if not isinstance(row, tuple) or not row or any(not is_int(n, 1) for n in row):
             raise ValueError(
                 f"lengths[{r}]: expected a non-empty tuple of positive integers, got {row!r:.80}"
             )
@@ -227,7 +221,7 @@ def _check_lengths(lengths: Any, padding: Any) -> None:
                 f"lengths[{r}]: expected segments summing to seq_len={seq_len} (row 0's), got "
                 f"{sum(row)}"
             )
-        if isinstance(pad, bool) or not isinstance(pad, int) or not (pad == 0 or pad == row[-1]):
+        if not is_int(pad) or not (pad == 0 or pad == row[-1]):
             raise ValueError(
                 f"padding[{r}]: expected 0 or the row's last segment ({row[-1]}), got {pad!r}"
             )

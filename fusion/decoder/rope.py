@@ -5,6 +5,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from fusion._validation import is_int
+
 
 class RotaryPositionalEmbeddings(nn.Module):
     """Rotary position embeddings in Meta's (interleaved-pair) layout, as in torchtune's Llama 3.
@@ -64,7 +66,7 @@ class RotaryPositionalEmbeddings(nn.Module):
             raise ValueError(f"dim: expected an even head dimension, got {dim}")
         if mrope_section is not None and (
             len(mrope_section) != 3
-            or not all(isinstance(n, int) and n >= 0 for n in mrope_section)
+            or not all(is_int(n, low=0) for n in mrope_section)
             or sum(mrope_section) != dim // 2
         ):
             raise ValueError(

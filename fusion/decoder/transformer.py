@@ -14,6 +14,7 @@ from fusion._validation import (
     describe,
     host_reads_are_free,
     is_dtensor,
+    is_int,
 )
 from fusion.decoder.attention import MultiHeadAttention
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
@@ -95,9 +96,7 @@ class TransformerDecoder(nn.Module):
                 f"output_hidden_states: expected a list of layer indices, got {value!r:.100}"
             )
         last = len(self.layers)
-        bad = [
-            i for i in value if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= last
-        ]
+        bad = [i for i in value if not is_int(i, 0, last)]
         if bad:
             raise ValueError(
                 f"output_hidden_states: expected layer indices in [0, {last}] (the decoder has "

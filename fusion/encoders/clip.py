@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fusion._validation import is_int
 from fusion.encoders.vit_blocks import VisionTower, check_pixels
 
 
@@ -89,7 +90,7 @@ class ClipVisionTransformer(VisionTower):
             ValueError: not an int, or outside ``[-(num_layers + 1), num_layers]``.
         """
         count = self.num_layers + 1
-        if isinstance(layer, bool) or not isinstance(layer, int) or not -count <= layer < count:
+        if not is_int(layer) or not -count <= layer < count:
             raise ValueError(
                 f"vision_feature_layer: expected an int in [{-count}, {count - 1}] (hidden "
                 f"states of a {self.num_layers}-layer tower), got {layer!r}"

@@ -9,13 +9,8 @@ import math
 import torch
 from torch import nn
 
+from fusion._validation import check_int
 from fusion.encoders.vit_blocks import Activation
-
-
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    return value
 
 
 class LlavaProjector(nn.Module):
@@ -35,8 +30,8 @@ class LlavaProjector(nn.Module):
         self, in_features: int, out_features: int, hidden_act: str = "gelu", bias: bool = True
     ) -> None:
         super().__init__()
-        _positive("in_features", in_features)
-        _positive("out_features", out_features)
+        check_int(in_features, "in_features", low=1)
+        check_int(out_features, "out_features", low=1)
         self.linear_1 = nn.Linear(in_features, out_features, bias=bias)
         self.act = Activation(hidden_act)
         self.linear_2 = nn.Linear(out_features, out_features, bias=bias)
@@ -96,9 +91,9 @@ class Idefics3Connector(nn.Module):
         self, vision_hidden_size: int, text_hidden_size: int, scale_factor: int = 2
     ) -> None:
         super().__init__()
-        _positive("vision_hidden_size", vision_hidden_size)
-        _positive("text_hidden_size", text_hidden_size)
-        self.scale_factor = _positive("scale_factor", scale_factor)
+        check_int(vision_hidden_size, "vision_hidden_size", low=1)
+        check_int(text_hidden_size, "text_hidden_size", low=1)
+        self.scale_factor = check_int(scale_factor, "scale_factor", low=1)
         self.modality_projection = _ModalityProjection(
             vision_hidden_size * scale_factor**2, text_hidden_size
         )

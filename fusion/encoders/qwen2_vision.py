@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fusion._validation import check_int, is_int
 from fusion.encoders.qwen_vision_blocks import (
     PatchEmbed,
     PatchMerger,
@@ -16,7 +17,7 @@ from fusion.encoders.qwen_vision_blocks import (
     SwiGLU,
 )
 from fusion.encoders.qwen_vision_plans import AttentionPlan, Grid, frame_plan, window_plan
-from fusion.encoders.qwen_vision_tower import _heads, _non_negative, _positive, _QwenVisionTower
+from fusion.encoders.qwen_vision_tower import _heads, _QwenVisionTower
 from fusion.encoders.vit_blocks import VisionMLP
 
 
@@ -82,10 +83,10 @@ class Qwen2VisionTransformer(_PooledQwenVisionTower):
         hidden_act: str = "quick_gelu",
         rope_theta: float = 10000.0,
     ) -> None:
-        _positive("embed_dim", embed_dim)
-        _positive("hidden_size", hidden_size)
+        check_int(embed_dim, "embed_dim", low=1)
+        check_int(hidden_size, "hidden_size", low=1)
         _heads("embed_dim", embed_dim, num_heads)
-        _non_negative("depth", depth)
+        check_int(depth, "depth", low=0)
         if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, int | float):
             raise ValueError(f"mlp_ratio: expected a positive number, got {mlp_ratio!r}")
         intermediate = int(embed_dim * mlp_ratio)
@@ -162,14 +163,14 @@ class Qwen25VisionTransformer(_PooledQwenVisionTower):
         hidden_act: str = "silu",
         rope_theta: float = 10000.0,
     ) -> None:
-        _positive("hidden_size", hidden_size)
-        _positive("intermediate_size", intermediate_size)
-        _positive("out_hidden_size", out_hidden_size)
+        check_int(hidden_size, "hidden_size", low=1)
+        check_int(intermediate_size, "intermediate_size", low=1)
+        check_int(out_hidden_size, "out_hidden_size", low=1)
         _heads("hidden_size", hidden_size, num_heads)
-        _non_negative("depth", depth)
-        _positive("window_size", window_size)
-        _positive("patch_size", patch_size)
-        _positive("spatial_merge_size", spatial_merge_size)
+        check_int(depth, "depth", low=0)
+        check_int(window_size, "window_size", low=1)
+        check_int(patch_size, "patch_size", low=1)
+        check_int(spatial_merge_size, "spatial_merge_size", low=1)
         window_blocks = window_size // spatial_merge_size // patch_size
         if window_blocks < 1:
             raise ValueError(
@@ -178,7 +179,7 @@ class Qwen25VisionTransformer(_PooledQwenVisionTower):
             )
         full = tuple(fullatt_block_indexes)
         for index in full:
-            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < depth:
+            if not is_int(index, 0, depth - 1):
                 raise ValueError(
                     f"fullatt_block_indexes: expected block indices in [0, depth={depth}), got "
                     f"{list(full)}"

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion._validation import check_int, is_int
 from fusion.encoders.qwen_vision_blocks import (
     PatchEmbed,
     Qwen3PatchMerger,
@@ -17,7 +18,7 @@ from fusion.encoders.qwen_vision_blocks import (
     QwenVisionBlock,
 )
 from fusion.encoders.qwen_vision_plans import Grid, bilinear_taps
-from fusion.encoders.qwen_vision_tower import _heads, _non_negative, _positive, _QwenVisionTower
+from fusion.encoders.qwen_vision_tower import _heads, _QwenVisionTower
 
 
 class Qwen3VisionTransformer(_QwenVisionTower):
@@ -67,12 +68,12 @@ class Qwen3VisionTransformer(_QwenVisionTower):
         deepstack_visual_indexes: Sequence[int] = (8, 16, 24),
         rope_theta: float = 10000.0,
     ) -> None:
-        _positive("hidden_size", hidden_size)
-        _positive("intermediate_size", intermediate_size)
-        _positive("out_hidden_size", out_hidden_size)
+        check_int(hidden_size, "hidden_size", low=1)
+        check_int(intermediate_size, "intermediate_size", low=1)
+        check_int(out_hidden_size, "out_hidden_size", low=1)
         _heads("hidden_size", hidden_size, num_heads)
-        _non_negative("depth", depth)
-        _positive("num_position_embeddings", num_position_embeddings)
+        check_int(depth, "depth", low=0)
+        check_int(num_position_embeddings, "num_position_embeddings", low=1)
         side = math.isqrt(num_position_embeddings)
         if side * side != num_position_embeddings:
             raise ValueError(
@@ -80,10 +81,9 @@ class Qwen3VisionTransformer(_QwenVisionTower):
                 f"squared), got {num_position_embeddings}"
             )
         deepstack = tuple(deepstack_visual_indexes)
-        if any(
-            isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < depth
-            for index in deepstack
-        ) or list(deepstack) != sorted(set(deepstack)):
+        if any(not is_int(index, 0, depth - 1) for index in deepstack) or list(deepstack) != sorted(
+            set(deepstack)
+        ):
             raise ValueError(
                 f"deepstack_visual_indexes: expected increasing block indices in [0, "
                 f"depth={depth}), got {list(deepstack)}"

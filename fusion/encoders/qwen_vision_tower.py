@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fusion._validation import check_int
 from fusion.encoders.qwen_vision_blocks import PatchEmbed, rotary_angles
 from fusion.encoders.qwen_vision_plans import (
     AttentionPlan,
@@ -22,22 +23,10 @@ from fusion.encoders.qwen_vision_plans import (
 from fusion.encoders.vit_blocks import Activation
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    return value
-
-
-def _non_negative(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
-    return value
-
-
 def _heads(width_name: str, width: int, num_heads: int) -> int:
     """The head width, checked: rotary angles come in (h, w) pairs of sin/cos halves, so it must
     be a multiple of 4."""
-    _positive("num_heads", num_heads)
+    check_int(num_heads, "num_heads", low=1)
     if width % num_heads or (width // num_heads) % 4:
         raise ValueError(
             f"num_heads: expected a divisor of {width_name}={width} leaving a head width that "
@@ -66,12 +55,12 @@ class _QwenVisionTower(nn.Module):
         rope_theta: float,
     ) -> None:
         super().__init__()
-        self.in_channels = _positive("in_channels", in_channels)
-        self.patch_size = _positive("patch_size", patch_size)
-        self.spatial_merge_size = _positive("spatial_merge_size", spatial_merge_size)
-        self.temporal_patch_size = _positive("temporal_patch_size", temporal_patch_size)
+        self.in_channels = check_int(in_channels, "in_channels", low=1)
+        self.patch_size = check_int(patch_size, "patch_size", low=1)
+        self.spatial_merge_size = check_int(spatial_merge_size, "spatial_merge_size", low=1)
+        self.temporal_patch_size = check_int(temporal_patch_size, "temporal_patch_size", low=1)
         self.num_heads = num_heads
-        self.out_dim = _positive("out_dim", out_dim)
+        self.out_dim = check_int(out_dim, "out_dim", low=1)
         Activation(hidden_act)  # refuses an unknown name before anything is built
         self.hidden_act = hidden_act
         if (

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion._validation import check_int
+
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
@@ -229,10 +231,8 @@ def _check_vision_sizes(
         ("patch_size", patch_size),
         ("num_channels", num_channels),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
-        raise ValueError(f"num_hidden_layers: expected a non-negative integer, got {num_layers!r}")
+        check_int(value, name, low=1)
+    check_int(num_layers, "num_hidden_layers", low=0)
     if image_size % patch_size:
         raise ValueError(
             f"image_size: expected a multiple of patch_size={patch_size}, got {image_size}"

@@ -80,7 +80,7 @@ def family_of(
         if ("llama" if model_type is None else model_type) in family.model_types:
             return family
     expected = [t for family in among for t in family.model_types]
-    hint = " (a plain Llama: use load_hf_llama)" if model_type in (None, "llama") else ""
+    hint = " (a plain Llama: use load_hf_model)" if model_type in (None, "llama") else ""
     raise CheckpointError(
         Path(source),
         "model_type",

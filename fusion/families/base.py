@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion._validation import is_int
 from fusion.early_fusion import EarlyFusion
 from fusion.hf.config import CONFIG_NAME, ConfigReader
 from fusion.hf.errors import short_repr
@@ -198,7 +199,7 @@ def read_token_id(config: ConfigReader, keys: tuple[str, ...], default: int) -> 
     if len(set(map(repr, values.values()))) > 1:
         raise config.fail(keys[0], f"disagreeing values {values}")
     key, value = next(iter(values.items()), (keys[0], default))
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+    if not is_int(value, 0, 2**63 - 1):
         raise config.fail(key, f"expected an id, got {short_repr(value)}")
     return value
 

@@ -14,6 +14,7 @@ from typing import Any, cast
 
 from torch import nn
 
+from fusion._validation import is_int
 from fusion.early_fusion import EarlyFusion
 from fusion.encoders.vit_blocks import ACTIVATIONS
 from fusion.families.base import (
@@ -33,7 +34,7 @@ from fusion.families.vit_config import (
 )
 from fusion.hf.config import ConfigReader
 from fusion.hf.layout import KeyLayout
-from fusion.models.llava import FEATURE_STRATEGIES, LlavaImageEncoder, llava
+from fusion.models.llava import FEATURE_STRATEGIES, LlavaImageEncoder, llava, rows_per_image
 
 _VISION_TYPES = ("clip_vision_model",)
 
@@ -79,9 +80,7 @@ class LlavaFamily(Family):
             "vision_feature_layer": config.get(
                 "vision_feature_layer",
                 -2,
-                lambda v: (
-                    _is_layer(v) or (isinstance(v, list) and bool(v) and all(map(_is_layer, v)))
-                ),
+                _is_layers,
                 "an int or a list of ints",
             ),
             "vision_feature_select_strategy": config.choice(
@@ -102,7 +101,7 @@ class LlavaFamily(Family):
         )
 
     def rows_per_image(self, spec: ModelSpec, side: int, config_file: Path) -> int:
-        return side * side + int(spec.options["vision_feature_select_strategy"] == "full")
+        return rows_per_image(side * side, spec.options["vision_feature_select_strategy"])
 
     def hf_config(self, model: nn.Module) -> dict[str, Any]:
         encoder, image_id = check_image_encoder(model, self)
@@ -128,15 +127,9 @@ class LlavaFamily(Family):
         return config
 
 
-def _is_layer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_layers(value: object) -> bool:
     """One layer number, or a non-empty list of them."""
-    return _is_layer(value) or (
-        isinstance(value, list) and bool(value) and all(map(_is_layer, value))
-    )
+    return is_int(value) or (isinstance(value, list) and bool(value) and all(map(is_int, value)))
 
 
 LLAVA = LlavaFamily()

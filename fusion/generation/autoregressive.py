@@ -371,12 +371,7 @@ def _checked_tokens(
                 "encoder_input: expected a mapping of encoder names to their input, got "
                 f"{type(encoder_input).__name__}"
             )
-        unknown = sorted(set(encoder_input or {}) - set(inner.encoders), key=str)
-        if unknown:
-            raise ValueError(
-                f"encoder_input: unknown encoder names {unknown}, expected some of "
-                f"{sorted(inner.encoders)}"
-            )
+        inner.check_encoder_names(encoder_input or {})
         placeholders = inner.encoder_tokens
     elif encoder_input is not None:
         names = sorted(encoder_input, key=str) if isinstance(encoder_input, Mapping) else "?"

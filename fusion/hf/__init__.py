@@ -11,7 +11,8 @@ their files, and the names of their tensors.
   checks :func:`as_path`, :func:`short_repr`, :func:`check_positive_int`.
 
 This package imports nothing of the library above it (only :mod:`fusion.errors`,
-:mod:`fusion._io` and torch), so that checkpoint, preprocessing, data and lora all stand on it.
+:mod:`fusion._io`, :mod:`fusion._validation` and torch), so that checkpoint, preprocessing,
+data and lora all stand on it.
 """
 
 from fusion.hf.config import CONFIG_NAME, MAX_SIDE, ConfigReader, read_hf_config

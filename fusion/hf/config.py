@@ -8,8 +8,9 @@ import math
 import os
 from collections.abc import Callable, Collection, Mapping
 from functools import partial
-from typing import Any, TypeGuard
+from typing import Any
 
+from fusion._validation import is_int
 from fusion.hf.errors import CheckpointError, as_path, short_repr
 from fusion.hf.files import read_json
 
@@ -37,14 +38,6 @@ def read_hf_config(path: str | bytes | os.PathLike) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CheckpointError(file, None, "expected a JSON object")
     return config
-
-
-def _is_int(value: object, low: int, high: int) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
-
-
-def _is_any_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class ConfigReader:
@@ -112,9 +105,9 @@ class ConfigReader:
         if self._value(key, default) is None:
             raise self.fail(key, "missing; expected a positive integer")
         if low is None:
-            return self.get(key, default, _is_any_int, "an integer")
+            return self.get(key, default, is_int, "an integer")
         return self.get(
-            key, default, lambda v: _is_int(v, low, 2**31), f"an integer in [{low}, 2**31)"
+            key, default, lambda v: is_int(v, low, 2**31 - 1), f"an integer in [{low}, 2**31)"
         )
 
     def number(
@@ -184,14 +177,14 @@ class ConfigReader:
     def resample(self, key: str, default: int, filters: Mapping[int, str]) -> int:
         """A resampling filter's number, one of ``filters`` (number -> name)."""
         value = self._value(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value not in filters:
+        if not is_int(value) or value not in filters:
             names = ", ".join(f"{n} ({filters[n]})" for n in sorted(filters))
             raise self.fail(key, f"expected one of {names}, got {value!r}")
         return int(value)  # Pillow's Resampling enum is an int
 
     def size(self, key: str, value: object) -> dict[str, int]:
         """A size entry: an int, or an object of positive ints (at most :data:`MAX_SIDE`)."""
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int(value):
             value = {"shortest_edge": value}
         if not isinstance(value, Mapping) or not value:
             raise self.fail(key, f"expected an object of sizes, got {value!r}")
@@ -199,7 +192,7 @@ class ConfigReader:
         for name, v in value.items():
             if v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_SIDE:
+            if not is_int(v, 1, MAX_SIDE):
                 raise self.fail(
                     f"{key}.{name}", f"expected a positive integer <= {MAX_SIDE}, got {v!r}"
                 )

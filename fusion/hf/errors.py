@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from fusion._validation import is_int
 from fusion.errors import FusionError
 
 
@@ -58,7 +59,7 @@ def check_positive_int(value: object, argument: str) -> int:
     Raises:
         TypeError: not an int. ValueError: not positive.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{argument}: expected a positive int, got {type(value).__name__}")
     if value <= 0:
         raise ValueError(f"{argument}: expected a positive int, got {value}")

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from fusion._adapters import LORA_MARK
+from fusion._validation import check_int
 from fusion.decoder import TransformerDecoder
 
 ADAPTER_CHILDREN = ("lora_a", "lora_b", "lora_dropout")
@@ -139,8 +140,7 @@ def _check_targets(targets: object) -> tuple[str, ...]:
 
 
 def _check_hyperparameters(rank: object, alpha: object, dropout: object) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise ValueError(f"rank: expected a positive int, got {rank!r}")
+    check_int(rank, "rank", low=1, expected="a positive int")
     if (
         isinstance(alpha, bool)
         or not isinstance(alpha, int | float)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusion._validation import check_in_range, check_values, describe, host_reads_are_free
+from fusion._validation import check_in_range, check_values, describe, host_reads_are_free, is_int
 from fusion.merge.layouts import EncoderRows, Packed, Padded
 
 
@@ -122,7 +122,7 @@ def check_encoder_tokens(encoder_tokens: Mapping[str, int]) -> None:
             f"{type(encoder_tokens).__name__}"
         )
     for name, token_id in encoder_tokens.items():
-        if not isinstance(name, str) or isinstance(token_id, bool) or not isinstance(token_id, int):
+        if not isinstance(name, str) or not is_int(token_id):
             raise TypeError(
                 "encoder_tokens: expected str names and int placeholder ids, got "
                 f"{name!r}: {token_id!r} ({type(token_id).__name__})"

@@ -14,6 +14,13 @@ from fusion.models.llama3_2 import llama3_2
 FEATURE_STRATEGIES = ("default", "full")
 
 
+def rows_per_image(patches: int, strategy: str, class_tokens: int = 1) -> int:
+    """The rows LLaVA gives an image of ``patches`` patches: those and the tower's
+    ``class_tokens`` (CLIP's one), less the class token the ``"default"`` strategy drops
+    (transformers' formula, ``num_additional_image_tokens`` being ``class_tokens``)."""
+    return patches + class_tokens - int(strategy == "default")
+
+
 class LlavaImageEncoder(nn.Module):
     """Images -> rows for :class:`fusion.EarlyFusion`, as LLaVA computes them.
 
@@ -77,8 +84,7 @@ class LlavaImageEncoder(nn.Module):
     @property
     def tokens_per_image(self) -> int:
         """Rows (placeholder tokens) per image."""
-        cls = 1 if self.vision_feature_select_strategy == "full" else 0
-        return self.vision_tower.num_patches + cls
+        return rows_per_image(self.vision_tower.num_patches, self.vision_feature_select_strategy)
 
     @property
     def out_dim(self) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fusion._validation import is_int
 from fusion.hf.config import ConfigReader
 from fusion.preprocessing.images import (
     CLIP_MEAN,
@@ -76,7 +77,7 @@ class ClipImageProcessor:
         else:
             raise read.fail("size", f"expected shortest_edge, or height and width, got {size}")
         crop = config.get("crop_size", {"height": 224, "width": 224})
-        if isinstance(crop, int) and not isinstance(crop, bool):
+        if is_int(crop):
             crop = {"height": crop, "width": crop}
         crop = read.size("crop_size", crop)
         if "height" not in crop or "width" not in crop:

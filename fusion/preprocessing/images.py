@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fusion._io import NotRegularFile, open_regular
+from fusion._validation import check_int
 
 # Pillow modes decoding takes: 8 bits per channel.
 DECODABLE_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr")
@@ -99,9 +100,7 @@ def check_max_pixels(max_pixels: int | None, name: str = "max_pixels") -> int:
     """``max_pixels`` checked (a positive integer), or the default cap when None."""
     if max_pixels is None:
         return default_max_pixels()
-    if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
-        raise ValueError(f"{name}: expected a positive integer or None, got {max_pixels!r}")
-    return max_pixels
+    return check_int(max_pixels, name, low=1, expected="a positive integer or None")
 
 
 def load_image(path: str | bytes | os.PathLike, *, max_pixels: int | None = None) -> torch.Tensor:
@@ -170,8 +169,7 @@ def decode_image(
     """
     if not isinstance(data, bytes | bytearray):
         raise TypeError(f"{name}: expected the encoded image as bytes, got {type(data).__name__}")
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ValueError(f"max_bytes: expected a positive integer, got {max_bytes!r}")
+    check_int(max_bytes, "max_bytes", low=1)
     limit = check_max_pixels(max_pixels)
     if not data:
         raise ValueError(f"{name}: empty (no image data)")

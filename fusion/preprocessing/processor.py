@@ -16,7 +16,7 @@ from fusion.checkpoint.files import read_tokenizer
 from fusion.checkpoint.hf_vlm import VlmImageLayout, hf_model_kind, read_hf_vlm_layout
 from fusion.early_fusion import EarlyFusion
 from fusion.models.idefics3 import Idefics3ImageEncoder
-from fusion.models.llava import LlavaImageEncoder
+from fusion.models.llava import LlavaImageEncoder, rows_per_image
 from fusion.padding import left_pad
 from fusion.preprocessing.clip import ClipImageProcessor
 from fusion.preprocessing.idefics3 import IMAGE_TOKEN, Idefics3ImageProcessor, idefics3_image_text
@@ -649,7 +649,7 @@ def _check_processor_config(directory: Path, layout: VlmImageLayout) -> None:
     if strategy not in ("default", "full"):
         expected = f"expected 'default' or 'full', got {strategy!r}"
         raise CheckpointError(file, "vision_feature_select_strategy", expected)
-    rows = (layout.image_size // patch) ** 2 + extra - (strategy == "default")
+    rows = rows_per_image((layout.image_size // patch) ** 2, strategy, extra)
     if rows != layout.tokens_per_image:
         raise CheckpointError(
             file,

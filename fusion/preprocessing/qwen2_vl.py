@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fusion._validation import check_int, is_int
 from fusion.hf.config import CONFIG_NAME, MAX_SIDE, ConfigReader, read_hf_config
 from fusion.hf.errors import CheckpointError, as_path, short_repr
 from fusion.preprocessing.images import (
@@ -85,12 +86,6 @@ QWEN3_VL_SETTINGS: dict[str, Any] = {
 }
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name}: expected an integer in [{low}, {high}], got {value!r}")
-    return value
-
-
 def smart_resize(
     height: int,
     width: int,
@@ -116,7 +111,7 @@ def smart_resize(
         ("min_pixels", min_pixels),
         ("max_pixels", max_pixels),
     ):
-        _check_int(name, value, 1, 2**62)
+        check_int(value, name, low=1, high=2**62)
     # The same float expressions as transformers, so that the same sizes come out.
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
@@ -146,7 +141,7 @@ def qwen2_vl_image_text(rows: int) -> str:
         ValueError: ``rows`` not an integer in [1, :data:`MAX_IMAGE_PIXELS`] (no image of the
             settings' bounds gives more).
     """
-    _check_int("rows", rows, 1, MAX_IMAGE_PIXELS)
+    check_int(rows, "rows", low=1, high=MAX_IMAGE_PIXELS)
     return VISION_START + IMAGE_PAD * rows + VISION_END
 
 
@@ -211,11 +206,13 @@ class Qwen2VLImageProcessor:
     pixel_limit: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        _check_int("patch_size", self.patch_size, 1, MAX_PATCH_SIZE)
-        _check_int("merge_size", self.merge_size, 1, MAX_MERGE_SIZE)
-        _check_int("temporal_patch_size", self.temporal_patch_size, 1, MAX_TEMPORAL_PATCH_SIZE)
-        _check_int("max_pixels", self.max_pixels, 1, MAX_IMAGE_PIXELS)
-        _check_int("min_pixels", self.min_pixels, 1, MAX_IMAGE_PIXELS)
+        check_int(self.patch_size, "patch_size", low=1, high=MAX_PATCH_SIZE)
+        check_int(self.merge_size, "merge_size", low=1, high=MAX_MERGE_SIZE)
+        check_int(
+            self.temporal_patch_size, "temporal_patch_size", low=1, high=MAX_TEMPORAL_PATCH_SIZE
+        )
+        check_int(self.max_pixels, "max_pixels", low=1, high=MAX_IMAGE_PIXELS)
+        check_int(self.min_pixels, "min_pixels", low=1, high=MAX_IMAGE_PIXELS)
         if self.min_pixels > self.max_pixels:
             raise ValueError(
                 f"min_pixels: expected at most max_pixels={self.max_pixels}, got {self.min_pixels}"
@@ -231,7 +228,7 @@ class Qwen2VLImageProcessor:
             names = ", ".join(f"{n} ({FILTER_NAMES[n]})" for n in sorted(FILTER_NAMES))
             raise ValueError(f"resample: expected one of {names}, got {self.resample!r}")
         if self.pixel_limit is not None:
-            _check_int("pixel_limit", self.pixel_limit, 1, 2**62)
+            check_int(self.pixel_limit, "pixel_limit", low=1, high=2**62)
 
     @property
     def factor(self) -> int:
@@ -290,7 +287,7 @@ class Qwen2VLImageProcessor:
                     f"size={short_repr(size)}",
                 )
             value = pixels[edge]
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value:
+            if not is_int(value) or not 0 < value:
                 raise read.fail(source, f"expected a positive integer, got {short_repr(value)}")
             if value > MAX_IMAGE_PIXELS:
                 raise read.fail(

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from fusion._validation import is_int
 from fusion.preprocessing.images import from_pil, is_pil_image
 
 # Pillow's resampling filter numbers, which image processor configs store (``resample``).
@@ -70,11 +71,7 @@ def resize(
             f"image: expected a uint8 tensor [c, h, w], got shape {list(image.shape)}, dtype "
             f"{image.dtype}"
         )
-    if (
-        not isinstance(size, tuple | list)
-        or len(size) != 2
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in size)
-    ):
+    if not isinstance(size, tuple | list) or len(size) != 2 or not all(is_int(s, 1) for s in size):
         raise ValueError(f"size: expected (height, width), two integers >= 1, got {size!r}")
     if resample not in FILTER_NAMES:
         names = ", ".join(f"{n} ({FILTER_NAMES[n]})" for n in sorted(FILTER_NAMES))

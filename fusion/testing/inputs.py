@@ -22,6 +22,7 @@ import torch
 from hypothesis import strategies as st
 from torch import nn
 
+from fusion._validation import is_int
 from fusion.early_fusion import EarlyFusion
 from fusion.merge import Packed, Padded
 
@@ -41,7 +42,7 @@ def tensors(
         ValueError: a negative or non-integer dimension, a non-floating ``dtype``, or a
             ``scale`` that is not a finite number.
     """
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+    if not all(is_int(n, 0) for n in shape):
         raise ValueError(f"shape: expected non-negative integers, got {shape!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: expected a floating torch dtype, got {dtype!r}")
@@ -87,7 +88,7 @@ class EncoderSpec:
             ("placeholder_id", self.placeholder_id, 0),
             ("rows_per_input", self.rows_per_input, 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value, low):
                 raise ValueError(
                     f"{field}: expected an integer >= {low} for encoder {self.name!r}, "
                     f"got {value!r}"
@@ -378,9 +379,9 @@ def fusion_inputs(
         ("max_seq_len", max_seq_len),
         ("max_inputs_per_sample", max_inputs_per_sample),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value, 1):
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
+    if not is_int(pad_id, 0):
         raise ValueError(f"pad_id: expected an integer >= 0, got {pad_id!r}")
     names = [s.name for s in specs]
     ids = [s.placeholder_id for s in specs]

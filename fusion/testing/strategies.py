@@ -19,6 +19,7 @@ import torch
 from hypothesis import strategies as st
 from torch import nn
 
+from fusion._validation import is_int
 from fusion.merge import Packed, Padded
 
 # Attribute names that collide with what wrappers and fusion models use themselves.
@@ -127,7 +128,7 @@ def wrapping_trees(n_models: int = 1, max_depth: int = 4) -> st.SearchStrategy[W
     custom modules with random (often adversarial) attribute names, nesting depth 0 to
     ``max_depth``, holding ``n_models`` models (e.g. policy and reference)."""
     for name, value in (("n_models", n_models), ("max_depth", max_depth)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise ValueError(f"{name}: expected an integer, got {value!r}")
     if n_models < 1 or max_depth < (0 if n_models == 1 else 1):
         raise ValueError(
@@ -176,14 +177,14 @@ def merge_inputs(
         ("vocab_size", vocab_size, 1),
         ("max_encoders", max_encoders, 1),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not is_int(value, low):
             raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
     if vocab_size <= max_encoders:
         raise ValueError(
             f"vocab_size: expected more than max_encoders={max_encoders} ids, got {vocab_size}"
         )
     dims, dtypes = tuple(dims), tuple(dtypes)
-    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+    if not dims or not all(is_int(d) and d > 0 for d in dims):
         raise ValueError(f"dims: expected positive integers, got {dims!r}")
     if not dtypes or not all(isinstance(t, torch.dtype) and t.is_floating_point for t in dtypes):
         raise ValueError(f"dtypes: expected floating torch dtypes, got {dtypes!r}")

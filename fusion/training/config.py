@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Generic, NoReturn, TypeVar, cast
 
+from fusion._validation import is_int
 from fusion.training.errors import TrainingError, one_line
 
 C = TypeVar("C")
@@ -117,7 +118,7 @@ def check_ranges(
     for field_name, value in vars(config).items():
         if isinstance(value, float) and not math.isfinite(value):
             fail(field_name, "a finite number")
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        if is_int(value) and abs(value) > MAX_INT:
             fail(field_name, f"at most {MAX_INT} in magnitude")
         if no_nul and isinstance(value, str) and "\0" in value:
             fail(field_name, "no NUL character")

@@ -208,7 +208,7 @@ class TestBadInput:
     def test_other_model_types(self, tmp_path, llava_dir, idefics3_dir):
         tiny_hf_llama(tied=True).save_pretrained(tmp_path)
         with pytest.raises(
-            CheckpointError, match=r"'model_type'.*got 'llama' \(a plain Llama: use load_hf_llama\)"
+            CheckpointError, match=r"'model_type'.*got 'llama' \(a plain Llama: use load_hf_model\)"
         ):
             load_hf_llava(tmp_path)
         with pytest.raises(CheckpointError, match=r"'model_type'.*expected one of \['llava'\]"):
