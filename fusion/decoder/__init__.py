@@ -1,6 +1,13 @@
 """Decoder pieces: one concept per file, assembled by the builders in ``fusion.models``."""
 
 from fusion.decoder.attention import MultiHeadAttention
+from fusion.decoder.delta_rule import (
+    SampleRegions,
+    causal_conv,
+    chunk_gated_delta_rule,
+    conv_step,
+    recurrent_gated_delta_rule,
+)
 from fusion.decoder.feed_forward import FeedForward
 from fusion.decoder.kv_cache import KVCache
 from fusion.decoder.packed import PACKED_BACKENDS, PackedSegments
@@ -17,6 +24,11 @@ __all__ = [
     "PackedSegments",
     "RMSNorm",
     "RotaryPositionalEmbeddings",
+    "SampleRegions",
     "TransformerDecoder",
     "TransformerSelfAttentionLayer",
+    "causal_conv",
+    "chunk_gated_delta_rule",
+    "conv_step",
+    "recurrent_gated_delta_rule",
 ]
