@@ -1,6 +1,13 @@
 """Decoder pieces: one concept per file, assembled by the builders in ``fusion.models``."""
 
 from fusion.decoder.attention import MultiHeadAttention
+from fusion.decoder.delta_rule import (
+    SampleRegions,
+    causal_conv,
+    chunk_gated_delta_rule,
+    conv_step,
+    recurrent_gated_delta_rule,
+)
 from fusion.decoder.feed_forward import FeedForward
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache
@@ -21,7 +28,12 @@ __all__ = [
     "PackedSegments",
     "RMSNorm",
     "RotaryPositionalEmbeddings",
+    "SampleRegions",
     "TransformerDecoder",
     "TransformerSelfAttentionLayer",
     "ZeroCenteredRMSNorm",
+    "causal_conv",
+    "chunk_gated_delta_rule",
+    "conv_step",
+    "recurrent_gated_delta_rule",
 ]
