@@ -44,7 +44,10 @@ _NAMES = (
     ),
     # Qwen3.5's Gated DeltaNet layers (no Meta checkpoint has them: named as Hugging Face's)
     *(
-        (f"layers.{{}}.attn.{ours}", f"model.layers.{{}}.linear_attn.{theirs}", theirs)
+        (
+            f"layers.{{}}.attn.{ours}",
+            *(f"{p}layers.{{}}.linear_attn.{theirs}" for p in ("model.", "")),
+        )
         for ours, theirs in (
             ("in_proj_qkv.weight", "in_proj_qkv.weight"),
             ("in_proj_z.weight", "in_proj_z.weight"),
