@@ -3,9 +3,7 @@ and torch files.
 
 - :func:`load_hf_model` / :func:`save_hf_model`: a Hugging Face directory of any registered
   family (:mod:`fusion.families`: Llama, LLaVA, Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL,
-  Qwen3-VL) <-> a ``llama3_2`` decoder or a ready ``EarlyFusion``; :class:`HfDirectory`, a
-  directory whose ``config.json`` is parsed once, handed to the loader, the processor, the
-  conversation encoder and peft.
+  Qwen3-VL) <-> a ``llama3_2`` decoder or a ready ``EarlyFusion``.
 - :func:`load_hf_llama` / :func:`save_hf_llama`: the same for a Llama directory only (config,
   key names and the q/k rotary row permutation). The per-family ``load_hf_llava``,
   ``load_hf_idefics3``, ``load_hf_vlm``, ``save_hf_llava``, ``save_hf_idefics3``,
@@ -30,7 +28,7 @@ conversion in :mod:`~fusion.checkpoint.hf_config`, single keys and the row permu
 from fusion.checkpoint.export import export_hf
 from fusion.checkpoint.files import load_state_dict, save_state_dict
 from fusion.checkpoint.hf_llama import load_hf_llama, save_hf_llama
-from fusion.checkpoint.hf_model import HfDirectory, load_hf_model, save_hf_model
+from fusion.checkpoint.hf_model import load_hf_model, save_hf_model
 from fusion.checkpoint.hf_vlm import (
     load_hf_idefics3,
     load_hf_llava,
@@ -47,7 +45,6 @@ from fusion.hf.errors import CheckpointError
 
 __all__ = [
     "CheckpointError",
-    "HfDirectory",
     "decoder_state_dict",
     "export_hf",
     "fusion_to_hf",

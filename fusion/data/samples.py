@@ -46,7 +46,7 @@ from fusion.hf.files import read_tokenizer
 from fusion.labels import shift_targets
 
 if TYPE_CHECKING:
-    from fusion.checkpoint import HfDirectory
+    from fusion.checkpoint.hf_model import HfDirectory
 
 IGNORE_INDEX = -100
 IMAGE_MARKER = "<image>"  # what the conversation files mark images with
@@ -206,7 +206,7 @@ class ConversationEncoder:
     @classmethod
     def from_directory(cls, directory: "str | os.PathLike | HfDirectory") -> "ConversationEncoder":
         """For a directory of any registered family (or its
-        :class:`~fusion.checkpoint.HfDirectory`, whose parsed ``config.json`` is used as it
+        :class:`~fusion.checkpoint.hf_model.HfDirectory`, whose parsed ``config.json`` is used as it
         is): its chat template (:meth:`ChatTemplate.from_directory`), ``tokenizer.json`` and,
         for a family with a processor, its processor
         (:meth:`VisionLanguageProcessor.from_directory`).
@@ -217,7 +217,7 @@ class ConversationEncoder:
             ChatTemplateError: no template, or one that does not compile.
             ImportError: ``tokenizers`` or ``jinja2`` missing.
         """
-        from fusion.checkpoint import HfDirectory
+        from fusion.checkpoint.hf_model import HfDirectory
         from fusion.preprocessing import VisionLanguageProcessor
 
         hf = HfDirectory.of(directory, "directory")

@@ -11,7 +11,7 @@ beside its image processor, registered in :data:`KINDS` under its ``kind``; a fa
 
 Why this way round: the image processors are pixels and arithmetic, and this package stands
 above :mod:`fusion.families` (a directory's family is looked up in the registry, through
-:class:`fusion.checkpoint.HfDirectory`), so a family refers to its processor only by name;
+:class:`fusion.checkpoint.hf_model.HfDirectory`), so a family refers to its processor only by name;
 a family importing preprocessing would close a circle, and a table here keyed by family
 would be a branch on it.
 """
@@ -26,7 +26,8 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from fusion.checkpoint import CheckpointError, HfDirectory, read_hf_config
+from fusion.checkpoint import CheckpointError, read_hf_config
+from fusion.checkpoint.hf_model import HfDirectory
 from fusion.checkpoint.hf_vlm import VlmImageLayout, hf_model_kind, read_hf_vlm_layout
 from fusion.early_fusion import EarlyFusion
 from fusion.families import FAMILIES, Family, family_named, family_of
@@ -255,7 +256,7 @@ class VisionLanguageProcessor:
         max_tiles_per_image: int = MAX_TILES_PER_IMAGE,
         max_image_rows: int = MAX_IMAGE_ROWS,
     ) -> "VisionLanguageProcessor":
-        """From a model directory (or its :class:`~fusion.checkpoint.HfDirectory`, whose
+        """From a model directory (or its :class:`~fusion.checkpoint.hf_model.HfDirectory`, whose
         parsed ``config.json`` is used as it is), read as ``transformers`` reads it:
 
         - ``config.json``: its family (:attr:`fusion.families.Family.processor` names the
