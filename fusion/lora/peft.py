@@ -44,7 +44,7 @@ from fusion.checkpoint.files import (
     read_bounded,
     write_files,
 )
-from fusion.checkpoint.hf_config import read_hf_config
+from fusion.checkpoint.hf_model import HfDirectory
 from fusion.checkpoint.keys import (
     fusion_key_to_hf,
     hf_key_to_fusion,
@@ -96,14 +96,15 @@ class _Family:
     def encoder(self) -> tuple[tuple[str, str], ...]:  # our prefix -> transformers' prefix
         return self.family.peft_encoder
 
-    def named_by(self, base: str | None) -> "_Family":
+    def named_by(self, base: str | HfDirectory | None) -> "_Family":
         """This family as the base directory's ``config.json`` names it, when that is another
         model type of the same family with a class of its own in transformers (SmolVLM is an
-        Idefics3 to this library; same layer names)."""
+        Idefics3 to this library; same layer names); an :class:`HfDirectory`'s parsed config
+        is used as it is."""
         if base is None or not os.path.isdir(base):
             return self
         try:
-            model_type = read_hf_config(Path(base) / "config.json").get("model_type")
+            model_type = HfDirectory.of(base, "base_model_name_or_path").config.get("model_type")
         except CheckpointError:  # not ours to judge here: the class stays the model's
             return self
         if model_type == self.model_type or model_type not in self.family.model_types:
@@ -649,7 +650,8 @@ def save_peft_adapter(
             :func:`load_peft_adapter` takes, unsharded.
         directory: created if needed; other files in it are left alone.
         base_model_name_or_path: written into the config (peft's field: the base model's
-            directory or Hub id), e.g. for ``AutoPeftModel``.
+            directory or Hub id), e.g. for ``AutoPeftModel``; or the base's
+            :class:`~fusion.checkpoint.hf_model.HfDirectory` (its ``config.json`` not read again).
         overwrite: replace an adapter already in ``directory`` (a stale ``adapter_model.bin``
             is removed).
 
@@ -674,7 +676,8 @@ def save_peft_adapter(
                 "base_model_name_or_path: expected a str, a path or None, got "
                 f"{type(base_model_name_or_path).__name__}"
             )
-        base_model_name_or_path = os.fspath(base_model_name_or_path)
+        if not isinstance(base_model_name_or_path, HfDirectory):  # kept: its config is read
+            base_model_name_or_path = os.fspath(base_model_name_or_path)
     target = _describe(model)
     linears = lora_linears(target.module)
     if not linears:
@@ -732,7 +735,7 @@ def save_peft_adapter(
 
 def _adapter_config_text(
     target: _Model,
-    base_model_name_or_path: str | None,
+    base_model_name_or_path: str | HfDirectory | None,
     adapted: set[str],
     rank: int,
     alpha: float,
@@ -745,7 +748,9 @@ def _adapter_config_text(
     config = {
         "alpha_pattern": {},
         "auto_mapping": {"base_model_class": family.architecture, "parent_library": family.library},
-        "base_model_name_or_path": base_model_name_or_path,
+        "base_model_name_or_path": (
+            None if base_model_name_or_path is None else os.fspath(base_model_name_or_path)
+        ),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
