@@ -1,5 +1,9 @@
 """Hugging Face directories <-> models of this library, for every registered family.
 
+:class:`HfDirectory` is a directory read once: its parsed ``config.json``, its family and the
+:class:`~fusion.families.ModelSpec` that config describes, each made when first asked for and
+kept, so that the loader, the processor, the conversation encoder and peft, handed the same
+object, parse ``config.json`` once between them (each also takes a plain path).
 :func:`load_hf_model` reads ``config.json`` once, finds its family
 (:func:`fusion.families.family_of`), and builds and fills the model as :func:`load_hf`
 describes; :func:`save_hf_model` writes a model as its family's Hugging Face directory. What
@@ -9,6 +13,7 @@ family's; nothing here branches on one.
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -29,31 +34,71 @@ MAX_VISION_IMAGE_SIZE = 4096
 MAX_VISION_PATCHES = 1 << 16
 
 
-def read_model_spec(config_file: Path, among: tuple[Family, ...] = FAMILIES) -> ModelSpec:
-    """The :class:`~fusion.families.ModelSpec` a ``config.json`` describes (read once, every
-    value checked), of one of the families ``among``.
+class HfDirectory:
+    """A Hugging Face model directory, its ``config.json`` read (bounded, strictly) and
+    parsed at most once: :attr:`config` when first asked for, then :attr:`family` and
+    :attr:`spec` from it. Nothing is read when it is made, so errors come in the order the
+    functions it is handed to raise them.
 
-    Raises:
-        CheckpointError: naming the file and key (see :func:`load_hf_model`).
+    Raises (from its attributes):
+        CheckpointError: ``config.json`` missing or unreadable (:attr:`config`), a
+            ``model_type`` no family reads (:attr:`family`), a value no model can be built
+            from (:attr:`spec`), each naming the file and key.
     """
-    config = read_hf_config(config_file)
-    family = family_of(config, source=config_file, among=among)
-    return family.read(ConfigReader(config, config_file))
+
+    def __init__(self, path: str | bytes | os.PathLike) -> None:
+        self.path = as_path(path, "path")
+        self.config_file = self.path / CONFIG_NAME
+
+    @classmethod
+    def of(cls, path: "str | bytes | os.PathLike | HfDirectory", argument: str) -> "HfDirectory":
+        """``path`` itself if it is an :class:`HfDirectory`, else one for it (``argument``
+        names it in a ``TypeError`` or ``ValueError`` for a value that is not a path)."""
+        return path if isinstance(path, HfDirectory) else cls(as_path(path, argument))
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def __repr__(self) -> str:
+        return f"HfDirectory({os.fspath(self.path)!r})"
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        """The parsed ``config.json`` (:func:`~fusion.hf.read_hf_config`)."""
+        return read_hf_config(self.config_file)
+
+    @cached_property
+    def family(self) -> Family:
+        """The registered family of :attr:`config` (:func:`~fusion.families.family_of`)."""
+        return family_of(self.config, source=self.config_file)
+
+    @cached_property
+    def spec(self) -> ModelSpec:
+        """The model :attr:`config` describes, every value checked (:meth:`Family.read`)."""
+        return self.family.read(ConfigReader(self.config, self.config_file))
+
+    def spec_among(self, among: tuple[Family, ...]) -> ModelSpec:
+        """:attr:`spec`, for a directory of one of the families ``among`` (refused otherwise,
+        as :func:`~fusion.families.family_of` refuses it, naming their model types)."""
+        family_of(self.config, source=self.config_file, among=among)
+        return self.spec
 
 
-def hf_model_kind(path: str | bytes | os.PathLike) -> str:
+def hf_model_kind(path: "str | bytes | os.PathLike | HfDirectory") -> str:
     """The name of the family ``config.json`` describes (``"llama"``, ``"llava"``,
     ``"idefics3"`` for Idefics3 and SmolVLM, ``"qwen2_vl"`` for Qwen2-VL and Qwen2.5-VL,
     ``"qwen3_vl"``), from its ``model_type`` (a config without one is a Llama's).
 
     Args:
-        path: a model directory, or its ``config.json``.
+        path: a model directory (or its :class:`HfDirectory`), or its ``config.json``.
 
     Raises:
         TypeError, ValueError: ``path`` is not a path.
         CheckpointError: ``config.json`` missing or unreadable, or a ``model_type`` no family
             reads (named, with the ones they do).
     """
+    if isinstance(path, HfDirectory):
+        return path.family.name
     path = as_path(path, "path")
     file = path / CONFIG_NAME if path.is_dir() else path
     return family_of(read_hf_config(file), source=file).name
@@ -71,7 +116,7 @@ class VlmImageLayout:
     image_size: int
 
 
-def read_hf_vlm_layout(path: str | bytes | os.PathLike) -> VlmImageLayout:
+def read_hf_vlm_layout(path: "str | bytes | os.PathLike | HfDirectory") -> VlmImageLayout:
     """The :class:`VlmImageLayout` a directory's ``config.json`` describes, without reading
     the weights, for a family whose tower takes square images of one size.
 
@@ -82,9 +127,9 @@ def read_hf_vlm_layout(path: str | bytes | os.PathLike) -> VlmImageLayout:
             of ``patch_size``, more than :data:`MAX_VISION_PATCHES` patches, a
             ``scale_factor`` that does not divide the patch grid.
     """
-    config_file = as_path(path, "path") / CONFIG_NAME
-    among = tuple(family for family in FAMILIES if family.square_images)
-    spec = read_model_spec(config_file, among)
+    directory = HfDirectory.of(path, "path")
+    config_file = directory.config_file
+    spec = directory.spec_among(tuple(family for family in FAMILIES if family.square_images))
     # Arithmetic only: nothing is built, so no config can make this slow; every size bounded
     # before preprocessing allocates images, tiles or rows from it.
     size, patch = spec.vision["image_size"], spec.vision["patch_size"]
@@ -113,7 +158,7 @@ def read_hf_vlm_layout(path: str | bytes | os.PathLike) -> VlmImageLayout:
 
 
 def load_hf_model(
-    path: str | bytes | os.PathLike,
+    path: "str | bytes | os.PathLike | HfDirectory",
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
@@ -123,7 +168,8 @@ def load_hf_model(
     ``config.json`` names (:data:`fusion.families.FAMILIES`: a Llama decoder, or a LLaVA,
     Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL or Qwen3-VL ``EarlyFusion``), with its weights.
 
-    ``config.json`` is read once. Everything is checked from it and from the weights' headers
+    ``config.json`` is read once (not at all when ``path`` is an :class:`HfDirectory` that
+    has read it already). Everything is checked from it and from the weights' headers
     before the model is allocated, once, as :func:`~fusion.checkpoint.load_hf_llama`
     describes (same arguments: ``max_seq_len`` overrides ``max_position_embeddings``). Keys a
     sub-config leaves out take transformers' defaults, as configs written by transformers 4.x
@@ -145,7 +191,7 @@ def load_hf_model(
 
 
 def load_family(
-    path: str | bytes | os.PathLike,
+    path: "str | bytes | os.PathLike | HfDirectory",
     among: tuple[Family, ...],
     *,
     dtype: torch.dtype | None,
@@ -154,11 +200,13 @@ def load_family(
 ) -> Any:
     """:func:`load_hf_model` for a directory of one of the families ``among``."""
 
+    directory = HfDirectory.of(path, "path")
+
     def read_spec(config_file: Path) -> HfSpec:
-        spec = read_model_spec(config_file, among)
+        spec = directory.spec_among(among)
         return HfSpec(
             spec.family.name,
-            config_file,
+            directory.config_file,
             spec.text,
             spec.build,
             spec.family.layout,
@@ -166,7 +214,7 @@ def load_family(
             spec.layer_counts(),
         )
 
-    return load_hf(path, read_spec, dtype=dtype, device=device, max_seq_len=max_seq_len)
+    return load_hf(directory, read_spec, dtype=dtype, device=device, max_seq_len=max_seq_len)
 
 
 def save_hf_model(

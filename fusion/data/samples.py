@@ -3,9 +3,9 @@ chat template and processor give them.
 
 The prompt text is the checkpoint's chat template rendered (:class:`ChatTemplate`); a VLM
 directory's text then goes through :class:`fusion.preprocessing.VisionLanguageProcessor`
-(each ``<image>`` expanded to its placeholders, Qwen2-VL's
-``<|vision_start|><|image_pad|><|vision_end|>`` to its ``<|image_pad|>`` rows; the images
-processed), tokenised whole with the directory's ``tokenizer.json``. The ids are those of
+(each image marker expanded to its placeholders, :meth:`~VisionLanguageProcessor.expand`;
+the placeholder ids checked; the images processed, :meth:`~VisionLanguageProcessor.pixels`),
+tokenised whole with the directory's ``tokenizer.json``. The ids are those of
 transformers' ``processor.apply_chat_template(conversation, tokenize=True)`` (special tokens
 added unless the text starts with the BOS token, as there) or, for a text-only directory,
 ``tokenizer.apply_chat_template(conversation, tokenize=True)`` (never added).
@@ -30,24 +30,26 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fusion._validation import describe
+from fusion._validation import check_int, describe
 from fusion.data.chat_template import (
     GENERATION_END,
     GENERATION_START,
     ChatTemplate,
 )
 from fusion.data.conversations import Conversation, DataError, load_conversation_image
-from fusion.hf.errors import as_path
 from fusion.hf.files import MAX_TOKENIZER_BYTES as MAX_TOKENIZER_BYTES
 from fusion.hf.files import read_tokenizer
 from fusion.labels import shift_targets
 
+if TYPE_CHECKING:
+    from fusion.checkpoint.hf_model import HfDirectory
+
 IGNORE_INDEX = -100
-IMAGE_MARKER = "<image>"  # what the processor expands (fusion.preprocessing's IMAGE_TOKEN)
+IMAGE_MARKER = "<image>"  # what the conversation files mark images with
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -59,8 +61,9 @@ class ImageRef:
         path: the image file; for an image embedded in a data set, where it is
             (``"train.parquet:row 3: images[0]"``).
         height, width: its size once decoded (EXIF orientation applied).
-        tiles: how many images or tiles the processor makes of it (1 for LLaVA); Qwen2-VL:
-            its placeholder rows (``t * h * w / merge_size**2``).
+        tiles: how many images or tiles the processor makes of it (1 for a whole image), or
+            its placeholder rows for towers taking images of any size
+            (:meth:`VisionLanguageProcessor.plan`).
         embedded: for an image embedded in a data set, its place there
             (:class:`fusion.data.hf_datasets.EmbeddedImage`), read again when its pixels
             are made; None for a file.
@@ -82,17 +85,18 @@ class Sample:
         labels: int64 [n]: ``labels[t]`` is ``tokens[t + 1]`` where that token is a target,
             else :data:`IGNORE_INDEX` (always at ``t = n - 1``: a sample never predicts what
             follows it, so packed samples stay apart).
-        pixel_values: float32 [tiles, 3, s, s], the images (LLaVA) or tiles (Idefics3) in order
-            of their placeholders; ``tiles`` is 0 without images (and for text-only models),
-            and for a sample whose ``images`` are not loaded yet. Qwen2-VL: the images'
-            flattened patches [n_patches, 3 * 2 * p * p].
+        pixel_values: float32 [tiles, 3, s, s], the images or tiles in order of their
+            placeholders; ``tiles`` is 0 without images (and for text-only models), and for a
+            sample whose ``images`` are not loaded yet. For towers taking images of any size:
+            the images' flattened patches [n_patches, 3 * 2 * p * p].
         source: where it comes from (``"file:line"``), for messages.
         truncated: whether :func:`fit_sample` cut its end.
         images: the image files whose pixels :meth:`ConversationEncoder.load_pixels` makes
             (what :func:`encode_conversations` gives); empty when ``pixel_values`` came
             with the sample.
-        image_grid_thw: Qwen2-VL: int64 [n_images, 3], each image's patch grid (t, h, w)
-            (what the vision tower and the M-RoPE positions need); [0, 3] for other models.
+        image_grid_thw: for towers taking images of any size, int64 [n_images, 3], each
+            image's patch grid (t, h, w) (what the vision tower and the M-RoPE positions
+            need); [0, 3] for other models.
     """
 
     tokens: torch.Tensor
@@ -200,10 +204,11 @@ class ConversationEncoder:
         self.placeholder_ids = tuple(int(i) for i in placeholder_ids)
 
     @classmethod
-    def from_directory(cls, directory: str | os.PathLike) -> "ConversationEncoder":
-        """For a LLaVA, Idefics3 / SmolVLM, Qwen2-VL / Qwen2.5-VL or text-only Llama
-        directory: its chat template (:meth:`ChatTemplate.from_directory`),
-        ``tokenizer.json`` and, for a VLM, its processor
+    def from_directory(cls, directory: "str | os.PathLike | HfDirectory") -> "ConversationEncoder":
+        """For a directory of any registered family (or its
+        :class:`~fusion.checkpoint.hf_model.HfDirectory`, whose parsed ``config.json`` is used as it
+        is): its chat template (:meth:`ChatTemplate.from_directory`), ``tokenizer.json`` and,
+        for a family with a processor, its processor
         (:meth:`VisionLanguageProcessor.from_directory`).
 
         Raises:
@@ -212,19 +217,17 @@ class ConversationEncoder:
             ChatTemplateError: no template, or one that does not compile.
             ImportError: ``tokenizers`` or ``jinja2`` missing.
         """
-        from fusion.checkpoint.hf_vlm import hf_model_kind
+        from fusion.checkpoint.hf_model import HfDirectory
         from fusion.preprocessing import VisionLanguageProcessor
 
-        directory = as_path(directory, "directory")
-        template = ChatTemplate.from_directory(directory)
+        hf = HfDirectory.of(directory, "directory")
+        template = ChatTemplate.from_directory(hf.path)
         tokenizer = read_tokenizer(
-            directory / TOKENIZER_FILE, missing="encoding conversations needs the tokenizer"
+            hf.path / TOKENIZER_FILE, missing="encoding conversations needs the tokenizer"
         )
         encoder = cls(template, tokenizer)
-        if hf_model_kind(directory) != "llama":
-            processor = VisionLanguageProcessor.from_directory(
-                directory, encode=encoder.tokenize_prompt
-            )
+        if hf.family.processor is not None:
+            processor = VisionLanguageProcessor.from_directory(hf, encode=encoder.tokenize_prompt)
             encoder.processor = processor
             encoder.placeholder_ids = (processor.image_token_id,)
         return encoder
@@ -263,22 +266,17 @@ class ConversationEncoder:
     def _tokens_and_labels(
         self, messages: Sequence[dict[str, Any]], sizes: Sequence[tuple[int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Ids, labels and each image's tiles, from the images' (height, width) alone: each
-        image marker expands to the placeholder text the processor writes for that size
-        (LLaVA: ``tokens_per_image`` image tokens; Idefics3: its grid of tiles,
-        :func:`fusion.preprocessing.idefics3_image_text`; Qwen2-VL: its rows,
-        :func:`fusion.preprocessing.qwen2_vl_image_text`), every cap of
-        :meth:`VisionLanguageProcessor.plan` checked, then the text is tokenized whole."""
+        """Ids, labels and each image's tiles, from the images' (height, width) alone: the
+        image markers expanded as the processor expands them
+        (:meth:`VisionLanguageProcessor.expand`, every cap of its ``plan`` checked), the text
+        tokenized whole, and its placeholder ids counted
+        (:meth:`VisionLanguageProcessor.check_placeholder_count`)."""
         rendered = self.template.render_with_spans(messages)
         text = _mark(rendered.text, rendered.spans)
         tiles: list[int] = []
         if self.processor is None:  # as the tokenizer's apply_chat_template: no special tokens
             ids, offsets, spans = _tokenize(self.tokenizer, text, add_special_tokens=False)
         else:
-            from fusion.preprocessing import idefics3_image_text, qwen2_vl_image_text
-            from fusion.preprocessing.prompts import check_marker_count, expand_markers
-            from fusion.preprocessing.qwen2_vl import IMAGE_PAD, QWEN2_VL_IMAGE_MARKER
-
             processor = self.processor
             if processor.encode != self.tokenize_prompt:
                 raise RuntimeError(
@@ -286,21 +284,9 @@ class ConversationEncoder:
                     "are not tokenized as training's; build the encoder with "
                     "ConversationEncoder.from_directory"
                 )
-            qwen = processor.kind == "qwen2_vl"
-            marker = QWEN2_VL_IMAGE_MARKER if qwen else IMAGE_MARKER
-            check_marker_count([text], len(sizes), marker)
             # Stand-ins of each image's size that hold one byte (stride 0): plan reads sizes.
             stand_ins = [torch.zeros((), dtype=torch.uint8).expand(3, h, w) for h, w in sizes]
-            tiles = processor.plan([text], stand_ins)  # Qwen2-VL: rows (tokens_per_image 1)
-            per_tile = processor.tokens_per_image
-            if processor.kind == "llava":
-                texts = [IMAGE_MARKER * per_tile] * len(sizes)
-            elif qwen:
-                texts = [qwen2_vl_image_text(rows) for rows in tiles]
-            else:
-                grids = [processor.image_processor.steps(h, w)[1:] for h, w in sizes]
-                texts = [idefics3_image_text(rows, cols, per_tile) for rows, cols in grids]
-            expanded = expand_markers([text], texts, marker)[0]
+            [expanded], tiles = processor.expand([text], stand_ins)
             # As the processor's apply_chat_template: special tokens unless the text has BOS.
             add_special = not self._starts_with_bos(rendered.text)
             ids, offsets, spans = _tokenize(
@@ -308,14 +294,8 @@ class ConversationEncoder:
             )
             if not ids:
                 raise ValueError("prompts[0]: the tokenizer gives no tokens")
-            found = ids.count(processor.image_token_id)
-            if found != sum(tiles) * per_tile:
-                raise ValueError(
-                    f"prompts: the tokenized prompt holds {found} placeholder ids "
-                    f"({processor.image_token_id}), but the images give {sum(tiles) * per_tile} "
-                    f"rows; the tokenizer must encode {IMAGE_PAD if qwen else IMAGE_MARKER!r} as "
-                    "that single token, and the text must not hold it otherwise"
-                )
+            rows = sum(tiles) * processor.tokens_per_image
+            processor.check_placeholder_count([ids], rows, "prompt holds")
         tokens = torch.tensor(ids, dtype=torch.int64)
         target = torch.zeros(len(ids), dtype=torch.bool)
         for index, (start, end) in enumerate(offsets):
@@ -330,30 +310,16 @@ class ConversationEncoder:
         return tokens, labels, tiles
 
     def _pixels(self, images: Sequence[object]) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 [tiles, 3, s, s]: the images processed as the processor processes them
-        (in order, each on its own, tiles concatenated), and int64 [0, 3]; Qwen2-VL: the
-        patches [n_patches, d] and each image's grid (t, h, w).
+        """The images processed as the processor processes them
+        (:meth:`VisionLanguageProcessor.pixels`), and their grids (int64 [0, 3] for kinds
+        without).
 
         Raises:
             ValueError: an image the image processor cannot take, or sizes the vision tower
                 does not take.
         """
-        processor = self.processor
-        size = processor.image_size
-        if processor.kind == "qwen2_vl":
-            patched = processor.image_processor(images)
-            return patched.pixel_values, patched.image_grid_thw
-        if processor.kind == "llava":
-            pixels = processor.image_processor(images)
-        else:
-            tiled = processor.image_processor(images)
-            pixels = torch.cat([t.tiles for t in tiled]) if tiled else torch.empty(0, 3, size, size)
-        if len(images) and pixels.shape[1:] != (3, size, size):
-            raise ValueError(
-                f"image_processor: gives images of {list(pixels.shape[2:])} pixels, but the "
-                f"vision tower takes {size} x {size}"
-            )
-        return pixels, torch.empty(0, 3, dtype=torch.int64)
+        pixels, grids = self.processor.pixels(images)
+        return pixels, torch.empty(0, 3, dtype=torch.int64) if grids is None else grids
 
     def check_conversation(self, conversation: Conversation) -> Sample:
         """``conversation`` as a :class:`Sample` whose pixels are made later
@@ -410,9 +376,7 @@ class ConversationEncoder:
                     )
                 images.append(image)
             pixels, grids = self._pixels(images)
-            made = pixels.size(0)
-            if grids.numel():  # Qwen2-VL: the rows of its images
-                made = int(grids.prod(1).sum()) // self.processor.image_processor.merge_size**2
+            made = self.processor.made(pixels, grids)
             expected = sum(ref.tiles for ref in sample.images)
             if made != expected:  # the size decides the tiles; a guard all the same
                 raise ValueError(
@@ -491,8 +455,7 @@ def fit_sample(
         ValueError: too long without ``truncate``; with it, a cut that would drop
             placeholders (their images' rows could not be placed) or leave no target.
     """
-    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
-        raise ValueError(f"max_seq_len: expected an integer >= 2, got {max_seq_len!r}")
+    check_int(max_seq_len, "max_seq_len", low=2)
     length = len(sample)
     if length <= max_seq_len:
         return sample
@@ -552,8 +515,7 @@ def encode_conversations(
         DataError: a conversation that cannot be encoded or fitted (unless ``skip_bad``), or
             no sample left.
     """
-    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
-        raise ValueError(f"max_seq_len: expected an integer >= 2, got {max_seq_len!r}")
+    check_int(max_seq_len, "max_seq_len", low=2)
     samples, skipped, truncated = [], [], 0
     for conversation in conversations:
         try:

@@ -84,6 +84,9 @@ class Family:
             Llama's ``"model."``).
         peft_encoder: (this library's prefix, transformers' in-memory prefix) of the encoder's
             layers.
+        processor: the kind of :class:`fusion.preprocessing.VisionLanguageProcessor` that
+            makes its inputs (a name preprocessing registers its processors under, so that
+            this layer imports none); None for a text-only family.
     """
 
     name: str
@@ -95,6 +98,7 @@ class Family:
     peft_text: str = "model.language_model."
     peft_encoder: tuple[tuple[str, str], ...] = ()
     square_images: bool = False  # the tower takes square images or tiles of one size
+    processor: str | None = None
 
     def rows_per_image(self, spec: ModelSpec, side: int, config_file: Path) -> int:
         """(``square_images`` families) The placeholder rows one image or tile gives, for a

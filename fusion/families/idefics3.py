@@ -59,6 +59,7 @@ class Idefics3Family(Family):
     encoder_types = (Idefics3ImageEncoder,)
     vision_layers = VISION_LAYERS
     square_images = True
+    processor = "idefics3"
     peft_text = "model.text_model."
     peft_encoder = (("encoders.image.", "model."),)
     vision_defaults = VISION_DEFAULTS | {

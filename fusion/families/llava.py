@@ -60,6 +60,7 @@ class LlavaFamily(Family):
     encoder_types = (LlavaImageEncoder,)
     vision_layers = VISION_LAYERS
     square_images = True
+    processor = "llava"
     peft_encoder = (
         ("encoders.image.vision_tower.", "model.vision_tower."),
         ("encoders.image.multi_modal_projector.", "model.multi_modal_projector."),

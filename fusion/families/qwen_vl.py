@@ -254,6 +254,7 @@ class QwenVLFamily(Family):
 
     vision_layers = (r"encoders\.image\.blocks\.(\d{1,9})\.", "depth")
     peft_encoder = (("encoders.image.", "model.visual."),)
+    processor = "qwen2_vl"  # transformers gives all three Qwen2VLImageProcessor
 
     def read(self, config: ConfigReader) -> ModelSpec:
         model_type = config.values["model_type"]

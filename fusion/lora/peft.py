@@ -34,6 +34,7 @@ from torch import nn
 
 from fusion.checkpoint.errors import CheckpointError, as_path
 from fusion.checkpoint.files import CheckpointFiles, check_not_sharded, prepare_tensors, write_files
+from fusion.checkpoint.hf_model import HfDirectory
 from fusion.checkpoint.keys import interleaved_to_rotate_half, rotate_half_to_interleaved
 from fusion.lora.apply import apply_lora, lora_linears, lora_settings
 from fusion.lora.peft_config import (
@@ -274,7 +275,8 @@ def save_peft_adapter(
             :func:`load_peft_adapter` takes, unsharded.
         directory: created if needed; other files in it are left alone.
         base_model_name_or_path: written into the config (peft's field: the base model's
-            directory or Hub id), e.g. for ``AutoPeftModel``.
+            directory or Hub id), e.g. for ``AutoPeftModel``; or the base's
+            :class:`~fusion.checkpoint.hf_model.HfDirectory` (its ``config.json`` not read again).
         overwrite: replace an adapter already in ``directory`` (a stale ``adapter_model.bin``
             is removed).
 
@@ -299,7 +301,8 @@ def save_peft_adapter(
                 "base_model_name_or_path: expected a str, a path or None, got "
                 f"{type(base_model_name_or_path).__name__}"
             )
-        base_model_name_or_path = os.fspath(base_model_name_or_path)
+        if not isinstance(base_model_name_or_path, HfDirectory):  # kept: its config is read
+            base_model_name_or_path = os.fspath(base_model_name_or_path)
     target = _describe(model)
     linears = lora_linears(target.module)
     if not linears:
@@ -357,7 +360,7 @@ def save_peft_adapter(
 
 def _adapter_config_text(
     target: _Model,
-    base_model_name_or_path: str | None,
+    base_model_name_or_path: str | HfDirectory | None,
     adapted: set[str],
     rank: int,
     alpha: float,
@@ -370,7 +373,9 @@ def _adapter_config_text(
     config = {
         "alpha_pattern": {},
         "auto_mapping": {"base_model_class": family.architecture, "parent_library": family.library},
-        "base_model_name_or_path": base_model_name_or_path,
+        "base_model_name_or_path": (
+            None if base_model_name_or_path is None else os.fspath(base_model_name_or_path)
+        ),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,

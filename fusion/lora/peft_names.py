@@ -14,7 +14,7 @@ from torch import nn
 
 from fusion._wrappers import unwrap
 from fusion.checkpoint.errors import CheckpointError
-from fusion.checkpoint.hf_config import read_hf_config
+from fusion.checkpoint.hf_model import HfDirectory
 from fusion.checkpoint.keys import fusion_key_to_hf, hf_key_to_fusion, rope_heads
 from fusion.decoder import MultiHeadAttention, TransformerDecoder
 from fusion.early_fusion import EarlyFusion
@@ -53,14 +53,15 @@ class _Family:
     def encoder(self) -> tuple[tuple[str, str], ...]:  # our prefix -> transformers' prefix
         return self.family.peft_encoder
 
-    def named_by(self, base: str | None) -> "_Family":
+    def named_by(self, base: str | HfDirectory | None) -> "_Family":
         """This family as the base directory's ``config.json`` names it, when that is another
         model type of the same family with a class of its own in transformers (SmolVLM is an
-        Idefics3 to this library; same layer names)."""
+        Idefics3 to this library; same layer names); an :class:`HfDirectory`'s parsed config
+        is used as it is."""
         if base is None or not os.path.isdir(base):
             return self
         try:
-            model_type = read_hf_config(Path(base) / "config.json").get("model_type")
+            model_type = HfDirectory.of(base, "base_model_name_or_path").config.get("model_type")
         except CheckpointError:  # not ours to judge here: the class stays the model's
             return self
         if model_type == self.model_type or model_type not in self.family.model_types:

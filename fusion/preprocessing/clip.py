@@ -1,15 +1,20 @@
-"""LLaVA's image processor (CLIP's, optionally padding to a square first), in torch."""
+"""LLaVA's image processor (CLIP's, optionally padding to a square first), in torch, and
+LLaVA's :class:`~fusion.preprocessing.VisionLanguageProcessor` (:class:`LlavaProcessor`)."""
 
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from fusion._validation import is_int
+from fusion.checkpoint.hf_vlm import VlmImageLayout
 from fusion.hf.config import ConfigReader
+from fusion.hf.errors import CheckpointError
+from fusion.models.llava import rows_per_image
 from fusion.preprocessing.images import (
     CLIP_MEAN,
     CLIP_STD,
@@ -19,6 +24,7 @@ from fusion.preprocessing.images import (
     rescale_normalize,
     to_rgb,
 )
+from fusion.preprocessing.processor import IMAGE_TOKEN, SquareImagesProcessor
 from fusion.preprocessing.resize import BICUBIC, FILTER_NAMES, resize
 
 
@@ -207,3 +213,66 @@ def _center_crop(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
     padded = F.pad(image, (left_pad, pad_w - left_pad, top_pad, pad_h - top_pad))
     top, left = top + top_pad, left + left_pad
     return padded[:, top : top + height, left : left + width]
+
+
+class LlavaProcessor(SquareImagesProcessor):
+    """:class:`~fusion.preprocessing.VisionLanguageProcessor` of LLaVA: each ``<image>``
+    becomes the image token once per row, ``tokens_per_image`` times, and each image one
+    :class:`ClipImageProcessor` crop."""
+
+    kind = "llava"
+    image_processor_type = ClipImageProcessor
+
+    @staticmethod
+    def tower_image_size(encoder: Any) -> int:
+        return encoder.vision_tower.image_size
+
+    def _steps(self, height: int, width: int) -> tuple[list[tuple[int, int]], int, int]:
+        return self.image_processor.steps(height, width), 0, 0
+
+    def _tiles(self, images: Sequence[object]) -> torch.Tensor:
+        return self.image_processor(images)
+
+    def _image_text(self, height: int, width: int, tiles: int) -> str:
+        return IMAGE_TOKEN * self.tokens_per_image
+
+    @classmethod
+    def _tower_setting(
+        cls, processor: Any, side: int, where: str
+    ) -> tuple[str, tuple[int | None, int | None]]:
+        if processor.do_center_crop:
+            return "crop_size", (processor.crop_height, processor.crop_width)
+        if processor.do_resize and processor.shortest_edge is None:
+            return "size", (processor.height, processor.width)
+        raise ValueError(
+            f"{where}: do_center_crop: false, with a size other than height and width, "
+            f"gives images of varying sizes; the vision tower takes {side} x {side}"
+        )
+
+    @classmethod
+    def _check_processor_config(
+        cls, config: dict[str, Any], file: Path, layout: VlmImageLayout
+    ) -> None:
+        patch = config.get("patch_size")
+        if patch is None:
+            return
+        extra = config.get("num_additional_image_tokens", 0)
+        strategy = config.get("vision_feature_select_strategy", "default")
+        for key, value, low in (
+            ("patch_size", patch, 1),
+            ("num_additional_image_tokens", extra, 0),
+        ):
+            if not is_int(value, low, (1 << 16) - 1):
+                raise CheckpointError(file, key, f"expected an integer >= {low}, got {value!r}")
+        if strategy not in ("default", "full"):
+            expected = f"expected 'default' or 'full', got {strategy!r}"
+            raise CheckpointError(file, "vision_feature_select_strategy", expected)
+        rows = rows_per_image((layout.image_size // patch) ** 2, strategy, extra)
+        if rows != layout.tokens_per_image:
+            raise CheckpointError(
+                file,
+                "patch_size",
+                f"{patch} (with num_additional_image_tokens={extra}, "
+                f"vision_feature_select_strategy={strategy!r}) gives {rows} rows per image, but "
+                f"the model gives {layout.tokens_per_image}",
+            )

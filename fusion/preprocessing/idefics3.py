@@ -1,14 +1,18 @@
 """Idefics3 / SmolVLM's image processor (resize, split into tiles plus a global image), and
-the prompt text each image expands to, in torch."""
+the prompt text each image expands to, in torch; their
+:class:`~fusion.preprocessing.VisionLanguageProcessor` (:class:`Idefics3Processor`)."""
 
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from fusion.checkpoint.hf_vlm import VlmImageLayout
 from fusion.hf.config import ConfigReader
+from fusion.hf.errors import CheckpointError
 from fusion.preprocessing.images import (
     STANDARD_MEAN,
     STANDARD_STD,
@@ -18,6 +22,7 @@ from fusion.preprocessing.images import (
     rescale_normalize,
     to_rgb,
 )
+from fusion.preprocessing.processor import IMAGE_TOKEN, SquareImagesProcessor
 from fusion.preprocessing.resize import (
     FILTER_NAMES,
     LANCZOS,
@@ -27,7 +32,6 @@ from fusion.preprocessing.resize import (
 )
 
 MAX_IMAGE_SIDE = 4096  # Idefics3's cap on either side after the first resize
-IMAGE_TOKEN = "<image>"
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
 GLOBAL_IMAGE_TOKEN = "<global-img>"
 
@@ -234,3 +238,47 @@ def idefics3_image_text(rows: int, cols: int, tokens_per_tile: int) -> str:
         for r in range(rows)
     )
     return f"{grid}\n{whole}"
+
+
+class Idefics3Processor(SquareImagesProcessor):
+    """:class:`~fusion.preprocessing.VisionLanguageProcessor` of Idefics3 and SmolVLM: each
+    ``<image>`` becomes its grid of tiles (:func:`idefics3_image_text`), each image the
+    :class:`Idefics3ImageProcessor` tiles."""
+
+    kind = "idefics3"
+    image_processor_type = Idefics3ImageProcessor
+
+    @staticmethod
+    def tower_image_size(encoder: Any) -> int:
+        return encoder.vision_model.image_size
+
+    def _steps(self, height: int, width: int) -> tuple[list[tuple[int, int]], int, int]:
+        return self.image_processor.steps(height, width)
+
+    def _tiles(self, images: Sequence[object]) -> torch.Tensor:
+        tiled = self.image_processor(images)
+        if not tiled:
+            return torch.empty(0, 3, self.image_size, self.image_size)
+        return torch.cat([t.tiles for t in tiled])
+
+    def _image_text(self, height: int, width: int, tiles: int) -> str:
+        _, rows, cols = self._steps(height, width)
+        return idefics3_image_text(rows, cols, self.tokens_per_image)
+
+    @classmethod
+    def _tower_setting(
+        cls, processor: Any, side: int, where: str
+    ) -> tuple[str, tuple[int | None, int | None]]:
+        return "max_image_size.longest_edge", (processor.max_image_size,) * 2
+
+    @classmethod
+    def _check_processor_config(
+        cls, config: dict[str, Any], file: Path, layout: VlmImageLayout
+    ) -> None:
+        seq_len = config.get("image_seq_len")
+        if seq_len not in (None, layout.tokens_per_image):
+            raise CheckpointError(
+                file,
+                "image_seq_len",
+                f"{seq_len!r}, but the model gives {layout.tokens_per_image} rows per tile",
+            )

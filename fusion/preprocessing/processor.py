@@ -1,5 +1,20 @@
-"""Prompts and images -> token ids and pixels for a LLaVA, Idefics3 / SmolVLM, Qwen2-VL,
-Qwen2.5-VL or Qwen3-VL model."""
+"""Prompts and images -> token ids and pixels, for any registered vision-language family.
+
+:class:`VisionLanguageProcessor` is one path for every family: one :meth:`~VisionLanguageProcessor.
+from_directory` and one ``__call__`` (markers checked, every image planned from its size,
+the markers expanded, the images processed, the prompts tokenized and their placeholder ids
+checked). What differs between families is a subclass's few hooks: its marker and
+placeholder text, the rows an image of a given size gives, the pixels, the id check and how a
+directory's settings are read. Each family's module of this package defines its subclass
+beside its image processor, registered in :data:`KINDS` under its ``kind``; a family
+(:mod:`fusion.families`) names that kind as data (:attr:`fusion.families.Family.processor`).
+
+Why this way round: the image processors are pixels and arithmetic, and this package stands
+above :mod:`fusion.families` (a directory's family is looked up in the registry, through
+:class:`fusion.checkpoint.hf_model.HfDirectory`), so a family refers to its processor only by name;
+a family importing preprocessing would close a circle, and a table here keyed by family
+would be a branch on it.
+"""
 
 import dataclasses
 import os
@@ -7,69 +22,44 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import torch
 
+from fusion._validation import check_int
 from fusion.checkpoint import CheckpointError, read_hf_config
-from fusion.checkpoint.files import read_tokenizer
+from fusion.checkpoint.hf_model import HfDirectory
 from fusion.checkpoint.hf_vlm import VlmImageLayout, hf_model_kind, read_hf_vlm_layout
 from fusion.early_fusion import EarlyFusion
-from fusion.models.idefics3 import Idefics3ImageEncoder
-from fusion.models.llava import LlavaImageEncoder, rows_per_image
+from fusion.families import FAMILIES, Family, family_named, family_of
+from fusion.hf.files import read_tokenizer
 from fusion.padding import left_pad
-from fusion.preprocessing.clip import ClipImageProcessor
-from fusion.preprocessing.idefics3 import IMAGE_TOKEN, Idefics3ImageProcessor, idefics3_image_text
 from fusion.preprocessing.images import check_max_pixels, check_pixels, image_size
-from fusion.preprocessing.prompts import check_marker_count, expand_markers
-from fusion.preprocessing.qwen2_vl import (
-    IMAGE_PAD,
-    QWEN2_VL_IMAGE_MARKER,
-    VIDEO_PAD,
-    VISION_END,
-    VISION_START,
-    Qwen2VLImageProcessor,
-    Qwen2VLLayout,
-    check_against_tower,
-    default_image_processor,
-    qwen2_vl_image_text,
-    qwen2_vl_model_type,
-    read_qwen2_vl_layout,
-)
+from fusion.preprocessing.prompts import check_marker_count, count_markers, expand_markers
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 PROCESSOR_CONFIG = "processor_config.json"
 TOKENIZER_FILE = "tokenizer.json"
-# Caps on what the images of a prompt may cost, above any published model's needs
-# (SmolVLM and Idefics3 split an image into at most 4 x 4 tiles plus the whole, of 64 to 169
-# rows each; LLaVA-1.5 gives 576 rows per image).
+IMAGE_TOKEN = "<image>"
+# Caps on what the images of a prompt may cost, above any published model's needs (an image
+# split into at most 4 x 4 tiles plus the whole, of 64 to 169 rows each; 576 rows per
+# whole image).
 MAX_TILES_PER_IMAGE = 256
 MAX_IMAGE_ROWS = 1 << 16
 _WARNED_DEFAULTS: set[str] = set()  # directories whose defaults were announced
 
 Encode = Callable[[str], list[int]]
-ImageProcessor = ClipImageProcessor | Idefics3ImageProcessor | Qwen2VLImageProcessor
-KINDS = {
-    "llava": ClipImageProcessor,
-    "idefics3": Idefics3ImageProcessor,
-    "qwen2_vl": Qwen2VLImageProcessor,
-}
+#: kind -> its processor class, registered by each subclass that sets ``kind``.
+KINDS: dict[str, type["VisionLanguageProcessor"]] = {}
 
 
 def detect_model_kind(directory: str | bytes | os.PathLike) -> str:
-    """``"llama"``, ``"llava"``, ``"idefics3"`` or ``"qwen2_vl"`` (Qwen2-VL, Qwen2.5-VL and
-    Qwen3-VL, whose images one processor makes): what a model directory's ``config.json``
-    describes, as preprocessing sees it (see
-    :func:`fusion.checkpoint.hf_vlm.hf_model_kind`, whose errors it raises)."""
-    if _is_qwen2_vl(directory):
-        return "qwen2_vl"
-    return hf_model_kind(directory)
-
-
-def _is_qwen2_vl(directory: str | bytes | os.PathLike) -> bool:
-    """Whether ``config.json`` describes a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model (its
-    ``model_type``)."""
-    return qwen2_vl_model_type(read_hf_config(directory)) is not None
+    """The :class:`VisionLanguageProcessor` kind a model directory's (or ``config.json``'s)
+    family takes, or the family's name for a text-only one (``"llama"``): what it describes,
+    as preprocessing sees it (see :func:`fusion.checkpoint.hf_vlm.hf_model_kind`, whose
+    errors it raises)."""
+    family = family_named(hf_model_kind(directory))
+    return family.processor or family.name
 
 
 @dataclass(frozen=True)
@@ -78,12 +68,12 @@ class VisionInputs:
 
     Attributes:
         ids: the token ids of each prompt, image markers expanded to placeholder ids.
-        pixel_values: float32 [n, 3, s, s], the images (LLaVA) or tiles (Idefics3) of all
-            prompts in order; ``n`` is 0 without images. Qwen2-VL: the flattened patches of
-            all images in order, float32 [n_patches, 3 * temporal_patch_size *
-            patch_size**2].
-        image_grid_thw: Qwen2-VL only (None otherwise): int64 [n_images, 3] on the CPU, each
-            image's (temporal, height, width) grid of patches; an image gives
+        pixel_values: float32 [n, 3, s, s], the images or tiles of all prompts in order;
+            ``n`` is 0 without images. For towers taking patches of images of any size: the
+            flattened patches of all images in order, float32 [n_patches, 3 *
+            temporal_patch_size * patch_size**2].
+        image_grid_thw: for those towers only (None otherwise): int64 [n_images, 3] on the
+            CPU, each image's (temporal, height, width) grid of patches; an image gives
             ``t * h * w / merge_size**2`` placeholder rows.
     """
 
@@ -101,9 +91,9 @@ class VisionInputs:
     ) -> dict[str, Any]:
         """``encoder_input`` for ``EarlyFusion`` / :func:`fusion.generate`: ``{"image":
         {"pixel_values": ...}}`` (moved to ``device`` / ``dtype`` if given), or ``{}`` without
-        images. Qwen2-VL's also holds ``"image_grid_thw"``, which stays on the CPU: the tower
-        reads the grids as sizes (to split the images and build their positions), and a copy
-        on an accelerator would only be read back."""
+        images. With grids it also holds ``"image_grid_thw"``, which stays on the CPU: the
+        tower reads the grids as sizes (to split the images and build their positions), and a
+        copy on an accelerator would only be read back."""
         if self.pixel_values.size(0) == 0:
             return {}
         pixel_values = self.pixel_values.to(device=device, dtype=dtype)
@@ -115,40 +105,33 @@ class VisionInputs:
 class VisionLanguageProcessor:
     """Prompts with image markers, and images -> :class:`VisionInputs`.
 
-    Each marker (``"<image>"``) is replaced by the text of its image's placeholders, as the
-    model's Hugging Face processor writes it (LLaVA: the image token once per row; Idefics3:
-    per tile a ``<fake_token_around_image>``, a ``<row_r_col_c>`` or ``<global-img>`` tag
-    and the image token once per row, see
-    :func:`fusion.preprocessing.idefics3_image_text`), then the prompt is tokenized whole, as
-    the processor tokenizes it.
+    Each marker (``"<image>"``, or the family's own, :attr:`marker`) is replaced by the text
+    of its image's placeholders, as the model's Hugging Face processor writes it (the
+    subclass's :meth:`_image_text`: e.g. the image token once per row, or per tile a tag
+    and the image token once per row), then the prompt is tokenized whole, as the processor
+    tokenizes it. Families whose towers take images of any size give their
+    :class:`VisionInputs` the images' ``image_grid_thw`` too.
 
-    Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``kind="qwen2_vl"``) mark each image as Qwen's chat
-    template writes it, ``<|vision_start|><|image_pad|><|vision_end|>``, and the
-    ``<|image_pad|>`` becomes one per row of that image (``t * h * w / merge_size**2``, see
-    :func:`fusion.preprocessing.qwen2_vl_image_text`); the :class:`VisionInputs` then carry
-    the images' ``image_grid_thw`` too.
+    ``VisionLanguageProcessor(kind, ...)`` makes the processor of that kind (:data:`KINDS`).
 
     Args:
-        kind: ``"llava"``, ``"idefics3"`` or ``"qwen2_vl"``.
-        image_processor: a :class:`ClipImageProcessor` (LLaVA),
-            :class:`Idefics3ImageProcessor` or :class:`Qwen2VLImageProcessor`.
-        tokens_per_image: rows per image (LLaVA) or tile (Idefics3); None for Qwen2-VL,
-            whose rows vary with each image's size (the attribute is then 1: :meth:`plan`
-            counts rows).
+        kind: one of :data:`KINDS` (see :func:`detect_model_kind`).
+        image_processor: that kind's image processor (its ``image_processor_type``).
+        tokens_per_image: rows per image or tile; None for kinds whose rows vary with each
+            image's size (the attribute is then 1: :meth:`plan` counts rows).
         image_size: the side of the square images or tiles the vision tower takes; None for
-            Qwen2-VL (the attribute is then the side of its patches).
-        image_token_id: the placeholder id; the tokenizer must encode ``"<image>"`` (Qwen2-VL:
-            ``"<|image_pad|>"``) as it.
+            those kinds (the attribute is then the side of its patches).
+        image_token_id: the placeholder id; the tokenizer must encode :attr:`placeholder` as
+            it.
         encode: text -> ids, special tokens (BOS) added as the model expects.
         max_pixels: the most pixels an image may have, as given or at any step of its
             processing (None: :func:`fusion.preprocessing.images.default_max_pixels`,
-            Pillow's decompression-bomb limit). Not Qwen2-VL's own ``max_pixels`` setting,
-            which its image processor holds.
-        max_tiles_per_image: the most tiles one image may be split into (Idefics3).
+            Pillow's decompression-bomb limit). Not an image processor's own ``max_pixels``
+            setting.
+        max_tiles_per_image: the most tiles one image may be split into.
         max_image_rows: the most placeholder rows the images of one prompt may expand to.
-        vision_start_token_id, vision_end_token_id: Qwen2-VL only (and required there): the
-            ids of ``<|vision_start|>`` and ``<|vision_end|>``, which must enclose each
-            image's placeholders once tokenized.
+        vision_start_token_id, vision_end_token_id: for kinds that enclose each image's
+            placeholders (and required there): the ids that must enclose them once tokenized.
 
     The caps are checked from the images' sizes, before any pixel is processed.
 
@@ -159,10 +142,28 @@ class VisionLanguageProcessor:
             that does not take it (or missing where it is needed).
     """
 
+    kind: ClassVar[str]
+    image_processor_type: ClassVar[Any]
+    marker: ClassVar[str] = IMAGE_TOKEN  # what a prompt marks each image with
+    placeholder: ClassVar[str] = IMAGE_TOKEN  # the text tokenized as image_token_id
+    takes: ClassVar[tuple[str, ...]] = ()  # the constructor's per-kind arguments it takes
+    pixel_cap: ClassVar[str] = "max_pixels"  # the image processor's field max_pixels sets
+    for_models: ClassVar[bool] = False  # whether for_model makes one
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            KINDS[cls.kind] = cls
+
+    def __new__(cls, kind: object = None, *args: Any, **kwargs: Any) -> "VisionLanguageProcessor":
+        if cls is VisionLanguageProcessor and isinstance(kind, str) and kind in KINDS:
+            cls = KINDS[kind]  # the processor of that kind
+        return super().__new__(cls)
+
     def __init__(
         self,
         kind: str,
-        image_processor: ImageProcessor,
+        image_processor: Any,
         *,
         tokens_per_image: int | None = None,
         image_size: int | None = None,
@@ -174,47 +175,40 @@ class VisionLanguageProcessor:
         vision_start_token_id: int | None = None,
         vision_end_token_id: int | None = None,
     ) -> None:
-        if kind not in KINDS:
+        if kind not in KINDS or not isinstance(self, KINDS[kind]):
             raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
-        if not isinstance(image_processor, KINDS[kind]):
+        if not isinstance(image_processor, self.image_processor_type):
             raise ValueError(
-                f"image_processor: expected a {KINDS[kind].__name__} for {kind}, got "
-                f"{type(image_processor).__name__}"
+                f"image_processor: expected a {self.image_processor_type.__name__} for {kind}, "
+                f"got {type(image_processor).__name__}"
             )
         if not callable(encode):
             raise TypeError(f"encode: expected a callable text -> ids, got {type(encode).__name__}")
-        qwen = isinstance(image_processor, Qwen2VLImageProcessor)
         per_kind = {
-            "tokens_per_image": (tokens_per_image, 1, not qwen),
-            "image_size": (image_size, 1, not qwen),
-            "vision_start_token_id": (vision_start_token_id, 0, qwen),
-            "vision_end_token_id": (vision_end_token_id, 0, qwen),
+            "tokens_per_image": (tokens_per_image, 1),
+            "image_size": (image_size, 1),
+            "vision_start_token_id": (vision_start_token_id, 0),
+            "vision_end_token_id": (vision_end_token_id, 0),
         }
-        for name, (given, _, taken) in per_kind.items():
-            if not taken and given is not None:
+        for name, (given, _) in per_kind.items():
+            if name not in self.takes and given is not None:
                 raise ValueError(f"{name}: not taken by {kind} (expected None), got {given!r}")
-        checked = [(name, value, low) for name, (value, low, taken) in per_kind.items() if taken]
+        checked = [
+            (name, value, low) for name, (value, low) in per_kind.items() if name in self.takes
+        ]
         for name, value, low in (
             *checked,
             ("image_token_id", image_token_id, 0),
             ("max_tiles_per_image", max_tiles_per_image, 1),
             ("max_image_rows", max_image_rows, 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
-        self.kind = kind
+            check_int(value, name, low=low, expected=f"an integer >= {low}")
         self.max_pixels = check_max_pixels(max_pixels)
-        self.image_processor: ImageProcessor
         # The image processor applies the same pixel cap.
-        if isinstance(image_processor, Qwen2VLImageProcessor):
-            self.image_processor = dataclasses.replace(image_processor, pixel_limit=self.max_pixels)
-            # Qwen2-VL's rows vary per image: plan() counts them one by one.
-            tokens_per_image, image_size = 1, image_processor.patch_size
-        else:
-            self.image_processor = dataclasses.replace(image_processor, max_pixels=self.max_pixels)
-        assert tokens_per_image is not None and image_size is not None  # checked above
-        self.tokens_per_image: int = tokens_per_image
-        self.image_size: int = image_size
+        self.image_processor: Any = dataclasses.replace(
+            image_processor, **{self.pixel_cap: self.max_pixels}
+        )
+        self.tokens_per_image, self.image_size = self._sizes(tokens_per_image, image_size)
         self.image_token_id = image_token_id
         self.vision_start_token_id = vision_start_token_id
         self.vision_end_token_id = vision_end_token_id
@@ -224,35 +218,29 @@ class VisionLanguageProcessor:
 
     @classmethod
     def for_model(
-        cls,
-        model: EarlyFusion,
-        encode: Encode,
-        image_processor: ClipImageProcessor | Idefics3ImageProcessor | None = None,
+        cls, model: EarlyFusion, encode: Encode, image_processor: Any = None
     ) -> "VisionLanguageProcessor":
-        """For a model as :func:`fusion.models.llava` / :func:`fusion.models.idefics3` (or the
-        loaders) make it; ``image_processor`` defaults to the model family's defaults for its
-        image size.
+        """For a model as its family's builder (or the loaders) make it, of a family whose
+        tower takes square images; ``image_processor`` defaults to the family's defaults for
+        its image size.
 
         Raises:
-            ValueError: ``model`` has no LLaVA or Idefics3 image encoder.
+            ValueError: ``model`` has no image encoder of such a family.
         """
         encoder = model.encoders["image"] if "image" in model.encoders else None
-        default: ClipImageProcessor | Idefics3ImageProcessor
-        if isinstance(encoder, LlavaImageEncoder):
-            kind, size = "llava", encoder.vision_tower.image_size
-            default = ClipImageProcessor.for_image_size(size)
-        elif isinstance(encoder, Idefics3ImageEncoder):
-            kind, size = "idefics3", encoder.vision_model.image_size
-            default = Idefics3ImageProcessor.for_image_size(size)
-        else:
+        takers = [f for f in _processed_families() if KINDS[cast(str, f.processor)].for_models]
+        family = next((f for f in takers if isinstance(encoder, f.encoder_types)), None)
+        if family is None:
             raise ValueError(
-                "model: expected an 'image' encoder of LLaVA or Idefics3, got "
-                f"{type(encoder).__name__}"
+                f"model: expected an 'image' encoder of {' or '.join(f.what for f in takers)}, "
+                f"got {type(encoder).__name__}"
             )
-        return cls(
-            kind,
-            image_processor or default,
-            tokens_per_image=encoder.tokens_per_image,
+        kind = KINDS[cast(str, family.processor)]
+        size = kind.tower_image_size(encoder)
+        return kind(
+            kind.kind,
+            image_processor or kind.image_processor_type.for_image_size(size),
+            tokens_per_image=cast(Any, encoder).tokens_per_image,
             image_size=size,
             image_token_id=model.encoder_tokens["image"],
             encode=encode,
@@ -261,150 +249,73 @@ class VisionLanguageProcessor:
     @classmethod
     def from_directory(
         cls,
-        directory: str | bytes | os.PathLike,
+        directory: str | bytes | os.PathLike | HfDirectory,
         *,
         encode: Encode | None = None,
         max_pixels: int | None = None,
         max_tiles_per_image: int = MAX_TILES_PER_IMAGE,
         max_image_rows: int = MAX_IMAGE_ROWS,
     ) -> "VisionLanguageProcessor":
-        """From a model directory, read as ``transformers`` reads it:
+        """From a model directory (or its :class:`~fusion.checkpoint.hf_model.HfDirectory`, whose
+        parsed ``config.json`` is used as it is), read as ``transformers`` reads it:
 
-        - ``config.json``: the model (placeholder id, rows per image or tile, the tower's
-          image size; Qwen2-VL, Qwen2.5-VL, Qwen3-VL: the placeholder, start and end ids and
-          the tower's patch, merge and temporal patch sizes, see
-          :func:`fusion.preprocessing.qwen2_vl.read_qwen2_vl_layout`);
+        - ``config.json``: its family (:attr:`fusion.families.Family.processor` names the
+          kind), and what the kind needs of the model (placeholder id, rows per image or
+          tile and the tower's image size, see
+          :func:`fusion.checkpoint.hf_vlm.read_hf_vlm_layout`; or the placeholder, start and
+          end ids and the tower's patch sizes);
         - the image processor's settings from the first place that holds them, in
           ``transformers``' order: the ``"image_processor"`` object of
           ``processor_config.json`` (what transformers 5's ``save_pretrained`` writes), then
-          ``preprocessor_config.json``; with neither, the family's defaults for the tower's
-          image size (Qwen2-VL, Qwen2.5-VL: transformers' defaults with the tower's patch
-          sizes; Qwen3-VL: its published settings, see
-          :func:`fusion.preprocessing.qwen2_vl.default_image_processor`), said once in a
-          warning naming them. The Qwen families' pixel range is read as transformers
-          5.24 reads it (:meth:`Qwen2VLImageProcessor.from_config`: ``min_pixels`` /
-          ``max_pixels`` over ``size``);
-        - the top level of ``processor_config.json`` (``image_seq_len`` of Idefics3 /
-          SmolVLM; ``patch_size``, ``num_additional_image_tokens`` and
-          ``vision_feature_select_strategy`` of LLaVA), checked against the model;
+          ``preprocessor_config.json``; with neither, the family's defaults for the tower,
+          said once in a warning naming them;
+        - the top level of ``processor_config.json`` (e.g. ``image_seq_len``, ``patch_size``,
+          ``num_additional_image_tokens``, ``vision_feature_select_strategy``), checked
+          against the model;
         - unless ``encode`` is given, ``tokenizer.json`` (read with ``tokenizers``).
 
         Image sizes the settings lead to are checked against the tower (crops or tiles of
-        its image size; Qwen2-VL: its patch sizes) before any image is processed.
-        ``max_pixels``, ``max_tiles_per_image`` and ``max_image_rows`` are as for the
-        constructor.
+        its image size, or its patch sizes) before any image is processed. ``max_pixels``,
+        ``max_tiles_per_image`` and ``max_image_rows`` are as for the constructor.
 
         Raises:
-            CheckpointError: naming the file and key: a config that describes no LLaVA,
-                Idefics3 or Qwen2-VL model, a processor file that exists but cannot be read,
-                settings that contradict the model (``image_seq_len``, ``patch_size``, a crop
-                or tile size other than the tower's), no ``tokenizer.json`` and no ``encode``.
+            CheckpointError: naming the file and key: a config that describes no model a
+                processor is registered for, a processor file that exists but cannot be
+                read, settings that contradict the model (``image_seq_len``, ``patch_size``, a
+                crop or tile size other than the tower's), no ``tokenizer.json`` and no
+                ``encode``.
             ImportError: ``tokenizer.json`` must be read and ``tokenizers`` is missing.
             ValueError: a bad value in the image processor's settings (named with file and
-                key, e.g. a size above 4096, or Qwen2-VL's ``max_pixels`` above 4096 * 4096);
-                Qwen2-VL patch sizes other than the tower's; a bad cap.
+                key, e.g. a size above 4096, or a ``max_pixels`` above 4096 * 4096); patch
+                sizes other than the tower's; a bad cap.
         """
-        directory = Path(os.fsdecode(directory))
-        if _is_qwen2_vl(directory):
-            return cls._from_qwen2_vl_directory(
-                directory,
-                encode=encode,
-                max_pixels=max_pixels,
-                max_tiles_per_image=max_tiles_per_image,
-                max_image_rows=max_image_rows,
-            )
-        layout: VlmImageLayout = read_hf_vlm_layout(directory)
-        found = _image_processor_settings(directory)
-        image_processor: ClipImageProcessor | Idefics3ImageProcessor
-        family = ClipImageProcessor if layout.kind == "llava" else Idefics3ImageProcessor
-        if found is None:
-            image_processor = family.for_image_size(layout.image_size)
-            what = f"the {layout.kind} defaults for the tower's {layout.image_size}-pixel images"
-            _warn_defaults(directory, f"{what}: {image_processor}", stacklevel=2)
-        else:
-            settings, where = found
-            image_processor = family.from_config(settings, where)
-            _check_against_tower(image_processor, layout, where)
-        _check_processor_config(directory, layout)
-        return cls(
-            layout.kind,
+        hf = HfDirectory.of(directory, "directory")
+        family = family_of(hf.config, source=hf.config_file, among=_processed_families())
+        kind = KINDS[cast(str, family.processor)]
+        image_processor, model = kind.read_directory(hf)
+        return kind(
+            kind.kind,
             image_processor,
-            tokens_per_image=layout.tokens_per_image,
-            image_size=layout.image_size,
-            image_token_id=layout.image_token_id,
-            encode=encode or _tokenizer_encode(directory),
-            max_pixels=max_pixels,
-            max_tiles_per_image=max_tiles_per_image,
-            max_image_rows=max_image_rows,
-        )
-
-    @classmethod
-    def _from_qwen2_vl_directory(
-        cls,
-        directory: Path,
-        *,
-        encode: Encode | None,
-        max_pixels: int | None,
-        max_tiles_per_image: int,
-        max_image_rows: int,
-    ) -> "VisionLanguageProcessor":
-        """:meth:`from_directory` for Qwen2-VL, Qwen2.5-VL and Qwen3-VL."""
-        layout: Qwen2VLLayout = read_qwen2_vl_layout(directory)
-        found = _image_processor_settings(directory)
-        if found is None:
-            image_processor = default_image_processor(layout)
-            qwen3 = layout.model_type == "qwen3_vl"
-            which = "Qwen3-VL's published settings" if qwen3 else "transformers' Qwen2-VL defaults"
-            what = f"{which} with the tower's patch sizes: {image_processor}"
-            _warn_defaults(directory, what, stacklevel=3)
-        else:
-            settings, where = found
-            image_processor = Qwen2VLImageProcessor.from_config(settings, where)
-            check_against_tower(image_processor, layout, where)
-        return cls(
-            "qwen2_vl",
-            image_processor,
-            image_token_id=layout.image_token_id,
-            vision_start_token_id=layout.vision_start_token_id,
-            vision_end_token_id=layout.vision_end_token_id,
-            encode=encode or _tokenizer_encode(directory),
+            **model,
+            encode=encode or _tokenizer_encode(hf.path),
             max_pixels=max_pixels,
             max_tiles_per_image=max_tiles_per_image,
             max_image_rows=max_image_rows,
         )
 
     def plan(self, prompts: Sequence[str], images: Sequence[object]) -> list[int]:
-        """The tiles each image gives (1 per LLaVA image; Qwen2-VL: its placeholder rows),
-        from the images' sizes alone, every cap checked: the pixels of each image at every
-        step, the tiles per image and the placeholder rows per prompt (Qwen2-VL: the aspect
-        ratio too, and the mode, as :meth:`Qwen2VLImageProcessor.check` does).
+        """The tiles each image gives (1 per whole image; for kinds whose rows vary with the
+        image: its placeholder rows), from the images' sizes alone, every cap checked: the
+        pixels of each image at every step, the tiles per image and the placeholder rows per
+        prompt (and what the kind's image processor checks from a size, e.g. the aspect
+        ratio and mode).
 
         Raises:
             TypeError, ValueError: an image that cannot be taken, or a cap exceeded (named by
                 the image's index or the prompt's).
         """
-        marker = QWEN2_VL_IMAGE_MARKER if self.kind == "qwen2_vl" else IMAGE_TOKEN
-        counts = [prompt.count(marker) for prompt in prompts]
-        tiles = []
-        for i, image in enumerate(images):
-            name = f"images[{i}]"
-            if isinstance(self.image_processor, Qwen2VLImageProcessor):
-                t, h, w = self.image_processor.check(image, name)
-                tiles.append(t * h * w // self.image_processor.merge_size**2)
-                continue
-            height, width = image_size(image, name)
-            if isinstance(self.image_processor, ClipImageProcessor):
-                sizes, grid = self.image_processor.steps(height, width), 0
-            else:
-                sizes, rows, cols = self.image_processor.steps(height, width)
-                grid = rows * cols
-            check_pixels(sizes, self.max_pixels, name)
-            tiles.append(grid + 1)
-            if grid + 1 > self.max_tiles_per_image:
-                raise ValueError(
-                    f"{name}: {height} x {width} pixels would be split into {grid + 1} tiles, "
-                    f"more than max_tiles_per_image={self.max_tiles_per_image}"
-                )
+        counts = count_markers(prompts, self.marker)
+        tiles = [self._plan_image(image, f"images[{i}]") for i, image in enumerate(images)]
         first = 0
         for i, count in enumerate(counts):
             rows = sum(tiles[first : first + count]) * self.tokens_per_image
@@ -416,139 +327,213 @@ class VisionLanguageProcessor:
                 )
         return tiles
 
+    def expand(
+        self, prompts: Sequence[str], images: Sequence[object]
+    ) -> tuple[list[str], list[int]]:
+        """The prompts with each marker replaced by the placeholder text of its image, and
+        each image's tiles (:meth:`plan`), from the images' sizes alone (nothing processed).
+
+        Raises:
+            TypeError, ValueError: a number of markers other than the number of images; as
+                :meth:`plan`.
+        """
+        check_marker_count(prompts, len(images), self.marker)
+        tiles = self.plan(prompts, images)
+        texts = [
+            self._image_text(*image_size(image, f"images[{i}]"), count)
+            for i, (image, count) in enumerate(zip(images, tiles, strict=True))
+        ]
+        return expand_markers(prompts, texts, self.marker), tiles
+
     def __call__(self, prompts: str | Sequence[str], images: Sequence[object] = ()) -> VisionInputs:
         """Expand, tokenize and process.
 
         Args:
-            prompts: one prompt or several; each ``"<image>"`` marks where an image goes
-                (Qwen2-VL: each ``"<|vision_start|><|image_pad|><|vision_end|>"``).
+            prompts: one prompt or several; each :attr:`marker` marks where an image goes.
             images: the images, in the order of the markers (through the first prompt, then
                 the next...): uint8 tensors [1, 3 or 4, h, w] (L, RGB, RGBA) or Pillow images.
 
         Raises:
             TypeError: ``prompts`` not strings; ``images`` not a sequence.
             ValueError: before any image is processed, a number of markers other than the
-                number of images; an image that cannot be taken (named by its index, e.g. a
-                16-bit or 2-channel one); a cap exceeded (see :meth:`plan`); images processed
-                to a size the vision tower does not take (an image processor at odds with the
-                model); Qwen2-VL: an image's aspect ratio above 200, an ``<|image_pad|>``
-                outside a marker, a ``<|video_pad|>`` (videos are not taken); an empty
-                prompt;
-                placeholder ids in the tokenized prompts that do not match the images' rows
-                (the tokenizer does not encode ``"<image>"`` as the one token
-                ``image_token_id``, or a prompt holds that token itself; Qwen2-VL: each
-                image's run of placeholders not between the start and end ids).
+                number of images, or a prompt the kind refuses (e.g. a placeholder outside a
+                marker, a video's placeholder); an image that cannot be taken (named by its
+                index, e.g. a 16-bit or 2-channel one); a cap exceeded (see :meth:`plan`);
+                images processed to a size the vision tower does not take (an image processor
+                at odds with the model); an empty prompt; placeholder ids in the tokenized
+                prompts that do not match the images' rows (the tokenizer does not encode
+                :attr:`placeholder` as the one token ``image_token_id``, or a prompt holds
+                that token itself; each image's run of placeholders not between the start and
+                end ids, for kinds that take them).
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not isinstance(images, Sequence) or isinstance(images, str | bytes):
             raise TypeError(f"images: expected a sequence of images, got {type(images).__name__}")
-        if self.kind == "qwen2_vl":
-            return self._qwen2_vl(prompts, images)
-        check_marker_count(prompts, len(images), IMAGE_TOKEN)
-        self.plan(prompts, images)
-        pixel_values: torch.Tensor
-        if isinstance(self.image_processor, ClipImageProcessor):
-            pixel_values = self.image_processor(images)
-            texts = [IMAGE_TOKEN * self.tokens_per_image] * len(images)
-            tiles = len(images)
-        elif isinstance(self.image_processor, Idefics3ImageProcessor):
-            tiled = self.image_processor(images)
-            pixel_values = (
-                torch.cat([t.tiles for t in tiled])
-                if tiled
-                else torch.empty(0, 3, self.image_size, self.image_size)
-            )
-            texts = [idefics3_image_text(t.rows, t.cols, self.tokens_per_image) for t in tiled]
-            tiles = pixel_values.size(0)
-        else:  # as __init__ checked
-            raise TypeError(f"image_processor: unexpected {type(self.image_processor).__name__}")
-        if images and pixel_values.shape[1:] != (3, self.image_size, self.image_size):
-            raise ValueError(
-                f"image_processor: gives images of {list(pixel_values.shape[2:])} pixels, but the "
-                f"vision tower takes {self.image_size} x {self.image_size}"
-            )
+        check_marker_count(prompts, len(images), self.marker)
+        self._check_prompts(prompts)
+        texts, tiles = self.expand(prompts, images)
+        pixel_values, grids = self.pixels(images)
         ids = []
-        for i, text in enumerate(expand_markers(prompts, texts, IMAGE_TOKEN)):
+        for i, text in enumerate(texts):
             encoded = [int(t) for t in self.encode(text)]
             if not encoded:
                 raise ValueError(f"prompts[{i}]: the tokenizer gives no tokens")
             ids.append(encoded)
-        found = sum(row.count(self.image_token_id) for row in ids)
-        if found != tiles * self.tokens_per_image:
-            raise ValueError(
-                f"prompts: the tokenized prompts hold {found} placeholder ids "
-                f"({self.image_token_id}), but the images give {tiles * self.tokens_per_image} "
-                f"rows; the tokenizer must encode {IMAGE_TOKEN!r} as the single token "
-                f"{self.image_token_id}, and prompts must not hold it otherwise"
-            )
-        return VisionInputs(ids, pixel_values)
+        self.check_ids(ids, prompts, tiles)
+        return VisionInputs(ids, pixel_values, grids)
 
-    def _qwen2_vl(self, prompts: list[str], images: Sequence[object]) -> VisionInputs:
-        """:meth:`__call__` for Qwen2-VL, Qwen2.5-VL and Qwen3-VL: markers checked, every
-        image planned from its size, then the patches made and the expanded prompts
-        tokenized."""
-        check_marker_count(prompts, len(images), QWEN2_VL_IMAGE_MARKER)
-        for i, prompt in enumerate(prompts):
-            if prompt.count(VIDEO_PAD):
-                raise ValueError(
-                    f"prompts[{i}]: holds {VIDEO_PAD!r}, a video's placeholder; videos are not "
-                    f"taken (mark each image with {QWEN2_VL_IMAGE_MARKER!r})"
-                )
-            if prompt.count(IMAGE_PAD) != prompt.count(QWEN2_VL_IMAGE_MARKER):
-                # transformers would take a lone one for an image too; the model needs each
-                # image's rows between its start and end tokens.
-                raise ValueError(
-                    f"prompts[{i}]: holds {IMAGE_PAD!r} outside the image marker "
-                    f"{QWEN2_VL_IMAGE_MARKER!r}; write the whole marker where each image goes"
-                )
-        rows = self.plan(prompts, images)
-        image_processor = self.image_processor
-        if not isinstance(image_processor, Qwen2VLImageProcessor):  # as __init__ checked
-            raise TypeError(
-                f"image_processor: expected a Qwen2VLImageProcessor, got {image_processor!r}"
-            )
-        patched = image_processor(images)
-        texts = [qwen2_vl_image_text(r) for r in rows]
-        ids = []
-        first = 0
-        for i, text in enumerate(expand_markers(prompts, texts, QWEN2_VL_IMAGE_MARKER)):
-            encoded = [int(t) for t in self.encode(text)]
-            if not encoded:
-                raise ValueError(f"prompts[{i}]: the tokenizer gives no tokens")
-            count = prompts[i].count(QWEN2_VL_IMAGE_MARKER)
-            self._check_runs(encoded, rows[first : first + count], f"prompts[{i}]")
-            first += count
-            ids.append(encoded)
-        return VisionInputs(ids, patched.pixel_values, patched.image_grid_thw)
-
-    def _check_runs(self, ids: list[int], rows: list[int], name: str) -> None:
-        """Raise ``ValueError`` unless ``ids`` hold, in order, one run of placeholder ids per
-        image, of that image's ``rows``, each right after ``vision_start_token_id`` and right
-        before ``vision_end_token_id`` (the tokenizer and ``config.json`` agree on the ids)."""
-        placeholder, start, end = (
-            self.image_token_id,
-            self.vision_start_token_id,
-            self.vision_end_token_id,
-        )
-        runs, bracketed, i = [], True, 0
-        while i < len(ids):
-            if ids[i] != placeholder:
-                i += 1
-                continue
-            first = i
-            while i < len(ids) and ids[i] == placeholder:
-                i += 1
-            runs.append(i - first)
-            bracketed &= first > 0 and ids[first - 1] == start and i < len(ids) and ids[i] == end
-        if runs != rows or not bracketed:
+    def check_placeholder_count(
+        self, ids: Sequence[Sequence[int]], rows: int, subject: str = "prompts hold"
+    ) -> None:
+        """Raise ``ValueError`` unless ``ids`` (each prompt's) hold ``rows`` placeholder ids
+        in all (``subject``: the words the message says they hold it with)."""
+        found = sum(list(row).count(self.image_token_id) for row in ids)
+        if found != rows:
             raise ValueError(
-                f"{name}: the tokenized prompt holds runs of {runs} placeholder ids "
-                f"({placeholder}){'' if bracketed else ', not all between the start and end ids'}"
-                f", but its images give {rows} rows, each between {start} and {end}; the "
-                f"tokenizer must encode {IMAGE_PAD!r}, {VISION_START!r} and {VISION_END!r} as "
-                "the single tokens config.json names (image_token_id, vision_start_token_id, "
-                "vision_end_token_id), and prompts must not hold them otherwise"
+                f"prompts: the tokenized {subject} {found} placeholder ids "
+                f"({self.image_token_id}), but the images give {rows} rows; the tokenizer must "
+                f"encode {self.placeholder!r} as the single token {self.image_token_id}, and "
+                "prompts must not hold it otherwise"
             )
+
+    def check_ids(self, ids: list[list[int]], prompts: Sequence[str], tiles: list[int]) -> None:
+        """Raise ``ValueError`` unless the tokenized prompts hold their images' placeholder
+        ids (each image's ``tiles * tokens_per_image``), and no other."""
+        self.check_placeholder_count(ids, sum(tiles) * self.tokens_per_image)
+
+    def pixels(self, images: Sequence[object]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The images processed (in order, each on its own), and their grids (None for kinds
+        without).
+
+        Raises:
+            TypeError, ValueError: an image the image processor cannot take, or sizes the
+                vision tower does not take.
+        """
+        raise NotImplementedError
+
+    def made(self, pixel_values: torch.Tensor, grids: torch.Tensor | None) -> int:
+        """The tiles (:meth:`plan`'s unit) that :meth:`pixels` made."""
+        return pixel_values.size(0)
+
+    # The hooks of a kind.
+
+    @classmethod
+    def read_directory(cls, directory: HfDirectory) -> tuple[Any, dict[str, Any]]:
+        """(the image processor, the constructor's model arguments) of ``directory``, as
+        :meth:`from_directory` describes."""
+        raise NotImplementedError
+
+    @staticmethod
+    def tower_image_size(encoder: Any) -> int:
+        """(``for_models`` kinds) The side of the images an image encoder takes."""
+        raise NotImplementedError
+
+    def _sizes(self, tokens_per_image: int | None, image_size: int | None) -> tuple[int, int]:
+        """The ``tokens_per_image`` and ``image_size`` attributes, from the arguments."""
+        assert tokens_per_image is not None and image_size is not None  # checked
+        return tokens_per_image, image_size
+
+    def _check_prompts(self, prompts: Sequence[str]) -> None:
+        """Refuse (``ValueError``) prompts the kind cannot take, before any image is
+        planned."""
+
+    def _plan_image(self, image: object, name: str) -> int:
+        """One image's tiles, every cap checked from its size."""
+        raise NotImplementedError
+
+    def _image_text(self, height: int, width: int, tiles: int) -> str:
+        """The placeholder text of an image of this size, which gives ``tiles``."""
+        raise NotImplementedError
+
+
+class SquareImagesProcessor(VisionLanguageProcessor):
+    """A processor of a family whose tower takes square images or tiles of one side,
+    :attr:`image_size`, each giving :attr:`tokens_per_image` rows. A subclass gives its
+    image processor's steps (:meth:`_steps`), tiles (:meth:`_tiles`), the image processor
+    settings to check against the tower (:meth:`_tower_setting`) and its check of the top
+    level of ``processor_config.json`` (:meth:`_check_processor_config`)."""
+
+    takes = ("tokens_per_image", "image_size")
+    for_models = True
+
+    def _plan_image(self, image: object, name: str) -> int:
+        height, width = image_size(image, name)
+        sizes, rows, cols = self._steps(height, width)
+        check_pixels(sizes, self.max_pixels, name)
+        tiles = rows * cols + 1
+        if tiles > self.max_tiles_per_image:
+            raise ValueError(
+                f"{name}: {height} x {width} pixels would be split into {tiles} tiles, "
+                f"more than max_tiles_per_image={self.max_tiles_per_image}"
+            )
+        return tiles
+
+    def pixels(self, images: Sequence[object]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pixel_values = self._tiles(images)
+        if len(images) and pixel_values.shape[1:] != (3, self.image_size, self.image_size):
+            raise ValueError(
+                f"image_processor: gives images of {list(pixel_values.shape[2:])} pixels, but "
+                f"the vision tower takes {self.image_size} x {self.image_size}"
+            )
+        return pixel_values, None
+
+    @classmethod
+    def read_directory(cls, directory: HfDirectory) -> tuple[Any, dict[str, Any]]:
+        layout = read_hf_vlm_layout(directory)
+        found = _image_processor_settings(directory.path)
+        if found is None:
+            image_processor = cls.image_processor_type.for_image_size(layout.image_size)
+            what = f"the {layout.kind} defaults for the tower's {layout.image_size}-pixel images"
+            _warn_defaults(directory.path, f"{what}: {image_processor}", stacklevel=3)
+        else:
+            settings, where = found
+            image_processor = cls.image_processor_type.from_config(settings, where)
+            side = layout.image_size
+            key, got = cls._tower_setting(image_processor, side, where)
+            if got != (side, side):
+                raise ValueError(
+                    f"{where}: {key}: gives images of {got[0]} x {got[1]} pixels, but the "
+                    f"vision tower (config.json, vision_config.image_size) takes {side} x {side}"
+                )
+        file = directory.path / PROCESSOR_CONFIG
+        if file.exists():
+            cls._check_processor_config(read_hf_config(file), file, layout)
+        model = {
+            "tokens_per_image": layout.tokens_per_image,
+            "image_size": layout.image_size,
+            "image_token_id": layout.image_token_id,
+        }
+        return image_processor, model
+
+    def _steps(self, height: int, width: int) -> tuple[list[tuple[int, int]], int, int]:
+        """An image's (height, width) as given and after each resize, and its grid of crops
+        (0, 0 when it is one tile)."""
+        raise NotImplementedError
+
+    def _tiles(self, images: Sequence[object]) -> torch.Tensor:
+        """The images' tiles, float32 [n, 3, s, s]."""
+        raise NotImplementedError
+
+    @classmethod
+    def _tower_setting(
+        cls, processor: Any, side: int, where: str
+    ) -> tuple[str, tuple[int | None, int | None]]:
+        """The key and the (height, width) of the images the settings give, to be the
+        tower's (refusing, naming ``where``, settings that give images of varying sizes)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _check_processor_config(
+        cls, config: dict[str, Any], file: Path, layout: VlmImageLayout
+    ) -> None:
+        """Refuse (``CheckpointError``, naming ``file`` and the key) a top level of
+        ``processor_config.json`` (the processor's own arguments) at odds with the model's
+        rows per image or tile."""
+
+
+def _processed_families() -> tuple[Family, ...]:
+    """The registered families a processor kind is registered for."""
+    return tuple(f for f in FAMILIES if f.processor in KINDS)
 
 
 def _tokenizer_encode(directory: Path) -> Encode:
@@ -596,72 +581,8 @@ def _image_processor_settings(directory: Path) -> tuple[dict[str, Any], str] | N
     return None
 
 
-def _check_against_tower(
-    processor: ClipImageProcessor | Idefics3ImageProcessor, layout: VlmImageLayout, where: str
-) -> None:
-    """Settings that would give images of another size than the tower takes are refused
-    before any image is processed (naming the file and key)."""
-    side = layout.image_size
-    got: tuple[int | None, int | None]
-    if isinstance(processor, ClipImageProcessor):
-        if processor.do_center_crop:
-            key, got = "crop_size", (processor.crop_height, processor.crop_width)
-        elif processor.do_resize and processor.shortest_edge is None:
-            key, got = "size", (processor.height, processor.width)
-        else:
-            raise ValueError(
-                f"{where}: do_center_crop: false, with a size other than height and width, "
-                f"gives images of varying sizes; the vision tower takes {side} x {side}"
-            )
-    else:
-        key, got = "max_image_size.longest_edge", (processor.max_image_size,) * 2
-    if got != (side, side):
-        raise ValueError(
-            f"{where}: {key}: gives images of {got[0]} x {got[1]} pixels, but the vision tower "
-            f"(config.json, vision_config.image_size) takes {side} x {side}"
-        )
-
-
-def _check_processor_config(directory: Path, layout: VlmImageLayout) -> None:
-    """The top level of ``processor_config.json`` (the processor's own arguments) must agree
-    with the model on the rows per image or tile."""
-    file = directory / PROCESSOR_CONFIG
-    if not file.exists():
-        return
-    config = read_hf_config(file)
-    if layout.kind == "idefics3":
-        seq_len = config.get("image_seq_len")
-        if seq_len not in (None, layout.tokens_per_image):
-            raise CheckpointError(
-                file,
-                "image_seq_len",
-                f"{seq_len!r}, but the model gives {layout.tokens_per_image} rows per tile",
-            )
-        return
-    patch = config.get("patch_size")
-    if patch is None:
-        return
-    extra = config.get("num_additional_image_tokens", 0)
-    strategy = config.get("vision_feature_select_strategy", "default")
-    for key, value, low in (("patch_size", patch, 1), ("num_additional_image_tokens", extra, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 1 << 16:
-            raise CheckpointError(file, key, f"expected an integer >= {low}, got {value!r}")
-    if strategy not in ("default", "full"):
-        expected = f"expected 'default' or 'full', got {strategy!r}"
-        raise CheckpointError(file, "vision_feature_select_strategy", expected)
-    rows = rows_per_image((layout.image_size // patch) ** 2, strategy, extra)
-    if rows != layout.tokens_per_image:
-        raise CheckpointError(
-            file,
-            "patch_size",
-            f"{patch} (with num_additional_image_tokens={extra}, "
-            f"vision_feature_select_strategy={strategy!r}) gives {rows} rows per image, but the "
-            f"model gives {layout.tokens_per_image}",
-        )
-
-
 def prepare_inputs(
-    directory: str | bytes | os.PathLike,
+    directory: str | bytes | os.PathLike | HfDirectory,
     prompts: str | Sequence[str],
     images: Sequence[object] = (),
     *,
@@ -671,9 +592,8 @@ def prepare_inputs(
     max_image_rows: int = MAX_IMAGE_ROWS,
 ) -> VisionInputs:
     """``VisionLanguageProcessor.from_directory(directory, ...)(prompts, images)``: what a
-    command line needs to run a LLaVA, Idefics3, Qwen2-VL, Qwen2.5-VL or Qwen3-VL directory on
-    image files (decode them with :func:`fusion.preprocessing.load_image`, with the same
-    ``max_pixels``). Raises as those
+    command line needs to run a vision-language directory on image files (decode them with
+    :func:`fusion.preprocessing.load_image`, with the same ``max_pixels``). Raises as those
     two do."""
     processor = VisionLanguageProcessor.from_directory(
         directory,

@@ -6,7 +6,8 @@ The three families share one image processor (transformers 5.24 gives Qwen3-VL d
 its ``Qwen2VLImageProcessor`` too), with other settings for Qwen3-VL (patch 16, mean and std
 0.5): each image keeps roughly its own size and aspect ratio (:func:`smart_resize`), and gives
 ``t * h * w`` patches of ``3 * temporal_patch_size * patch_size**2`` values, concatenated over
-the images, and ``t * h * w / merge_size**2`` placeholder rows.
+the images, and ``t * h * w / merge_size**2`` placeholder rows; their
+:class:`~fusion.preprocessing.VisionLanguageProcessor` is :class:`Qwen2VLProcessor`.
 """
 
 import math
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from fusion._validation import check_int, is_int
+from fusion.checkpoint.hf_model import HfDirectory
 from fusion.hf.config import CONFIG_NAME, MAX_SIDE, ConfigReader, read_hf_config
 from fusion.hf.errors import CheckpointError, as_path, short_repr
 from fusion.preprocessing.images import (
@@ -31,6 +33,11 @@ from fusion.preprocessing.images import (
     is_pil_image,
     rescale_normalize,
     to_rgb,
+)
+from fusion.preprocessing.processor import (
+    VisionLanguageProcessor,
+    _image_processor_settings,
+    _warn_defaults,
 )
 from fusion.preprocessing.resize import (
     BICUBIC,
@@ -468,9 +475,10 @@ def qwen2_vl_model_type(config: Mapping[str, Any]) -> str | None:
     return model_type if model_type in QWEN2_VL_MODEL_TYPES else None
 
 
-def read_qwen2_vl_layout(path: str | bytes | os.PathLike) -> Qwen2VLLayout:
+def read_qwen2_vl_layout(path: str | bytes | os.PathLike | HfDirectory) -> Qwen2VLLayout:
     """The :class:`Qwen2VLLayout` of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL directory (or its
-    ``config.json``), read with the bounded JSON reader. Keys omitted take transformers'
+    ``config.json``), read with the bounded JSON reader (an :class:`HfDirectory`'s parsed
+    config used as it is). Keys omitted take transformers'
     defaults (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``, ``Qwen3VLConfig``: ids 151655, 151652
     and 151653; patch 14, 16 for Qwen3-VL; merge 2, temporal patch 2), the vision keys from
     ``vision_config``, which may be absent, as it is in configs that leave every vision
@@ -483,9 +491,12 @@ def read_qwen2_vl_layout(path: str | bytes | os.PathLike) -> Qwen2VLLayout:
             vision size that is not an integer within the image processor's bounds (e.g. a
             list ``patch_size``).
     """
-    path = as_path(path, "path")
-    file = path / CONFIG_NAME if path.is_dir() else path
-    config = read_hf_config(file)
+    if isinstance(path, HfDirectory):
+        file, config = path.config_file, path.config
+    else:
+        path = as_path(path, "path")
+        file = path / CONFIG_NAME if path.is_dir() else path
+        config = read_hf_config(file)
     model_type = qwen2_vl_model_type(config)
     if model_type is None:
         raise CheckpointError(
@@ -555,3 +566,113 @@ def check_against_tower(
                 f"{where}: {key}: {value}, but the vision tower (config.json, "
                 f"vision_config.{tower_key}) takes {tower}"
             )
+
+
+class Qwen2VLProcessor(VisionLanguageProcessor):
+    """:class:`~fusion.preprocessing.VisionLanguageProcessor` of Qwen2-VL, Qwen2.5-VL and
+    Qwen3-VL: each image is marked as Qwen's chat template writes it,
+    ``<|vision_start|><|image_pad|><|vision_end|>``, and the ``<|image_pad|>`` becomes one per
+    row of that image (``t * h * w / merge_size**2``, :func:`qwen2_vl_image_text`); each
+    tokenized run of them must lie between the start and end ids, and the inputs carry the
+    images' ``image_grid_thw``."""
+
+    kind = "qwen2_vl"
+    image_processor_type = Qwen2VLImageProcessor
+    marker = QWEN2_VL_IMAGE_MARKER
+    placeholder = IMAGE_PAD
+    takes = ("vision_start_token_id", "vision_end_token_id")
+    pixel_cap = "pixel_limit"
+
+    def _sizes(self, tokens_per_image: int | None, image_size: int | None) -> tuple[int, int]:
+        # The rows vary per image: plan() counts them one by one.
+        return 1, self.image_processor.patch_size
+
+    @classmethod
+    def read_directory(cls, directory: HfDirectory) -> tuple[Any, dict[str, Any]]:
+        layout = read_qwen2_vl_layout(directory)
+        found = _image_processor_settings(directory.path)
+        if found is None:
+            image_processor = default_image_processor(layout)
+            qwen3 = layout.model_type == "qwen3_vl"
+            which = "Qwen3-VL's published settings" if qwen3 else "transformers' Qwen2-VL defaults"
+            what = f"{which} with the tower's patch sizes: {image_processor}"
+            _warn_defaults(directory.path, what, stacklevel=3)
+        else:
+            settings, where = found
+            image_processor = Qwen2VLImageProcessor.from_config(settings, where)
+            check_against_tower(image_processor, layout, where)
+        model = {
+            "image_token_id": layout.image_token_id,
+            "vision_start_token_id": layout.vision_start_token_id,
+            "vision_end_token_id": layout.vision_end_token_id,
+        }
+        return image_processor, model
+
+    def _check_prompts(self, prompts: Sequence[str]) -> None:
+        for i, prompt in enumerate(prompts):
+            if prompt.count(VIDEO_PAD):
+                raise ValueError(
+                    f"prompts[{i}]: holds {VIDEO_PAD!r}, a video's placeholder; videos are not "
+                    f"taken (mark each image with {QWEN2_VL_IMAGE_MARKER!r})"
+                )
+            if prompt.count(IMAGE_PAD) != prompt.count(QWEN2_VL_IMAGE_MARKER):
+                # transformers would take a lone one for an image too; the model needs each
+                # image's rows between its start and end tokens.
+                raise ValueError(
+                    f"prompts[{i}]: holds {IMAGE_PAD!r} outside the image marker "
+                    f"{QWEN2_VL_IMAGE_MARKER!r}; write the whole marker where each image goes"
+                )
+
+    def _plan_image(self, image: object, name: str) -> int:
+        t, h, w = self.image_processor.check(image, name)
+        return t * h * w // self.image_processor.merge_size**2
+
+    def _image_text(self, height: int, width: int, tiles: int) -> str:
+        return qwen2_vl_image_text(tiles)
+
+    def pixels(self, images: Sequence[object]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        patched = self.image_processor(images)
+        return patched.pixel_values, patched.image_grid_thw
+
+    def made(self, pixel_values: torch.Tensor, grids: torch.Tensor | None) -> int:
+        if grids is None:
+            return 0
+        return int(grids.prod(1).sum()) // self.image_processor.merge_size**2
+
+    def check_ids(self, ids: list[list[int]], prompts: Sequence[str], tiles: list[int]) -> None:
+        """Raise ``ValueError`` unless each prompt's ids hold, in order, one run of
+        placeholder ids per image, of that image's rows, each right after
+        ``vision_start_token_id`` and right before ``vision_end_token_id`` (the tokenizer and
+        ``config.json`` agree on the ids)."""
+        placeholder, start, end = (
+            self.image_token_id,
+            self.vision_start_token_id,
+            self.vision_end_token_id,
+        )
+        first = 0
+        for index, (encoded, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            count = prompt.count(QWEN2_VL_IMAGE_MARKER)
+            rows, first = tiles[first : first + count], first + count
+            runs, bracketed, i = [], True, 0
+            while i < len(encoded):
+                if encoded[i] != placeholder:
+                    i += 1
+                    continue
+                begin = i
+                while i < len(encoded) and encoded[i] == placeholder:
+                    i += 1
+                runs.append(i - begin)
+                bracketed &= (
+                    begin > 0 and encoded[begin - 1] == start and i < len(encoded)
+                    and encoded[i] == end
+                )  # fmt: skip
+            if runs != rows or not bracketed:
+                raise ValueError(
+                    f"prompts[{index}]: the tokenized prompt holds runs of {runs} placeholder "
+                    f"ids ({placeholder})"
+                    f"{'' if bracketed else ', not all between the start and end ids'}, but its "
+                    f"images give {rows} rows, each between {start} and {end}; the tokenizer "
+                    f"must encode {IMAGE_PAD!r}, {VISION_START!r} and {VISION_END!r} as the "
+                    "single tokens config.json names (image_token_id, vision_start_token_id, "
+                    "vision_end_token_id), and prompts must not hold them otherwise"
+                )

@@ -10,6 +10,7 @@ import torch
 
 from fusion import EarlyFusion, TransformerDecoder
 from fusion.checkpoint import CheckpointError, load_hf_model
+from fusion.checkpoint.hf_model import HfDirectory
 from fusion.lora import apply_lora, load_peft_adapter, read_peft_config, select_lora_layers
 from fusion.lora.peft import ADAPTER_CONFIG
 from fusion.training import TrainingError
@@ -19,12 +20,13 @@ from recipes.finetune.config import FinetuneConfig
 Model = EarlyFusion | TransformerDecoder
 
 
-def load_base_model(config: FinetuneConfig) -> Model:
-    """The model of ``--model`` in float32 on CPU, every parameter frozen: an ``EarlyFusion``
-    for a vision-language directory, a ``TransformerDecoder`` for a Llama."""
+def load_base_model(config: FinetuneConfig, directory: HfDirectory | None = None) -> Model:
+    """The model of ``--model`` (``directory``, its config already parsed, if given) in
+    float32 on CPU, every parameter frozen: an ``EarlyFusion`` for a vision-language
+    directory, a ``TransformerDecoder`` for a Llama."""
     assert config.model is not None
     with flag_errors("--model", CheckpointError, ValueError, TypeError, OSError):
-        model = load_hf_model(config.model, dtype=torch.float32)
+        model = load_hf_model(directory or config.model, dtype=torch.float32)
     limit = (model.decoder if isinstance(model, EarlyFusion) else model).max_seq_len
     if config.max_seq_len > limit:
         raise TrainingError(
@@ -99,11 +101,13 @@ def load_init_adapter(model: Model, config: FinetuneConfig, targets_given: bool)
         )
 
 
-def build_model(config: FinetuneConfig, *, targets_given: bool = False) -> Model:
+def build_model(
+    config: FinetuneConfig, *, targets_given: bool = False, directory: HfDirectory | None = None
+) -> Model:
     """The base model with what ``--train`` trains (LoRA adapters seeded by ``--seed``, or
     ``--init-adapter``'s; ``targets_given``: check ``--lora-targets`` against them), in
-    float32 on CPU, unwrapped."""
-    model = load_base_model(config)
+    float32 on CPU, unwrapped; ``directory``: ``--model``'s, its config already parsed."""
+    model = load_base_model(config, directory)
     set_trainable(model, config)
     if config.train == "lora" and config.init_adapter is not None:
         load_init_adapter(model, config, targets_given)

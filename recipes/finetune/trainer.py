@@ -16,6 +16,7 @@ from torch import nn
 from fusion import chunked_token_loss, data, training
 from fusion._wrappers import decoder_of
 from fusion.checkpoint import CheckpointError
+from fusion.checkpoint.hf_model import HfDirectory
 from fusion.data import Batch, EncodedData, LoaderError, MicroBatches, StepBatches
 from fusion.decoder import TransformerDecoder
 from fusion.lora import lora_linears
@@ -53,7 +54,8 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
     model directory, data file or ``--train`` mode that cannot be used."""
     assert config.model is not None and config.data is not None
     with flag_errors("--model", CheckpointError, data.ChatTemplateError, OSError, ValueError):
-        encoder = data.ConversationEncoder.from_directory(config.model)
+        directory = HfDirectory(config.model)  # config.json parsed once, for all of setup
+        encoder = data.ConversationEncoder.from_directory(directory)
 
     def read(path: str, flag: str) -> EncodedData:  # the whole file checked
         with flag_errors(flag, data.DataError, ImportError):
@@ -72,7 +74,7 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
         lengths, batch_tokens=config.batch_tokens, seed=config.seed, epochs=config.epochs,
         steps=config.steps,
     )  # fmt: skip
-    model = build_model(config, targets_given="lora_targets" in given)
+    model = build_model(config, targets_given="lora_targets" in given, directory=directory)
     decoder = cast(TransformerDecoder, decoder_of(model))
     with flag_errors("--model", ValueError):
         pad_id = data.pad_token_id(encoder, decoder.vocab_size, config.model)

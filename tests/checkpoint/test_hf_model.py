@@ -1,29 +1,18 @@
-"""load_hf_model / save_hf_model over the family registry: config.json read once per load,
+"""load_hf_model / save_hf_model over the family registry: config.json read once per load
+(and once for a model, its processor and its conversation encoder, handed one HfDirectory),
 any family's model saved and given back bit for bit, wrappers looked through."""
 
 import pytest
 import torch
 
-import fusion.hf.files
 from fusion.checkpoint import CheckpointError, load_hf_model, save_hf_model
+from fusion.checkpoint.hf_model import HfDirectory
+from fusion.data import ConversationEncoder
 from fusion.families import FAMILIES, family_named, family_of
+from fusion.lora import apply_lora, save_peft_adapter
+from fusion.preprocessing import VisionLanguageProcessor
 from helpers import build_tiny_decoder
-from vlm_helpers import tiny_hf_llava
-
-
-@pytest.fixture
-def config_reads(monkeypatch):
-    """The number of times a config.json is read, through the one bounded reader."""
-    reads: list[str] = []
-    read = fusion.hf.files.read_bounded
-
-    def counting(file, *args, **kwargs):
-        if file.name == "config.json":
-            reads.append(str(file))
-        return read(file, *args, **kwargs)
-
-    monkeypatch.setattr(fusion.hf.files, "read_bounded", counting)
-    return reads
+from vlm_helpers import char_tokenizer, hf_tokenizer, tiny_hf_llava, tiny_hf_processor
 
 
 @pytest.mark.parametrize("kind", ["llama", "llava"])
@@ -37,6 +26,32 @@ def test_a_load_reads_config_json_once(tmp_path, config_reads, kind):
     loaded = load_hf_model(tmp_path)
     assert config_reads == [str(tmp_path / "config.json")]
     assert family_of(loaded) is family_named(kind)
+
+
+def test_one_directory_is_parsed_once_for_model_processor_encoder_and_adapter(
+    tmp_path, config_reads
+):
+    base = tmp_path / "base"
+    tiny_hf_llava().save_pretrained(base)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tiny_hf_processor("llava", hf_tokenizer(char_tokenizer()), template).save_pretrained(base)
+    config_reads.clear()
+    directory = HfDirectory(base)
+    assert config_reads == []  # nothing is read before it is asked for
+    model = load_hf_model(directory)
+    processor = VisionLanguageProcessor.from_directory(directory)
+    encoder = ConversationEncoder.from_directory(directory)
+    apply_lora(model, ["q_proj"], rank=2)
+    save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=directory)
+    assert config_reads == [str(base / "config.json")]
+    assert processor.kind == encoder.processor.kind == directory.family.processor == "llava"
+    assert (
+        f'"base_model_name_or_path": "{base}"'
+        in (tmp_path / "adapter" / "adapter_config.json").read_text()
+    )
+    # Each also takes a path, and then reads it itself.
+    assert type(VisionLanguageProcessor.from_directory(base)) is type(processor)
+    assert len(config_reads) == 2
 
 
 def test_save_hf_model_round_trip_through_a_wrapper(tmp_path):
