@@ -187,3 +187,109 @@ def write_qwen3_dir(directory: Path, seed: int = 0, *, tied: bool = False) -> Pa
     (directory / "chat_template.json").write_text(json.dumps(template, indent=2))
     (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_PREPROCESSOR, indent=2))
     return directory
+
+
+def tiny_hf_qwen3_5(seed: int = 2, *, vocab: int = VOCAB, ids: dict | None = None):
+    """A random ``Qwen3_5ForConditionalGeneration``: two Gated DeltaNet layers, one gated
+    full-attention layer, then one more DeltaNet (kernel 4, two key heads shared by four value
+    heads), rotary on a quarter of each 32-wide head, and Qwen3-VL's tower without DeepStack;
+    ``ids``: the special ids (image, video, vision start and end; default Qwen-VL's test ids).
+    Seed 2: greedy decoding that does not settle on one token."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = {
+        "vocab_size": vocab,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "layer_types": [*["linear_attention"] * 2, "full_attention", "linear_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 1024,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        "pad_token_id": PAD,
+        "eos_token_id": EOS,
+    }
+    vision = {
+        key: value for key, value in VISION_CONFIG.items() if key != "deepstack_visual_indexes"
+    }
+    ids = ids or {
+        "image_token_id": IMAGE_PAD,
+        "video_token_id": VIDEO_PAD,
+        "vision_start_token_id": VISION_START,
+        "vision_end_token_id": VISION_END,
+    }
+    config = Qwen3_5Config(text_config=text, vision_config=vision, **ids)
+    torch.manual_seed(seed)
+    model = randomize(Qwen3_5ForConditionalGeneration(config).to(torch.float32), seed)
+    # randomize draws norm weights from [0.5, 1.5]; the text stack's norms are zero-centred
+    # (x * (1 + w)), so shift theirs to give the same effective scales.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            zero_centred = "language_model" in name and "linear_attn.norm" not in name
+            if zero_centred and "norm" in name:
+                param.sub_(1.0)
+    return model
+
+
+# Qwen's special tokens after the 256 byte symbols of :func:`qwen3_5_byte_tokenizer`.
+QWEN3_5_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+QWEN3_5_SPECIAL_IDS = {token: 256 + i for i, token in enumerate(QWEN3_5_SPECIALS)}
+
+
+def qwen3_5_byte_tokenizer():
+    """A ``Qwen3_5Tokenizer`` of the 256 byte symbols (no merges) and Qwen's special tokens.
+
+    transformers 5.24 loads a ``qwen3_5`` directory's tokenizer as ``Qwen3_5Tokenizer``
+    whatever ``tokenizer_config.json`` names, rebuilding its pipeline (NFC, its split regex,
+    byte-level) from the vocabulary alone: a test tokenizer must be one of that class, whose
+    ``tokenizer.json`` then holds that pipeline, as the published ones do."""
+    from transformers import Qwen3_5Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {symbol: i for i, symbol in enumerate(bytes_to_unicode().values())}
+    tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN3_5_SPECIALS})
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in QWEN3_5_SPECIALS]
+    assert ids == list(QWEN3_5_SPECIAL_IDS.values())
+    return tokenizer
+
+
+def write_qwen3_5_dir(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3.5 directory as the Hub carries one: weights and ``config.json`` by
+    transformers' ``save_pretrained`` (a vocabulary of 320: the byte tokenizer's ids),
+    :func:`qwen3_5_byte_tokenizer`, :data:`QWEN3_CHAT_TEMPLATE` in ``chat_template.json`` and
+    :data:`QWEN3_PREPROCESSOR` in ``preprocessor_config.json``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = {
+        f"{name}_token_id": QWEN3_5_SPECIAL_IDS[f"<|{name}|>"]
+        for name in ("image_pad", "video_pad", "vision_start", "vision_end")
+    }
+    ids["image_token_id"] = ids.pop("image_pad_token_id")
+    ids["video_token_id"] = ids.pop("video_pad_token_id")
+    tiny_hf_qwen3_5(seed, vocab=320, ids=ids).save_pretrained(directory)
+    qwen3_5_byte_tokenizer().save_pretrained(directory)
+    template = {"chat_template": QWEN3_CHAT_TEMPLATE}
+    (directory / "chat_template.json").write_text(json.dumps(template, indent=2))
+    (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_PREPROCESSOR, indent=2))
+    return directory

@@ -279,10 +279,11 @@ def transformers_first_loss(hf, processor, directory, data) -> float:
             assert torch.equal(inputs["image_grid_thw"], sample.image_grid_thw)
         answers = [m["content"] for m in conversation.messages if m["role"] == "assistant"]
         answers = [a if isinstance(a, str) else a[0]["text"] for a in answers]
+        end = encoder.tokenizer.token_to_id("<|im_end|>")
         expected_targets = [
             t
             for a in answers
-            for t in [*encoder.tokenizer.encode(a, add_special_tokens=False).ids, EOS]
+            for t in [*encoder.tokenizer.encode(a, add_special_tokens=False).ids, end]
         ]
         assert sample.labels[sample.labels != IGNORE_INDEX].tolist() == expected_targets
         labels = torch.full_like(sample.tokens, IGNORE_INDEX)  # unshifted: transformers shifts

@@ -87,6 +87,9 @@ class Family:
         processor: the kind of :class:`fusion.preprocessing.VisionLanguageProcessor` that
             makes its inputs (a name preprocessing registers its processors under, so that
             this layer imports none); None for a text-only family.
+        processor_defaults: per ``config.json`` model type, what its processor takes for the
+            settings a directory leaves out (the keys that processor reads: ids, patch sizes,
+            image settings), so that preprocessing holds no table of model types.
     """
 
     name: str
@@ -99,6 +102,7 @@ class Family:
     peft_encoder: tuple[tuple[str, str], ...] = ()
     square_images: bool = False  # the tower takes square images or tiles of one size
     processor: str | None = None
+    processor_defaults: Mapping[str, Mapping[str, Any]] = {}
 
     def rows_per_image(self, spec: ModelSpec, side: int, config_file: Path) -> int:
         """(``square_images`` families) The placeholder rows one image or tile gives, for a

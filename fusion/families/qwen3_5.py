@@ -31,7 +31,7 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
-from fusion.families.qwen_vl import VISION_DEFAULTS, qwen_vision_kwargs
+from fusion.families.qwen_vl import QWEN3_VL_SETTINGS, VISION_DEFAULTS, qwen_vision_kwargs
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import short_repr
 from fusion.hf.layout import KeyLayout
@@ -39,7 +39,22 @@ from fusion.models.qwen3_5 import LAYER_TYPES, default_layer_types, qwen3_5
 
 MODEL_TYPE = "qwen3_5"
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
-_IMAGE_TOKEN_ID = 248_056
+# transformers' Qwen3_5Config ids; the image processor is Qwen2-VL's with Qwen3-VL's patch
+# sizes and (for a directory without a preprocessor_config.json) Qwen3-VL's published
+# settings, which Qwen3.5's repositories repeat.
+_IDS = {
+    "image_token_id": 248_056,
+    "vision_start_token_id": 248_053,
+    "vision_end_token_id": 248_054,
+}
+_PROCESSOR = {
+    **_IDS,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "settings": QWEN3_VL_SETTINGS,
+    "settings_name": "Qwen3-VL's published settings",
+}
 
 # transformers' Qwen3_5TextConfig defaults, for keys a config leaves out.
 _TEXT_DEFAULTS: dict[str, Any] = {
@@ -258,6 +273,8 @@ class Qwen35Family(Family):
     encoder_types = (Qwen35VisionTransformer,)
     vision_layers = (r"encoders\.image\.blocks\.(\d{1,9})\.", "depth")
     peft_encoder = (("encoders.image.", "model.visual."),)
+    processor = "qwen2_vl"
+    processor_defaults = {MODEL_TYPE: _PROCESSOR}
 
     def read(self, config: ConfigReader) -> ModelSpec:
         text, prefix = qwen3_5_text_kwargs(config)
@@ -278,7 +295,7 @@ class Qwen35Family(Family):
             "qwen3_vl",
         )
         del vision["deepstack_visual_indexes"]
-        token_id = read_token_id(config, ("image_token_id",), _IMAGE_TOKEN_ID)
+        token_id = read_token_id(config, ("image_token_id",), _IDS["image_token_id"])
         return ModelSpec(self, MODEL_TYPE, text, vision, token_id, {}, prefix)
 
     def build(self, spec: ModelSpec) -> nn.Module:

@@ -248,6 +248,37 @@ _TOWER_MODEL_TYPES: dict[type[nn.Module], str] = {
 }
 
 
+# What a Qwen directory that leaves them out has (transformers' Qwen2VLConfig,
+# Qwen2_5_VLConfig and Qwen3VLConfig, and their vision configs' patch sizes), and the image
+# processor settings it gets without a preprocessor_config.json: transformers'
+# Qwen2VLImageProcessor defaults for Qwen2(.5)-VL, the published ones for Qwen3-VL (size 65536
+# to 16777216 pixels, mean and std 0.5).
+QWEN_IDS = {
+    "image_token_id": 151_655,
+    "vision_start_token_id": 151_652,
+    "vision_end_token_id": 151_653,
+}
+QWEN3_VL_SETTINGS: dict[str, Any] = {
+    "min_pixels": 256 * 256,
+    "max_pixels": 4096 * 4096,
+    "image_mean": (0.5, 0.5, 0.5),
+    "image_std": (0.5, 0.5, 0.5),
+}
+_QWEN2_PROCESSOR = {
+    **QWEN_IDS,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "settings": {},
+    "settings_name": "transformers' Qwen2-VL defaults",
+}
+_QWEN3_PROCESSOR = _QWEN2_PROCESSOR | {
+    "patch_size": 16,
+    "settings": QWEN3_VL_SETTINGS,
+    "settings_name": "Qwen3-VL's published settings",
+}
+
+
 class QwenVLFamily(Family):
     """What Qwen2-VL and Qwen2.5-VL (one family: the same text stack, two towers) and
     Qwen3-VL share; the two instances differ in their model types, towers and saved layout."""
@@ -260,7 +291,7 @@ class QwenVLFamily(Family):
         model_type = config.values["model_type"]
         text, prefix = qwen_text_kwargs(config, model_type)
         vision = qwen_vision_kwargs(config, model_type)
-        token_id = read_token_id(config, ("image_token_id",), 151_655)
+        token_id = read_token_id(config, ("image_token_id",), QWEN_IDS["image_token_id"])
         options = {"model_type": model_type} if self is QWEN2_VL else {}
         return ModelSpec(self, model_type, text, vision, token_id, options, prefix)
 
@@ -300,6 +331,7 @@ class Qwen2VLFamily(QwenVLFamily):
         decoder="decoder.", read=_READ, write=(("decoder.", ""), ("encoders.image.", "visual."))
     )
     encoder_types = (Qwen2VisionTransformer, Qwen25VisionTransformer)
+    processor_defaults = {"qwen2_vl": _QWEN2_PROCESSOR, "qwen2_5_vl": _QWEN2_PROCESSOR}
 
 
 class Qwen3VLFamily(QwenVLFamily):
@@ -317,6 +349,7 @@ class Qwen3VLFamily(QwenVLFamily):
         ),
     )
     encoder_types = (Qwen3VisionTransformer,)
+    processor_defaults = {"qwen3_vl": _QWEN3_PROCESSOR}
 
 
 QWEN2_VL = Qwen2VLFamily()

@@ -20,6 +20,7 @@ import torch
 
 from fusion._validation import check_int, is_int
 from fusion.checkpoint.hf_model import HfDirectory
+from fusion.families import FAMILIES
 from fusion.hf.config import CONFIG_NAME, MAX_SIDE, ConfigReader, read_hf_config
 from fusion.hf.errors import CheckpointError, as_path, short_repr
 from fusion.preprocessing.images import (
@@ -47,8 +48,6 @@ from fusion.preprocessing.resize import (
     resizes_as_pillow_image,
 )
 
-# The model types whose images this processor makes (the same processor, other settings).
-QWEN2_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
@@ -67,30 +66,9 @@ MAX_IMAGE_PIXELS = MAX_SIDE * MAX_SIDE
 # transformers' defaults (Qwen2VLImageProcessor; Qwen2VLConfig / Qwen2_5_VLConfig).
 DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
-DEFAULT_TOKEN_IDS = {
-    "image_token_id": 151_655,
-    "vision_start_token_id": 151_652,
-    "vision_end_token_id": 151_653,
-}
-DEFAULT_VISION = {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
-# The vision sizes a config.json that omits them has, per model type (transformers'
-# Qwen2VLVisionConfig, Qwen2_5_VLVisionConfig, Qwen3VLVisionConfig).
-FAMILY_VISION = {
-    "qwen2_vl": DEFAULT_VISION,
-    "qwen2_5_vl": DEFAULT_VISION,
-    "qwen3_vl": {**DEFAULT_VISION, "patch_size": 16},
-}
-# Qwen3-VL's image processor settings as its published preprocessor_config.json holds them
-# (Qwen/Qwen3-VL-*: size 65536 to 16777216 pixels, mean and std 0.5): what a Qwen3-VL
-# directory without settings gets. Qwen2-VL's and Qwen2.5-VL's get transformers' defaults.
-# transformers 5.24 refuses a directory without settings, and gives the keys a settings file
-# omits Qwen2VLImageProcessor's defaults whatever the model, as from_config does.
-QWEN3_VL_SETTINGS: dict[str, Any] = {
-    "min_pixels": 256 * 256,
-    "max_pixels": 4096 * 4096,
-    "image_mean": (0.5, 0.5, 0.5),
-    "image_std": (0.5, 0.5, 0.5),
-}
+# What a config.json gives this processor (the family's defaults for keys it leaves out).
+_IDS = ("image_token_id", "vision_start_token_id", "vision_end_token_id")
+_VISION_SIZES = ("patch_size", "spatial_merge_size", "temporal_patch_size")
 
 
 def smart_resize(
@@ -466,13 +444,36 @@ class Qwen2VLLayout:
     patch_size: int
     spatial_merge_size: int
     temporal_patch_size: int
+    settings: Mapping[str, Any] = field(default_factory=dict)  # without a settings file
+    settings_name: str = "transformers' Qwen2-VL defaults"  # named in the warning then
+
+
+def _processor_defaults(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
+    """``config``'s model type and what its family gives this processor for settings left
+    out, when its family's images are this processor's; else None."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        return None
+    for family in FAMILIES:
+        if family.processor == Qwen2VLProcessor.kind and model_type in family.processor_defaults:
+            return model_type, family.processor_defaults[model_type]
+    return None
+
+
+def _model_types() -> list[str]:
+    return [
+        model_type
+        for family in FAMILIES
+        if family.processor == Qwen2VLProcessor.kind
+        for model_type in family.processor_defaults
+    ]
 
 
 def qwen2_vl_model_type(config: Mapping[str, Any]) -> str | None:
-    """``config``'s ``model_type`` when it is Qwen2-VL's, Qwen2.5-VL's or Qwen3-VL's, else
-    None."""
-    model_type = config.get("model_type")
-    return model_type if model_type in QWEN2_VL_MODEL_TYPES else None
+    """``config``'s ``model_type`` when this processor makes its images (Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL, Qwen3.5), else None."""
+    found = _processor_defaults(config)
+    return None if found is None else found[0]
 
 
 def read_qwen2_vl_layout(path: str | bytes | os.PathLike | HfDirectory) -> Qwen2VLLayout:
@@ -497,16 +498,16 @@ def read_qwen2_vl_layout(path: str | bytes | os.PathLike | HfDirectory) -> Qwen2
         path = as_path(path, "path")
         file = path / CONFIG_NAME if path.is_dir() else path
         config = read_hf_config(file)
-    model_type = qwen2_vl_model_type(config)
-    if model_type is None:
+    found = _processor_defaults(config)
+    if found is None:
         raise CheckpointError(
             file,
             "model_type",
-            f"expected one of {list(QWEN2_VL_MODEL_TYPES)}, got "
-            f"{short_repr(config.get('model_type'))}",
+            f"expected one of {_model_types()}, got {short_repr(config.get('model_type'))}",
         )
+    model_type, defaults = found
     read = ConfigReader(config, file)
-    ids = {key: read.integer(key, default, low=0) for key, default in DEFAULT_TOKEN_IDS.items()}
+    ids = {key: read.integer(key, defaults[key], low=0) for key in _IDS}
     vision = config.get("vision_config")
     if vision is None:
         vision = {}
@@ -519,12 +520,18 @@ def read_qwen2_vl_layout(path: str | bytes | os.PathLike | HfDirectory) -> Qwen2
         "temporal_patch_size": MAX_TEMPORAL_PATCH_SIZE,
     }
     sizes = {}
-    for key, default in FAMILY_VISION[model_type].items():
-        value = read_vision.integer(key, default)
+    for key in _VISION_SIZES:
+        value = read_vision.integer(key, defaults[key])
         if value > highs[key]:
             raise read_vision.fail(key, f"expected an integer <= {highs[key]}, got {value}")
         sizes[key] = value
-    return Qwen2VLLayout(model_type, **ids, **sizes)
+    return Qwen2VLLayout(
+        model_type,
+        **ids,
+        **sizes,
+        settings=defaults["settings"],
+        settings_name=defaults["settings_name"],
+    )
 
 
 def default_image_processor(layout: Qwen2VLLayout) -> Qwen2VLImageProcessor:
@@ -532,12 +539,11 @@ def default_image_processor(layout: Qwen2VLLayout) -> Qwen2VLImageProcessor:
     patch sizes, and the family's pixel range, mean and std (Qwen2-VL, Qwen2.5-VL:
     transformers' ``Qwen2VLImageProcessor`` defaults; Qwen3-VL: its published settings,
     :data:`QWEN3_VL_SETTINGS`)."""
-    settings = QWEN3_VL_SETTINGS if layout.model_type == "qwen3_vl" else {}
     return Qwen2VLImageProcessor(
         patch_size=layout.patch_size,
         merge_size=layout.spatial_merge_size,
         temporal_patch_size=layout.temporal_patch_size,
-        **settings,
+        **layout.settings,
     )
 
 
@@ -593,9 +599,7 @@ class Qwen2VLProcessor(VisionLanguageProcessor):
         found = _image_processor_settings(directory.path)
         if found is None:
             image_processor = default_image_processor(layout)
-            qwen3 = layout.model_type == "qwen3_vl"
-            which = "Qwen3-VL's published settings" if qwen3 else "transformers' Qwen2-VL defaults"
-            what = f"{which} with the tower's patch sizes: {image_processor}"
+            what = f"{layout.settings_name} with the tower's patch sizes: {image_processor}"
             _warn_defaults(directory.path, what, stacklevel=3)
         else:
             settings, where = found

@@ -16,8 +16,7 @@ from torch import nn
 import qwen_helpers
 from helpers import HF_VOCAB, tiny_hf_llama
 from qwen3_helpers import PATCH_WIDTH as QWEN3_PATCH_WIDTH
-from qwen3_helpers import VISION_CONFIG as QWEN3_VISION_CONFIG
-from qwen3_helpers import tiny_hf_qwen3
+from qwen3_helpers import tiny_hf_qwen3, tiny_hf_qwen3_5
 from qwen_helpers import image_prompt, left_pad, mm_token_type_ids, tiny_hf_qwen
 from vlm_helpers import (
     IDEFICS3_TOKENS,
@@ -25,7 +24,6 @@ from vlm_helpers import (
     LLAVA_TOKENS,
     PAD,
     TEXT_VOCAB,
-    randomize,
     tiny_hf_idefics3,
     tiny_hf_llava,
 )
@@ -233,65 +231,6 @@ def qwen_prompts(patch_width: int) -> Callable[[], Batch]:
         return qwen_batch(ids, pixels, grid, attention)
 
     return prompts
-
-
-# ---------------------------------------------------------------------- Qwen3.5
-
-
-def tiny_hf_qwen3_5(seed: int = 2) -> nn.Module:
-    """A random ``Qwen3_5ForConditionalGeneration``: two Gated DeltaNet layers, one gated
-    full-attention layer, then one more DeltaNet (kernel 4, two key heads shared by four value
-    heads), rotary on a quarter of each 32-wide head, and Qwen3-VL's tower without DeepStack."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
-    text = {
-        "vocab_size": qwen_helpers.VOCAB,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "layer_types": [*["linear_attention"] * 2, "full_attention", "linear_attention"],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8,
-        "linear_conv_kernel_dim": 4,
-        "max_position_embeddings": 1024,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10_000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
-        "pad_token_id": qwen_helpers.PAD,
-        "eos_token_id": qwen_helpers.EOS,
-    }
-    vision = {
-        key: value
-        for key, value in QWEN3_VISION_CONFIG.items()
-        if key != "deepstack_visual_indexes"
-    }
-    config = Qwen3_5Config(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=qwen_helpers.IMAGE_PAD,
-        video_token_id=qwen_helpers.VIDEO_PAD,
-        vision_start_token_id=qwen_helpers.VISION_START,
-        vision_end_token_id=qwen_helpers.VISION_END,
-    )
-    torch.manual_seed(seed)
-    model = randomize(Qwen3_5ForConditionalGeneration(config).to(torch.float32), seed)
-    # randomize draws norm weights from [0.5, 1.5]; the text stack's norms are zero-centred
-    # (x * (1 + w)), so shift theirs to give the same effective scales.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            zero_centred = "language_model" in name and "linear_attn.norm" not in name
-            if zero_centred and "norm" in name:
-                param.sub_(1.0)
-    return model
 
 
 # ---------------------------------------------------------------------- the table

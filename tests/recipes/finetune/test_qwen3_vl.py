@@ -1,8 +1,10 @@
 """The recipe on a tiny Qwen3-VL directory as the Hub carries one (Qwen3-VL's chat template in
-``chat_template.json``, its ``preprocessor_config.json``; two DeepStack layers), in every
-``--train`` mode, packed and padded: the first loss equals transformers' cross-entropy on the
-assistant tokens; exports keep the input's weight keys, change only what trains (LoRA: its
-targets), and load in transformers with our logits and greedy answers."""
+``chat_template.json``, its ``preprocessor_config.json``; two DeepStack layers), and on a tiny
+Qwen3.5 one (the same files; Gated DeltaNet and gated attention layers, its tower without
+DeepStack, its byte-level tokenizer), in every ``--train`` mode, packed and padded: the first
+loss equals transformers' cross-entropy on the assistant tokens; exports keep the input's
+weight keys, change only what trains (LoRA: its targets), and load in transformers with our
+logits and greedy answers."""
 
 import json
 
@@ -13,9 +15,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from fusion import generate
-from fusion.checkpoint import load_hf_vlm
+from fusion.checkpoint import load_hf_model
 from fusion.data import read_conversations
-from qwen3_helpers import write_qwen3_dir
+from qwen3_helpers import write_qwen3_5_dir, write_qwen3_dir
 from qwen_helpers import (
     PAD,
     fusion_inputs,
@@ -30,6 +32,11 @@ from recipes.finetune import main
 RUNS = {"full": True, "lora": False, "projector": True}
 VISUAL = "model.visual."
 MERGERS = (VISUAL + "merger.", VISUAL + "deepstack_merger_list.")
+# model type -> (its directory, transformers' class, DeepStack mergers)
+FAMILIES = {
+    "qwen3_vl": (write_qwen3_dir, "Qwen3VLForConditionalGeneration", 2),
+    "qwen3_5": (write_qwen3_5_dir, "Qwen3_5ForConditionalGeneration", 0),
+}
 # What each mode may change, by Hugging Face key (LoRA merged into q_proj and v_proj).
 TRAINED = {
     "full": lambda key: not key.startswith(VISUAL) or key.startswith(MERGERS),
@@ -85,9 +92,15 @@ RECORDS = [
 ]
 
 
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model_type(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    return write_qwen3_dir(tmp_path_factory.mktemp("qwen3") / "qwen3_vl")
+def qwen3_dir(tmp_path_factory, model_type):
+    write = FAMILIES[model_type][0]
+    return write(tmp_path_factory.mktemp(model_type) / model_type)
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +130,9 @@ def run(qwen3_dir, data, tmp_path_factory, ft):
     return get
 
 
-def test_first_loss_packed_equals_padded_equals_transformers(run, qwen3_dir, data):
+def test_first_loss_packed_equals_padded_equals_transformers(run, qwen3_dir, data, model_type):
     hf, processor = hf_model(qwen3_dir), hf_processor(qwen3_dir)
-    assert type(hf).__name__ == "Qwen3VLForConditionalGeneration"
+    assert type(hf).__name__ == FAMILIES[model_type][1]
     assert type(processor).__name__ == "Qwen3VLProcessor"
     expected = transformers_first_loss(hf, processor, qwen3_dir, data)
     for mode, packed in RUNS.items():
@@ -130,7 +143,7 @@ def test_first_loss_packed_equals_padded_equals_transformers(run, qwen3_dir, dat
 
 @pytest.mark.parametrize("mode", list(RUNS))
 def test_export_keeps_keys_changes_what_trains_and_loads_in_transformers(
-    mode, run, qwen3_dir, data
+    mode, run, qwen3_dir, data, model_type
 ):
     final = run(mode) / "final"
     base = load_file(qwen3_dir / "model.safetensors")
@@ -141,15 +154,16 @@ def test_export_keeps_keys_changes_what_trains_and_loads_in_transformers(
     assert changed and all(TRAINED[mode](k) for k in changed), sorted(changed)
     if mode == "lora":  # every adapter learned something, nothing else changed
         assert changed == {k for k in base if TRAINED["lora"](k)}
-    else:  # the main merger and both DeepStack mergers trained; full: the decoder too
-        for prefix in (VISUAL + "merger.", *(f"{MERGERS[1]}{i}." for i in range(2))):
+    else:  # the main merger and the DeepStack mergers trained; full: the decoder too
+        deepstack = FAMILIES[model_type][2]
+        for prefix in (VISUAL + "merger.", *(f"{MERGERS[1]}{i}." for i in range(deepstack))):
             assert any(k.startswith(prefix) for k in changed), prefix
         if mode == "full":
             assert any(k.startswith("model.language_model.layers.") for k in changed)
 
     # transformers loads the export and gives our logits on a conversation with two images.
     conversation = read_conversations(data).conversations[1]
-    hf, ours = hf_model(final), load_hf_vlm(final).eval()
+    hf, ours = hf_model(final), load_hf_model(final).eval()
     inputs = hf_inputs(hf_processor(final), conversation.messages)
     # Preprocessed with the input directory's files, which final/ copies.
     tokens, encoder_input = fusion_inputs(qwen3_dir, conversation.messages, conversation.images)

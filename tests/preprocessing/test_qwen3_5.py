@@ -1,0 +1,91 @@
+"""Qwen3.5 preprocessing: transformers gives it Qwen3-VL's processor (the Qwen2-VL image
+processor, patch 16) with Qwen3.5's own ids. From a directory ``Qwen3_5Config`` writes, ids,
+patches and grids equal transformers' processor's; its ids come from the family, not Qwen2's."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from preprocessing.test_qwen3_vl import (
+    MARKER,
+    PROMPTS,
+    QWEN3_PREPROCESSOR,
+    hf_processor,
+    images,
+)
+
+from fusion.preprocessing import detect_model_kind, prepare_inputs
+from fusion.preprocessing.qwen2_vl import read_qwen2_vl_layout
+from qwen3_helpers import QWEN3_5_SPECIAL_IDS, VISION_CONFIG, qwen3_5_byte_tokenizer
+
+SPECIAL_IDS = QWEN3_5_SPECIAL_IDS
+IMAGE_ID = SPECIAL_IDS["<|image_pad|>"]
+TEXT_CONFIG = {
+    "vocab_size": 320,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+
+
+def write_directory(tmp_path, ids: bool = True):
+    """``config.json`` as transformers' ``Qwen3_5Config`` saves it (with the tokenizer's ids,
+    or with its own defaults when ``ids`` is False), the tokenizer and the settings."""
+    from transformers import Qwen3_5Config
+
+    directory = tmp_path / "qwen3_5"
+    directory.mkdir(exist_ok=True)
+    special = (
+        {
+            "image_token_id": IMAGE_ID,
+            "vision_start_token_id": SPECIAL_IDS["<|vision_start|>"],
+            "vision_end_token_id": SPECIAL_IDS["<|vision_end|>"],
+        }
+        if ids
+        else {}
+    )
+    vision = {k: v for k, v in VISION_CONFIG.items() if k != "deepstack_visual_indexes"}
+    Qwen3_5Config(text_config=dict(TEXT_CONFIG), vision_config=vision, **special).save_pretrained(
+        directory
+    )
+    qwen3_5_byte_tokenizer().save_pretrained(directory)
+    (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_PREPROCESSOR))
+    return directory
+
+
+def test_ids_pixels_and_grids_equal_transformers_processor(tmp_path):
+    directory = write_directory(tmp_path)
+    assert detect_model_kind(directory) == "qwen2_vl"  # the Qwen processor
+    layout = read_qwen2_vl_layout(directory)
+    assert (layout.model_type, layout.patch_size, layout.image_token_id) == (
+        "qwen3_5",
+        16,
+        IMAGE_ID,
+    )
+    hf = hf_processor(directory)
+    assert type(hf).__name__ == "Qwen3VLProcessor"
+    given = [images()[0], images("L")[1], images()[4]]
+    expected = hf(images=given, text=PROMPTS)
+    ours = prepare_inputs(directory, PROMPTS, given)
+    assert ours.ids == expected["input_ids"]
+    assert torch.equal(ours.pixel_values, torch.from_numpy(np.array(expected["pixel_values"])))
+    grids = torch.from_numpy(np.array(expected["image_grid_thw"]))
+    assert ours.image_grid_thw is not None and torch.equal(ours.image_grid_thw, grids)
+    assert sum(row.count(IMAGE_ID) for row in ours.ids) == int(grids.prod(1).sum()) // 4
+
+
+def test_ids_a_config_leaves_out_are_qwen3_5s(tmp_path):
+    layout = read_qwen2_vl_layout(write_directory(tmp_path, ids=False))
+    ids = layout.image_token_id, layout.vision_start_token_id, layout.vision_end_token_id
+    assert ids == (248_056, 248_053, 248_054)  # transformers' Qwen3_5Config, not Qwen2-VL's
+
+
+def test_a_prompt_with_more_images_than_given_is_refused(tmp_path):
+    directory = write_directory(tmp_path)
+    with pytest.raises(ValueError, match="image"):
+        prepare_inputs(directory, [MARKER * 2], images()[:1])
