@@ -79,6 +79,10 @@ def family_of(
     for family in among:
         if ("llama" if model_type is None else model_type) in family.model_types:
             return family
+    for family in among:
+        reason = family.refused_model_types.get(str(model_type))
+        if reason is not None:
+            raise CheckpointError(Path(source), "model_type", f"{model_type!r}: {reason}")
     expected = [t for family in among for t in family.model_types]
     hint = " (a plain Llama: use load_hf_model)" if model_type in (None, "llama") else ""
     raise CheckpointError(

@@ -90,6 +90,8 @@ class Family:
         processor_defaults: per ``config.json`` model type, what its processor takes for the
             settings a directory leaves out (the keys that processor reads: ids, patch sizes,
             image settings), so that preprocessing holds no table of model types.
+        refused_model_types: model types of the family's relatives it does not read, each
+            with the reason the error gives (Qwen3.5's mixture-of-experts variant).
     """
 
     name: str
@@ -103,6 +105,8 @@ class Family:
     square_images: bool = False  # the tower takes square images or tiles of one size
     processor: str | None = None
     processor_defaults: Mapping[str, Mapping[str, Any]] = {}
+    # Model types of the family's relatives that it does not read, and why (named in errors).
+    refused_model_types: Mapping[str, str] = {}
 
     def rows_per_image(self, spec: ModelSpec, side: int, config_file: Path) -> int:
         """(``square_images`` families) The placeholder rows one image or tile gives, for a

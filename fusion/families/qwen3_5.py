@@ -275,6 +275,10 @@ class Qwen35Family(Family):
     peft_encoder = (("encoders.image.", "model.visual."),)
     processor = "qwen2_vl"
     processor_defaults = {MODEL_TYPE: _PROCESSOR}
+    refused_model_types = {
+        "qwen3_5_moe": "Qwen3.5's mixture-of-experts models are not supported (the dense "
+        "qwen3_5 models are)"
+    }
 
     def read(self, config: ConfigReader) -> ModelSpec:
         text, prefix = qwen3_5_text_kwargs(config)

@@ -1,7 +1,8 @@
-"""``python -m fusion.generation --image`` on Qwen2-VL, Qwen2.5-VL and Qwen3-VL directories as
-the Hub carries them: the prompts' ids are transformers' processor's (``Qwen3VLProcessor``...),
-and the greedy tokens (``--print-ids``, and as text) are transformers' ``generate``'s on the
-same inputs, for one prompt and for a left-padded batch of prompts with one and two images."""
+"""``python -m fusion.generation --image`` on Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5
+directories as the Hub carries them: the prompts' ids are transformers' processor's
+(``Qwen3VLProcessor``...), and the greedy tokens (``--print-ids``, and as text) are
+transformers' ``generate``'s on the same inputs, for one prompt and for a left-padded batch of
+prompts with one and two images."""
 
 import io
 import json
@@ -13,9 +14,9 @@ import torch
 from PIL import Image
 
 from fusion.generation.cli import main
-from qwen3_helpers import write_qwen3_dir
+from qwen3_helpers import write_qwen3_5_dir, write_qwen3_dir
 from qwen_helpers import PAD, write_qwen_dir
-from vlm_helpers import QWEN_IMAGE_MARKER, qwen_char_tokenizer, without_torchvision_video
+from vlm_helpers import QWEN_IMAGE_MARKER, without_torchvision_video
 
 NEW = 6
 PROMPTS = [
@@ -27,6 +28,7 @@ PROCESSORS = {
     "qwen2_vl": "Qwen2VLProcessor",
     "qwen2_5_vl": "Qwen2_5_VLProcessor",
     "qwen3_vl": "Qwen3VLProcessor",
+    "qwen3_5": "Qwen3VLProcessor",
 }
 
 
@@ -39,6 +41,8 @@ def qwen(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(model_type) / model_type
     if model_type == "qwen3_vl":
         write_qwen3_dir(directory, seed=5)
+    elif model_type == "qwen3_5":
+        write_qwen3_5_dir(directory, seed=5)
     else:
         write_qwen_dir(directory, model_type, seed=5)
     files = []
@@ -94,8 +98,7 @@ def test_ids_and_text_equal_transformers(qwen, batch):
     assert [line["new_ids"] for line in lines] == expected_new.tolist()
     assert len(set(expected_new[0].tolist())) > 1  # not one token over and over
     # As text: one line per prompt, the new tokens decoded.
-    tokenizer = qwen_char_tokenizer()
-    expected = [tokenizer.decode(row, skip_special_tokens=True) for row in expected_new.tolist()]
+    expected = [processor.tokenizer.decode(row, skip_special_tokens=True) for row in expected_new]
     assert cli(directory, prompts, files).splitlines() == expected
 
 
