@@ -7,17 +7,26 @@ import json
 import numpy as np
 import pytest
 import torch
-from preprocessing.test_qwen3_vl import (
-    MARKER,
-    PROMPTS,
-    QWEN3_PREPROCESSOR,
-    hf_processor,
-    images,
-)
+from PIL import Image
 
 from fusion.preprocessing import detect_model_kind, prepare_inputs
 from fusion.preprocessing.qwen2_vl import read_qwen2_vl_layout
-from qwen3_helpers import QWEN3_5_SPECIAL_IDS, VISION_CONFIG, qwen3_5_byte_tokenizer
+from qwen3_helpers import (
+    QWEN3_5_SPECIAL_IDS,
+    QWEN3_PREPROCESSOR,
+    VISION_CONFIG,
+    qwen3_5_byte_tokenizer,
+)
+from qwen_helpers import hf_processor
+from vlm_helpers import QWEN_IMAGE_MARKER, make_image
+
+MARKER = QWEN_IMAGE_MARKER
+PROMPTS = [
+    f"<|im_start|>user\n{MARKER}What is it?<|im_end|>\n<|im_start|>assistant\n",
+    f"Compare {MARKER} and {MARKER}, please.",
+    "No image here.",
+]
+SIZES = [(37, 53), (300, 20), (400, 600)]  # (height, width): odd, thin, above the small range
 
 SPECIAL_IDS = QWEN3_5_SPECIAL_IDS
 IMAGE_ID = SPECIAL_IDS["<|image_pad|>"]
@@ -69,7 +78,8 @@ def test_ids_pixels_and_grids_equal_transformers_processor(tmp_path):
     )
     hf = hf_processor(directory)
     assert type(hf).__name__ == "Qwen3VLProcessor"
-    given = [images()[0], images("L")[1], images()[4]]
+    given = [Image.fromarray(make_image(h, w, i, 3)) for i, (h, w) in enumerate(SIZES)]
+    given[1] = given[1].convert("L")
     expected = hf(images=given, text=PROMPTS)
     ours = prepare_inputs(directory, PROMPTS, given)
     assert ours.ids == expected["input_ids"]
@@ -88,4 +98,4 @@ def test_ids_a_config_leaves_out_are_qwen3_5s(tmp_path):
 def test_a_prompt_with_more_images_than_given_is_refused(tmp_path):
     directory = write_directory(tmp_path)
     with pytest.raises(ValueError, match="image"):
-        prepare_inputs(directory, [MARKER * 2], images()[:1])
+        prepare_inputs(directory, [MARKER * 2], [Image.fromarray(make_image(8, 8, 0, 3))])
