@@ -97,6 +97,47 @@ def tiny_qwen3_vl(seed: int = 0):
     return model.eval()
 
 
+# Qwen3.5's text stack as fusion.models.qwen3_5_text arguments: Gated DeltaNet layers around
+# one gated full-attention layer (kernel 4, two key heads shared by four value heads), rotary
+# on half of each 16-wide head (rotary_dim 8: 4 frequencies, t h w t interleaved).
+QWEN3_5_TEXT = {
+    "vocab_size": VOCAB,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "embed_dim": 32,
+    "intermediate_dim": 64,
+    "max_seq_len": 512,
+    "head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel": 4,
+    "rope_base": 100.0,  # fast rotations: position mistakes show at once
+    "rotary_dim": 8,
+    "mrope_section": [2, 1, 1],
+}
+# Qwen3.5's tower: Qwen3-VL's without DeepStack.
+QWEN3_5_VISION = {k: v for k, v in VISION_CONFIG.items() if k != "deepstack_visual_indexes"}
+
+
+def tiny_qwen3_5(seed: int = 0, **text):
+    """A random Qwen3.5 ``EarlyFusion`` from :func:`fusion.models.qwen3_5` (``QWEN3_5_TEXT``
+    with ``text`` overrides), weights N(0, 0.2) so that every position, boundary or padding
+    mistake moves the logits (the DeltaNet's ``A_log`` too: decays of about exp(-1) per
+    token, so a state carried across a boundary still shows)."""
+    from fusion.models import qwen3_5
+
+    torch.manual_seed(seed)
+    model = qwen3_5(text=QWEN3_5_TEXT | text, vision=QWEN3_5_VISION, image_token_id=IMAGE_PAD)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    return model.eval()
+
+
 # Qwen3-VL-Instruct's chat template as its Hub directories carry it (chat_template.json), less
 # the tool-calling branches (tools, tool_calls, tool turns), which no test renders: no default
 # system prompt, a first system message rendered before the loop, images marked

@@ -391,6 +391,8 @@ def causal_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     _check_conv(conv)
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[2] != conv.in_channels:
         raise ValueError(f"x: expected [b, s, {conv.in_channels}], got {_what(x)}")
+    if x.shape[1] == 0:  # conv1d refuses an empty sequence
+        return x.new_zeros(x.shape[0], 0, conv.out_channels)
     return conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
 
 

@@ -125,7 +125,7 @@ class GatedDeltaNet(nn.Module):
         rows; for a dense mask ``[b or 1, 1, s, kv_len]``, the real tokens ``[b or 1, s]`` at
         this call's key positions (``slots`` with a cache, else ``0..s-1``), read from its
         last query's row, which sees every real token before it in a causal batch, left or
-        right padded.
+        right padded (a padding query may see real tokens and itself, no other padding).
 
         Raises:
             ValueError: a dense mask that is not causal over each row's real tokens (packed
@@ -144,8 +144,15 @@ class GatedDeltaNet(nn.Module):
         real = mask[:, 0, -1].index_select(-1, keys)  # [b or 1, s]
         rows = mask[:, 0].index_select(-1, keys)  # [b or 1, s, s]: this call's keys
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=mask.device).tril()
+        # Padding queries see real tokens or themselves, never other padding: else a packed
+        # row's earlier samples (unseen by its last query) would pass for left padding.
+        alone = torch.eye(seq_len, dtype=torch.bool, device=mask.device)
         check_values(
-            ((rows == (causal & real[:, None, :])) | ~real[:, :, None]).all(),
+            torch.where(
+                real[:, :, None],
+                rows == (causal & real[:, None, :]),
+                ~rows | real[:, None, :] | alone,
+            ).all(),
             "mask: a decoder with Gated DeltaNet layers takes a dense mask only when it is "
             "causal over each row's real tokens (left or right padding); pass packed samples "
             "as PackedSegments, so that each sample's state starts afresh",
@@ -182,7 +189,7 @@ class GatedDeltaNet(nn.Module):
             out = self._continue(qkv, g, beta, self.state)
         else:
             out, _ = self._delta_rule(F.silu(causal_conv(self.conv1d, qkv)), g, beta, None)
-        out = self.norm(out, z).reshape(b, s, -1)  # [b, s, hv * dv]
+        out = self.norm(out, z).reshape(b, s, self.num_value_heads * self.value_head_dim)
         return self.out_proj(out)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -518,6 +518,8 @@ class TransformerDecoder(nn.Module):
         """The dtype the layers compute attention in: autocast's on ``h``'s device, else
         ``h``'s."""
         kind = h.device.type
+        if kind == "meta":  # autocast knows no meta device (shapes only: h's dtype)
+            return h.dtype
         return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
 
     def _dropout(self) -> bool:

@@ -4,6 +4,7 @@ from fusion.models.idefics3 import Idefics3ImageEncoder, idefics3, smolvlm_256m
 from fusion.models.llama3_2 import llama3_2, llama3_2_1b, llama3_2_3b, scale_hidden_dim_for_mlp
 from fusion.models.llava import LlavaImageEncoder, llava
 from fusion.models.qwen2_vl import qwen2, qwen2_vl
+from fusion.models.qwen3_5 import qwen3_5, qwen3_5_text
 from fusion.models.qwen3_vl import qwen3_vl
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "llava",
     "qwen2",
     "qwen2_vl",
+    "qwen3_5",
+    "qwen3_5_text",
     "qwen3_vl",
     "scale_hidden_dim_for_mlp",
     "smolvlm_256m",

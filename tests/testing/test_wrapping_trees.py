@@ -82,19 +82,34 @@ def test_tree_build_checks_model_count():
     assert isinstance(build_tiny_fusion(), EarlyFusion)
 
 
-@settings(max_examples=10, deadline=None)
-@given(tree=wrapping_trees(n_models=1, max_depth=4))
-def test_deepstack_model_keys_under_any_wrapping(tree):
-    """Qwen3-VL adds its DeepStack rows through the decoder's forward, replacing nothing: its
-    decoder's keys stay a plain Qwen3 decoder's under any wrapping prefix."""
+def qwen3_vl_and_plain(seed: int):
     from fusion.models import llama3_2
     from qwen3_helpers import FUSION_TEXT, tiny_qwen3_vl
 
-    model = tiny_qwen3_vl(seed=3)
-    plain = llama3_2(**FUSION_TEXT)
+    return tiny_qwen3_vl(seed=seed), llama3_2(**FUSION_TEXT)
+
+
+def qwen3_5_and_plain(seed: int):
+    from fusion.models import qwen3_5_text
+    from qwen3_helpers import QWEN3_5_TEXT, tiny_qwen3_5
+
+    return tiny_qwen3_5(seed=seed), qwen3_5_text(**QWEN3_5_TEXT)
+
+
+@pytest.mark.parametrize(
+    "build", [qwen3_vl_and_plain, qwen3_5_and_plain], ids=["qwen3_vl", "qwen3_5"]
+)
+@settings(max_examples=10, deadline=None)
+@given(tree=wrapping_trees(n_models=1, max_depth=4))
+def test_hybrid_and_deepstack_model_keys_under_any_wrapping(build, tree):
+    """Qwen3-VL adds its DeepStack rows through the decoder's forward, and Qwen3.5's Gated
+    DeltaNet layers keep their state outside the state dict, replacing nothing: each decoder's
+    keys stay a plain decoder's (Qwen3's, a standalone Qwen3.5 text stack) under any wrapping
+    prefix."""
+    model, plain = build(3)
     plain.load_state_dict(model.decoder.state_dict())
     root, (prefix,) = tree.build([model])
     assert find_prefix(root, model) == prefix
     assert_checkpoint_compatible(root, model, plain)
-    fresh, _ = tree.build([tiny_qwen3_vl(seed=4)])
+    fresh, _ = tree.build([build(4)[0]])
     assert_state_dict_round_trip(root, fresh)
