@@ -552,11 +552,11 @@ HOSTILE = {
         "text_config.rope_parameters.mrope_section",
         "summing to the rotary channels / 2 = 4",
     ),
-    # Refused as a model type no family reads (the generic message: no MoE-specific word).
+    # Refused by name: the mixture-of-experts relative is not read as the dense model.
     "moe-model-type": (
         lambda config: config.update(model_type="qwen3_5_moe"),
         "model_type",
-        r"expected one of \[.*'qwen3_5'.*\], got 'qwen3_5_moe'",
+        r"'qwen3_5_moe': Qwen3\.5's mixture-of-experts models are not supported",
     ),
 }
 
