@@ -132,25 +132,51 @@ def chunk_gated_delta_rule(
     intra = (q @ k.transpose(-1, -2)) * pair_decay  # [b, h, n, C, C], causal within a chunk
     q_read = q * gc.exp()[..., None]  # reading the chunk-start state at i
     k_write = k * (gc[..., -1:] - gc).exp()[..., None]  # a write at i, decayed to the chunk end
-    chunk_decay = gc[..., -1].exp()[..., None, None]  # [b, h, n, 1, 1]
+    chunk_decay = gc[..., -1].exp()  # [b, h, n]
 
     if initial_state is None:
         state = q.new_zeros(batch, heads, dk, dv)
     else:
         state = initial_state.to(dtype)
-    # A reset multiplies the state by 0: a -inf decay instead would meet -inf - -inf = NaN in
-    # the cumulative sums.
-    keep = None if resets is None else (~resets).to(dtype)[:, None, :, None, None]
-    outputs = []
-    for c in range(n_chunks):
-        if keep is not None:
-            state = state * keep[:, :, c]
-        u = fresh[:, :, c] - reads[:, :, c] @ state
-        outputs.append(q_read[:, :, c] @ state + intra[:, :, c] @ u)
-        state = state * chunk_decay[:, :, c] + k_write[:, :, c].transpose(-1, -2) @ u
+    if resets is not None:
+        # A reset multiplies the state by 0 (a -inf decay instead would meet -inf - -inf = NaN
+        # in the cumulative sums): the first chunk's on the state given, every later chunk's
+        # folded into the update of the chunk before it (its decay and its writes).
+        keep = (~resets).to(dtype)  # [b, n]
+        state = state * keep[:, None, 0, None, None]
+        keep_next = F.pad(keep[:, 1:], (0, 1), value=1.0)[:, None, :]  # [b, 1, n]
+        chunk_decay = chunk_decay * keep_next
+        k_write = k_write * keep_next[..., None, None]
 
-    if outputs:
-        out = torch.stack(outputs, dim=2).reshape(batch, heads, n_chunks * chunk_size, dv)
+    # The scan carries only the state: per chunk c, u_c = fresh_c - reads_c S_c (the writes)
+    # and S_{c+1} = decay_c S_c + k_write_c^T u_c, three ops on [b * h] matrices. The outputs
+    # (q_read_c S_c + intra_c u_c) are computed after it, for every chunk at once. Chunk-major
+    # operands are unbound once: indexing one chunk at a time would make the backward write
+    # each chunk's gradient into a zeroed tensor of the whole input (quadratic in the chunks).
+    def chunk_major(x: torch.Tensor) -> torch.Tensor:  # [b, h, n, ...] -> [n, b * h, ...]
+        return x.movedim(2, 0).reshape(n_chunks, batch * heads, *x.shape[3:])
+
+    fresh_c, reads_c = chunk_major(fresh).unbind(0), chunk_major(reads).unbind(0)
+    writes_c = chunk_major(k_write).transpose(-1, -2).unbind(0)  # [b * h, dk, C] each
+    decay_c = chunk_major(chunk_decay)[..., None, None].unbind(0)  # [b * h, 1, 1] each
+    state = state.reshape(batch * heads, dk, dv)
+    starts, writes = [], []
+    for fresh_i, reads_i, writes_i, decay_i in zip(
+        fresh_c, reads_c, writes_c, decay_c, strict=True
+    ):
+        starts.append(state)
+        u = torch.baddbmm(fresh_i, reads_i, state, alpha=-1)  # [b * h, C, dv]
+        writes.append(u)
+        state = torch.baddbmm(state * decay_i, writes_i, u)
+    state = state.reshape(batch, heads, dk, dv)
+
+    if starts:
+        # [n, b * h, ...] -> [b, h, n, ...], the layout of q_read and intra
+        s0, u = (
+            torch.stack(x).reshape(n_chunks, batch, heads, *x[0].shape[1:]).movedim(0, 2)
+            for x in (starts, writes)
+        )
+        out = (q_read @ s0 + intra @ u).reshape(batch, heads, n_chunks * chunk_size, dv)
     else:
         out = v.new_zeros(batch, heads, 0, dv)
     out = out[:, :, :seq_len].transpose(1, 2).contiguous().to(out_dtype)
@@ -393,7 +419,9 @@ def causal_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"x: expected [b, s, {conv.in_channels}], got {_what(x)}")
     if x.shape[1] == 0:  # conv1d refuses an empty sequence
         return x.new_zeros(x.shape[0], 0, conv.out_channels)
-    return conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+    # A contiguous [b, c, s] input: the depthwise conv's CPU backward is several times slower
+    # on the transposed view of a [b, s, c] tensor.
+    return conv(x.transpose(1, 2).contiguous())[..., : x.shape[1]].transpose(1, 2)
 
 
 def conv_step(
