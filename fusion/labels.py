@@ -339,6 +339,25 @@ def _chunk_logits(rows: torch.Tensor, unembed: Callable[[torch.Tensor], torch.Te
     return logits.float()
 
 
+def _check_no_collective_backward(unembed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """:func:`fused_token_loss`'s refusal of an output layer that is its own FSDP2 unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    # The unit whose forward hooks on its inputs run its reduce-scatter after their backward:
+    # the output module itself (an untied decoder's, or one passed as ``unembed``). A tied
+    # output reads the embedding's weight in the root's unit, which reduce-scatters once, at
+    # the end of the step's backward.
+    owner = getattr(unembed, "__self__", None)
+    layer = unembed if isinstance(unembed, nn.Module) else getattr(owner, "output", None)
+    if isinstance(layer, FSDPModule):
+        raise ValueError(
+            "unembed: the output layer is its own FSDP2 unit, whose backward reduce-scatters; "
+            "fused_token_loss runs it chunk by chunk in the forward, where processes with "
+            "different numbers of chunks would deadlock. Use chunked_token_loss, or shard the "
+            "output with the root unit (tie it, or fusion.parallel.apply_fsdp(per_module=False))"
+        )
+
+
 def _check_incoming_gradient(grad_scale: float, grad: torch.Tensor) -> None:
     """:func:`fused_token_loss`'s backward: the sum must receive the ``grad_scale`` its output
     parameters' gradient was made with."""
@@ -419,6 +438,12 @@ def fused_token_loss(
         TypeError: ``unembed`` returned a DTensor (a tensor-parallel output that keeps its
             logits sharded, ``use_local_output=False``): gather them to plain logits, as
             :func:`fusion.parallel.apply_tp`'s plan does.
+        ValueError: the output layer is its own FSDP2 unit (``apply_fsdp``'s per-module plan
+            with an untied output), whose backward reduce-scatters: run chunk by chunk in the
+            forward, processes with different numbers of chunks would wait on each other
+            forever. The output in the root unit (tied, or ``per_module=False``) and a
+            tensor-parallel output work. Under DDP the same holds for its all-reduce, which
+            cannot be seen from ``unembed``: use :func:`chunked_token_loss` there.
     """
     _check_chunked_loss_arguments(hidden, labels, unembed, ignore_index, chunk_size, num_targets)
     if (
@@ -427,6 +452,8 @@ def fused_token_loss(
         or not 0 < grad_scale < float("inf")
     ):
         raise ValueError(f"grad_scale: expected a positive finite number, got {grad_scale!r:.40}")
+    if torch.is_grad_enabled():
+        _check_no_collective_backward(unembed)
     rows, targets, count = _target_rows(hidden, labels, ignore_index, num_targets)
     pieces = list(zip(rows.detach().split(chunk_size), targets.split(chunk_size), strict=True))
     total = torch.zeros((), dtype=torch.float32, device=labels.device)
