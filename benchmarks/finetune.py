@@ -117,8 +117,9 @@ from typing import Any
 
 import torch
 from common import add_out_argument, idefics3_hf_config, machine, output_dir
+from torch.autograd.profiler import record_function
 
-from fusion import chunked_token_loss
+from fusion import chunked_token_loss, fused_token_loss
 from fusion.data import (
     IGNORE_INDEX,
     Collate,
@@ -150,6 +151,12 @@ FAMILIES = ("smolvlm", "qwen2_5_vl")
 PAD_ID = 2  # SmolVLM's <|im_end|> doubles as padding; any id works: padding is never a target
 BOS_ID, FAKE_ID, GLOBAL_ID, END_ID = 1, 49_189, 49_152, 49_279
 LR = 1e-5
+TRAIN_MODES = ("full", "lora")
+LOSSES = ("chunked", "fused")
+LORA_RANK, LORA_ALPHA = 8, 16.0
+QWEN_MAX_IMAGE = 448  # pixels: the default largest image side of the Qwen2.5-VL samples
+#: The profile's ranges (--profile), in the order reported.
+PROFILE_RANGES = ("vision_tower", "decoder", "loss", "backward", "optimizer")
 SHORT_WARMUP_ANSWER = 16  # --short-warmup: answer tokens kept in the warm-up sample
 #: SmolVLM-256M's layers kept on CPU (text, vision) unless --text-layers / --vision-layers.
 SMOLVLM_CPU_LAYERS = (6, 3)
@@ -246,6 +253,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-seq-len", type=int, default=None, help="packed rows' length (default 8192)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--train",
+        choices=TRAIN_MODES,
+        default="full",
+        help="full: the decoder and the connector train (the vision tower frozen); lora: "
+        f"rank-{LORA_RANK} adapters on the decoder's q and v projections alone (fusion.lora."
+        "apply_lora; transformers: peft's inject_adapter_in_model, the same layers)",
+    )
+    p.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="chunked",
+        help="fusion's loss: chunked (fusion.chunked_token_loss, checkpointed chunks) or fused "
+        "(fusion.fused_token_loss: the output's backward made in the forward)",
+    )
+    p.add_argument(
+        "--max-image",
+        type=int,
+        default=None,
+        help="Qwen2.5-VL: the largest image side in pixels, sides drawn from 224 up to it "
+        "(default 448; the users' workload: 1024)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also the timed steps' shares (torch.profiler record_function ranges): vision "
+        "tower forward, decoder forward, loss, backward, optimizer",
+    )
     p.add_argument("--only", choices=CONTESTANTS, nargs="+", default=list(CONTESTANTS))
     p.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -368,10 +403,13 @@ def answer_length(generator: torch.Generator, quick: bool) -> int:
     return max(length // 10, 2) if quick else length
 
 
-def make_samples(count: int, config: dict, seed: int, quick: bool) -> list[Sample]:
-    """``count`` samples of the fixed-seed length mix (see the module docstring)."""
+def make_samples(
+    count: int, config: dict, seed: int, quick: bool, max_image: int | None = None
+) -> list[Sample]:
+    """``count`` samples of the fixed-seed length mix (see the module docstring); Qwen2.5-VL's
+    images up to ``max_image`` pixels a side (None: :data:`QWEN_MAX_IMAGE`)."""
     if is_qwen(config):
-        return make_qwen_samples(count, config, seed, quick)
+        return make_qwen_samples(count, config, seed, quick, max_image)
     generator = torch.Generator().manual_seed(seed)
     image_id, vocab = config["image_token_id"], config["text_config"]["vocab_size"]
     rows, size = image_rows(config), config["vision_config"]["image_size"]
@@ -400,11 +438,14 @@ def make_samples(count: int, config: dict, seed: int, quick: bool) -> list[Sampl
     return samples
 
 
-def make_qwen_samples(count: int, config: dict, seed: int, quick: bool) -> list[Sample]:
+def make_qwen_samples(
+    count: int, config: dict, seed: int, quick: bool, max_image: int | None = None
+) -> list[Sample]:
     """Qwen2.5-VL samples: ``<|im_start|>``, the image (``<|vision_start|>``, its rows,
     ``<|vision_end|>``), the question, ``<|im_end|>``, ``<|im_start|>``, the answer and
-    ``<|im_end|>``. Each image is ``h x w`` patches, h and w drawn from 16 to 32 (even, so the
-    2 x 2 merge divides them; ``--quick``: 4 to 8), its patches random values."""
+    ``<|im_end|>``. Each image is ``h x w`` patches, h and w drawn from 16 (224 pixels) to
+    ``max_image`` pixels' patches (default :data:`QWEN_MAX_IMAGE`: 32; 1024 pixels: 72), even
+    so the 2 x 2 merge divides them (``--quick``: 4 to 8), its patches random values."""
     generator = torch.Generator().manual_seed(seed)
     vision, vocab = config["vision_config"], config["text_config"]["vocab_size"]
     merge, patch = vision["spatial_merge_size"], vision["patch_size"]
@@ -412,7 +453,8 @@ def make_qwen_samples(count: int, config: dict, seed: int, quick: bool) -> list[
     image_id = config["image_token_id"]
     start_id, end_id = config["vision_start_token_id"], config["vision_end_token_id"]
     im_start, im_end = qwen_chat_ids(config)
-    sides = list(range(4, 9, 2) if quick else range(16, 33, 2))
+    largest = (QWEN_MAX_IMAGE if max_image is None else max_image) // patch // merge * merge
+    sides = list(range(4, 9, 2) if quick else range(16, max(largest, 16) + 1, 2))
     text_high = 240 if quick else QWEN2_5_VL_IDS["pad_token_id"]  # below every special id
     samples: list[Sample] = []
     for _ in range(count):
@@ -455,7 +497,9 @@ def step_samples(args: argparse.Namespace, config: dict) -> list[list[Sample]]:
     """The warm-up step's samples (2; ``--short-warmup``: the first, its answer cut to
     :data:`SHORT_WARMUP_ANSWER` tokens), then each timed step's (the same either way)."""
     n = args.samples_per_step
-    samples = make_samples(2 + n * args.steps, config, args.seed, args.quick)
+    samples = make_samples(
+        2 + n * args.steps, config, args.seed, args.quick, getattr(args, "max_image", None)
+    )
     warmup = samples[:2]
     if args.short_warmup:
         warmup = [cut_answer(samples[0], SHORT_WARMUP_ANSWER)]
@@ -506,6 +550,7 @@ class StepSettings:
     pad: int  # the pad id of padded batches
     max_seq_len: int  # the most tokens per packed row
     feed: Iterator[MicroBatch] | None = None  # fusion's micro-batches, step by step
+    loss: str = "chunked"  # fusion's loss (--loss)
 
 
 #: A contestant's training step: (model, the step's samples, settings) -> (the step's loss, a
@@ -593,7 +638,8 @@ def transformers_padded_step(
     """One padded batch through transformers' model and its own loss."""
     inputs = hf_padded_inputs(model, samples, settings)
     out = model(**inputs)
-    out.loss.backward()
+    with record_function("backward"):
+        out.loss.backward()
     return out.loss.detach(), inputs["input_ids"].numel()
 
 
@@ -608,7 +654,8 @@ def transformers_padding_free_step(
     for row in pack_samples(samples, settings.max_seq_len):
         inputs = hf_padding_free_inputs(model, row, settings)
         out = model(**inputs, num_items_in_batch=targets)
-        out.loss.backward()
+        with record_function("backward"):
+            out.loss.backward()
         total += out.loss.detach()
         positions += inputs["input_ids"].numel()
     return total, positions
@@ -625,11 +672,20 @@ def fusion_step(model, samples: list[Sample], settings: StepSettings) -> tuple[t
     assert item.batch is not None and item.tokens == sum(len(s) for s in samples)
     batch = item.batch
     hidden = model(**batch.model_inputs())
-    loss_sum, _ = chunked_token_loss(
-        hidden, batch.labels, model.decoder.unembed, num_targets=batch.num_targets
-    )
-    loss = loss_sum / sum(sample.num_targets for sample in samples)
-    loss.backward()
+    targets = sum(sample.num_targets for sample in samples)
+    with record_function("loss"):
+        if settings.loss == "fused":
+            loss_sum, _ = fused_token_loss(
+                hidden, batch.labels, model.decoder.unembed, grad_scale=1 / targets,
+                num_targets=batch.num_targets,
+            )  # fmt: skip
+        else:
+            loss_sum, _ = chunked_token_loss(
+                hidden, batch.labels, model.decoder.unembed, num_targets=batch.num_targets
+            )
+        loss = loss_sum / targets
+    with record_function("backward"):
+        loss.backward()
     return loss.detach(), batch.tokens.numel()
 
 
@@ -707,6 +763,58 @@ def load_contestant(args: argparse.Namespace, device: torch.device):
     return model, model.encoders["image"].vision_model, None
 
 
+def add_lora(worker: str, model, seed: int) -> None:
+    """``--train lora``: rank-:data:`LORA_RANK` adapters on the decoder's q and v projections,
+    everything else frozen; fusion's ``apply_lora``, transformers' peft (its layers, in place:
+    the model class unchanged). Both start with B = 0, so the first loss is the base model's."""
+    torch.manual_seed(seed)
+    if worker.startswith("fusion_"):
+        from fusion.lora import apply_lora
+
+        apply_lora(model, ("q_proj", "v_proj"), rank=LORA_RANK, alpha=LORA_ALPHA)
+        return
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(
+        r=LORA_RANK,
+        lora_alpha=LORA_ALPHA,
+        target_modules=r".*language_model.*\.(q_proj|v_proj)",
+        lora_dropout=0.0,
+    )
+    inject_adapter_in_model(config, model)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+
+
+def profiled_modules(worker: str, model, tower) -> dict[str, torch.nn.Module]:
+    """The modules whose forward is a --profile range: the vision tower, the decoder and (for
+    transformers, whose cross-entropy is inside its forward) the output layer as "loss"."""
+    if worker.startswith("fusion_"):
+        return {"vision_tower": tower, "decoder": model.decoder}
+    inner = model.model
+    decoder = getattr(inner, "language_model", None) or getattr(inner, "text_model", None)
+    return {"vision_tower": tower, "decoder": decoder, "loss": model.lm_head}
+
+
+def profile_ranges(modules: dict[str, torch.nn.Module]) -> None:
+    """A ``record_function`` range around each module's forward, by forward hooks."""
+    for name, module in modules.items():
+        active: list = []
+        module.register_forward_pre_hook(
+            lambda *_, name=name, active=active: active.append(record_function(name).__enter__())
+        )
+        module.register_forward_hook(
+            lambda *_, active=active: active.pop().__exit__(None, None, None)
+        )
+
+
+def profile_seconds(profiler) -> dict[str, float]:
+    """Seconds per :data:`PROFILE_RANGES` range over the timed steps (CPU time of the range's
+    own thread, its children included)."""
+    totals = {event.key: event.cpu_time_total / 1e6 for event in profiler.key_averages()}
+    return {name: totals.get(name, 0.0) for name in PROFILE_RANGES}
+
+
 def run_worker(args: argparse.Namespace) -> None:
     """One contestant, in this process: load, train, write the measurements to ``--result``."""
     load_start = os.getloadavg()
@@ -728,6 +836,8 @@ def run_worker(args: argparse.Namespace) -> None:
     if trained_in_tower is not None:
         for param in trained_in_tower.parameters():
             param.requires_grad_(True)
+    if args.train == "lora":
+        add_lora(args.worker, model, args.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR)
     loaded = rss_bytes()
@@ -740,17 +850,26 @@ def run_worker(args: argparse.Namespace) -> None:
             checks["same_weights_check"] = check_padding_free(model, steps[1][:2], settings)
     times, cpu_times, losses, positions = [], [], [], []
     stack = ExitStack()
+    settings = dataclasses.replace(settings, loss=args.loss)
     if args.worker.startswith("fusion_"):
         model.skip_output_layer = True  # hidden states for the chunked loss
         feed = stack.enter_context(fusion_feed(steps, settings, args.worker == "fusion_packed"))
         settings = dataclasses.replace(settings, feed=feed)
+    profiler = None
+    if args.profile:
+        profile_ranges(profiled_modules(args.worker, model, tower))
     for i, samples in enumerate(steps):
+        if i == 1 and args.profile:  # the timed steps, under the profiler
+            profiler = stack.enter_context(
+                torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            )
         sync(device)
         start, cpu_start = time.perf_counter(), cpu_seconds()
         with autocast:
             loss, computed = step(model, samples, settings)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         sync(device)
         if i:  # step 0 is the warm-up
             times.append(time.perf_counter() - start)
@@ -771,6 +890,7 @@ def run_worker(args: argparse.Namespace) -> None:
         "peak_memory_bytes": peak_bytes(device),
         "rss_after_load_bytes": loaded,
         "trainable_parameters": sum(p.numel() for p in trainable),
+        "profile_s": None if profiler is None else profile_seconds(profiler),
         "load_average_start": load_start,
         "load_average_end": os.getloadavg(),
         **checks,
@@ -799,6 +919,9 @@ def run_contestant(args: argparse.Namespace, name: str, workdir: Path) -> dict:
         if getattr(args, option) is not None:
             command += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     command += ["--short-warmup"] if args.short_warmup else []
+    command += ["--train", args.train, "--loss", args.loss]
+    command += [] if args.max_image is None else ["--max-image", str(args.max_image)]
+    command += ["--profile"] if args.profile else []
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{name} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
@@ -992,7 +1115,8 @@ def format_table(report: dict) -> str:
         f"{m['text_layers']} text + {m['vision_layers']} vision layers, "
         f"{s['device']} {s['dtype']}, {s['threads']} threads, "
         f"{s['samples_per_step']} samples/step, {s['steps']} timed steps, packed rows <= "
-        f"{s['max_seq_len']}, {rounds} round{'s' * (rounds > 1)} (median [range])",
+        f"{s['max_seq_len']}, {rounds} round{'s' * (rounds > 1)} (median [range]), --train "
+        f"{s['train']}, fusion's loss {s['loss']}",
         f"{'contestant':26} {'tokens/s':>22} {'tokens/CPU-s':>22} {'positions':>9} "
         f"{'padding':>7} {'peak MiB':>18} {'loss':>8}",
     ]
@@ -1013,6 +1137,11 @@ def format_table(report: dict) -> str:
             cells = [spread(r, f"x_{prefix}_{key}", digits=2) for key in MEASURES.values()]
             label = f"{name} / {baseline}"
             lines.append(f"{label:50} {cells[0]:>22} {cells[1]:>22} {cells[2]:>22}")
+    for name, r in report["results"].items():
+        if r.get("profile_s"):  # the first round's, under the profiler
+            step = sum(r["step_s"][: len(r["tokens"])])
+            shares = ", ".join(f"{k} {v / step:.0%}" for k, v in r["profile_s"].items())
+            lines.append(f"profile {name}: {shares} of {step:.1f} s (round 0, profiled)")
     check = report.get("padding_free_first_loss")
     if check is not None:
         worst = max(r["relative_difference"] for r in check["rounds"])

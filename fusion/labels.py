@@ -1,6 +1,7 @@
 """Targets for next-token training of a decoder or an early-fusion model."""
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -204,6 +205,24 @@ def chunked_token_loss(
             forward (the message says what to change).
     """
     _check_chunked_loss_arguments(hidden, labels, unembed, ignore_index, chunk_size, num_targets)
+    rows, targets, count = _target_rows(hidden, labels, ignore_index, num_targets)
+    pieces = zip(rows.split(chunk_size), targets.split(chunk_size), strict=True)
+    total = torch.zeros((), dtype=torch.float32, device=labels.device)
+    for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
+        if torch.is_grad_enabled():
+            # Saves only the chunk's rows and targets; its logits are recomputed in backward.
+            part = checkpoint(_chunk_loss, chunk_rows, chunk_targets, unembed, use_reentrant=False)
+        else:
+            part = _chunk_loss(chunk_rows, chunk_targets, unembed)
+        total = total + part
+    return total, count
+
+
+def _target_rows(
+    hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int, num_targets: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hidden states at the target positions [n, d] (gathered once, in the graph), their
+    int64 targets [n] and the count (0-d), with ``num_targets`` checked against it."""
     tokens = labels.numel()  # b * s: the checks matched labels' shape to hidden's
     flat_labels = labels.reshape(tokens)
     targeted = flat_labels != ignore_index
@@ -223,16 +242,7 @@ def chunked_token_loss(
     # Gathered once: chunks are slices of these, whose gradients the backward concatenates.
     rows = hidden.reshape(tokens, hidden.size(-1)).index_select(0, positions)  # [n, d]
     targets = flat_labels.index_select(0, positions).long()  # [n]
-    pieces = zip(rows.split(chunk_size), targets.split(chunk_size), strict=True)
-    total = torch.zeros((), dtype=torch.float32, device=labels.device)
-    for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
-        if torch.is_grad_enabled():
-            # Saves only the chunk's rows and targets; its logits are recomputed in backward.
-            part = checkpoint(_chunk_loss, chunk_rows, chunk_targets, unembed, use_reentrant=False)
-        else:
-            part = _chunk_loss(chunk_rows, chunk_targets, unembed)
-        total = total + part
-    return total, count
+    return rows, targets, count
 
 
 def _check_chunked_loss_arguments(
@@ -299,6 +309,11 @@ def _chunk_loss(
     unembed: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The summed float32 cross-entropy of one chunk: rows [n, d], targets [n]."""
+    return _SummedCrossEntropy.apply(_chunk_logits(rows, unembed)[0], targets)
+
+
+def _chunk_logits(rows: torch.Tensor, unembed: Callable[[torch.Tensor], torch.Tensor]):
+    """``unembed`` of one chunk's rows [n, d]: float32 logits [1, n, vocab], checked."""
     try:
         logits = unembed(rows[None])
     except RuntimeError as error:
@@ -306,6 +321,13 @@ def _chunk_loss(
         if isinstance(owner, nn.Module) and any(is_dtensor(p) for p in owner.parameters()):
             raise RuntimeError(f"unembed: {_SHARDED_OUTPUT} ({error})") from error
         raise
+    if is_dtensor(logits):
+        raise TypeError(
+            "unembed: returned a DTensor (logits left sharded by tensor parallelism); the "
+            "loss needs plain logits: gather them in the output layer's plan "
+            "(output_layouts=Replicate(), use_local_output=True, as fusion.parallel.apply_tp "
+            "does)"
+        )
     if (
         not isinstance(logits, torch.Tensor)
         or logits.dim() != 3
@@ -314,7 +336,39 @@ def _chunk_loss(
     ):
         got = describe(logits) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"unembed: expected logits [1, {rows.size(0)}, vocab], got {got}")
-    return _SummedCrossEntropy.apply(logits[0].float(), targets)
+    return logits.float()
+
+
+def _check_no_collective_backward(unembed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """:func:`fused_token_loss`'s refusal of an output layer that is its own FSDP2 unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    # The unit whose forward hooks on its inputs run its reduce-scatter after their backward:
+    # the output module itself (an untied decoder's, or one passed as ``unembed``). A tied
+    # output reads the embedding's weight in the root's unit, which reduce-scatters once, at
+    # the end of the step's backward.
+    owner = getattr(unembed, "__self__", None)
+    layer = unembed if isinstance(unembed, nn.Module) else getattr(owner, "output", None)
+    if isinstance(layer, FSDPModule):
+        raise ValueError(
+            "unembed: the output layer is its own FSDP2 unit, whose backward reduce-scatters; "
+            "fused_token_loss runs it chunk by chunk in the forward, where processes with "
+            "different numbers of chunks would deadlock. Use chunked_token_loss, or shard the "
+            "output with the root unit (tie it, or fusion.parallel.apply_fsdp(per_module=False))"
+        )
+
+
+def _check_incoming_gradient(grad_scale: float, grad: torch.Tensor) -> None:
+    """:func:`fused_token_loss`'s backward: the sum must receive the ``grad_scale`` its output
+    parameters' gradient was made with."""
+    check_values(
+        (grad - grad_scale).abs() <= 1e-6 * grad_scale,
+        f"fused_token_loss: the output layer's gradient was made in the forward for an "
+        f"incoming gradient of grad_scale={grad_scale!r}; pass the factor the sum is "
+        f"multiplied by before its backward",
+        eager=host_reads_are_free(grad.device),
+        details=lambda: f", got {float(grad)}",
+    )
 
 
 class _SummedCrossEntropy(torch.autograd.Function):
@@ -340,3 +394,99 @@ class _SummedCrossEntropy(torch.autograd.Function):
         rows = torch.arange(targets.numel(), device=targets.device)
         grad_logits[rows, targets] -= grad
         return grad_logits, None
+
+
+def fused_token_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    unembed: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    grad_scale: float = 1.0,
+    ignore_index: int = -100,
+    chunk_size: int = 1024,
+    num_targets: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunked_token_loss` with the output layer's backward done in the forward: a fused
+    linear cross-entropy. Each chunk of ``chunk_size`` target rows is projected once
+    (``unembed`` called as the model calls it, so FSDP2 gathers the output, a tensor-parallel
+    one gathers the chunk's logits and adapters run), its logits turned into their gradient in
+    place (softmax minus one at the target, times ``grad_scale``) and back-propagated through
+    ``unembed`` at once (``torch.autograd.backward``): the output's parameters receive their
+    gradient during this call, the rows' gradient is kept (``[n, d]``) for the backward pass,
+    and the logits are freed before the next chunk. No ``[tokens, vocab]`` tensor is ever held,
+    and, unlike the checkpointed chunks of :func:`chunked_token_loss`, no chunk is projected a
+    second time in the backward: one output-sized matrix product fewer per target.
+
+    The price of doing the backward early is that its scale must be known now:
+    ``grad_scale`` is the gradient the returned sum will receive, e.g. ``world_size /
+    num_targets`` when the sum is divided by the step's targets before its ``backward``
+    (:func:`fusion.training.accumulate_step`'s). The hidden states' gradient follows whatever
+    the sum receives; the output parameters' was made with ``grad_scale``, and an incoming
+    gradient that differs (relative difference above 1e-6) is an error in the backward
+    (eagerly on CPU, a device-side assertion on accelerators). Under ``torch.no_grad`` (eval)
+    nothing is back-propagated and ``grad_scale`` is not used.
+
+    Arguments, return value and the shape errors are :func:`chunked_token_loss`'s, plus:
+
+    Args:
+        grad_scale: the gradient the returned sum receives in its backward (a positive finite
+            number).
+
+    Raises:
+        ValueError: ``grad_scale`` not a positive finite number; in the backward, the sum
+            received another gradient than ``grad_scale``.
+        TypeError: ``unembed`` returned a DTensor (a tensor-parallel output that keeps its
+            logits sharded, ``use_local_output=False``): gather them to plain logits, as
+            :func:`fusion.parallel.apply_tp`'s plan does.
+        ValueError: the output layer is its own FSDP2 unit (``apply_fsdp``'s per-module plan
+            with an untied output), whose backward reduce-scatters: run chunk by chunk in the
+            forward, processes with different numbers of chunks would wait on each other
+            forever. The output in the root unit (tied, or ``per_module=False``) and a
+            tensor-parallel output work. Under DDP the same holds for its all-reduce, which
+            cannot be seen from ``unembed``: use :func:`chunked_token_loss` there.
+    """
+    _check_chunked_loss_arguments(hidden, labels, unembed, ignore_index, chunk_size, num_targets)
+    if (
+        isinstance(grad_scale, bool)
+        or not isinstance(grad_scale, int | float)
+        or not 0 < grad_scale < float("inf")
+    ):
+        raise ValueError(f"grad_scale: expected a positive finite number, got {grad_scale!r:.40}")
+    if torch.is_grad_enabled():
+        _check_no_collective_backward(unembed)
+    rows, targets, count = _target_rows(hidden, labels, ignore_index, num_targets)
+    pieces = list(zip(rows.detach().split(chunk_size), targets.split(chunk_size), strict=True))
+    total = torch.zeros((), dtype=torch.float32, device=labels.device)
+    if not torch.is_grad_enabled():
+        for chunk_rows, chunk_targets in pieces:
+            total = total + _chunk_loss(chunk_rows, chunk_targets, unembed)
+        return total, count
+    rows_grad, trained = [], False
+    for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
+        leaf = chunk_rows.detach().requires_grad_(rows.requires_grad)
+        logits = _chunk_logits(leaf, unembed)
+        # _SummedCrossEntropy's arithmetic: the log-probabilities become the gradient in place.
+        log_probs = torch.log_softmax(logits.detach()[0], dim=-1)
+        total = total + F.nll_loss(log_probs, chunk_targets, reduction="sum")
+        if logits.requires_grad:
+            grad = log_probs.exp_().mul_(grad_scale)
+            grad[torch.arange(grad.size(0), device=grad.device), chunk_targets] -= grad_scale
+            # Into the [1, n, vocab] logits themselves: a gradient of logits[0] would be copied
+            # into a new [1, n, vocab] tensor by the indexing's backward.
+            torch.autograd.backward(logits, grad[None])
+            trained = True
+            del grad
+        del logits, log_probs
+        if leaf.requires_grad:
+            assert leaf.grad is not None
+            rows_grad.append(leaf.grad)
+    if rows.requires_grad:
+        # No autograd.Function: the sum's gradient reaches the rows as ``incoming * G`` through
+        # a term that is exactly zero in the forward (G the rows' gradient of the sum).
+        link = (rows * (torch.cat(rows_grad) / grad_scale)).sum()
+        total = total + (link - link.detach())
+    elif trained:  # only the output trains: the sum still takes a backward, and checks it
+        total = total + torch.zeros((), device=total.device, requires_grad=True)
+    if total.requires_grad:
+        total.register_hook(partial(_check_incoming_gradient, grad_scale))
+    return total, count

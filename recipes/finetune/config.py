@@ -134,6 +134,13 @@ class FinetuneConfig:
     activation_checkpointing: bool = _run(
         False, "recompute each decoder layer's activations in the backward pass"
     )
+    fused_loss: bool = _run(
+        True,
+        "on CPU in one process, the fused linear cross-entropy (fusion.fused_token_loss: the "
+        "output layer's backward made chunk by chunk in the forward, each chunk projected "
+        "once); --no-fused-loss, and always elsewhere: the checkpointed chunked loss "
+        "(fusion.chunked_token_loss)",
+    )
 
     output_dir: str | None = _session(
         None,

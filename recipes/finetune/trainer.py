@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusion import chunked_token_loss, data, training
+from fusion import chunked_token_loss, data, fused_token_loss, training
 from fusion._wrappers import decoder_of
 from fusion.checkpoint import CheckpointError
 from fusion.checkpoint.hf_model import HfDirectory
@@ -135,15 +135,30 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
 # ------------------------------------------------------------------------------------ steps
 
 
-def _forward_loss(run: Setup, batch: Batch) -> torch.Tensor:
+def fused_loss(config: FinetuneConfig, runtime: Runtime) -> bool:
+    """Whether the run's loss is :func:`fusion.fused_token_loss` (``--fused-loss``, on CPU in
+    one process: its per-chunk backward of the output would make one collective a chunk
+    under DDP or an FSDP2 output unit) rather than :func:`fusion.chunked_token_loss`."""
+    return config.fused_loss and runtime.device.type == "cpu" and not runtime.distributed
+
+
+def _forward_loss(run: Setup, batch: Batch, grad_scale: float | None = None) -> torch.Tensor:
     """The summed cross-entropy of ``batch``'s targets (0-d, float32), projected to the
-    vocabulary only where a target is (:func:`fusion.chunked_token_loss`, no device sync)."""
+    vocabulary only where a target is, no device sync: :func:`fusion.fused_token_loss` when
+    :func:`fused_loss` and a ``grad_scale`` (the factor the sum is multiplied by before its
+    backward) is given, else :func:`fusion.chunked_token_loss`."""
     enabled = run.config.dtype == "bfloat16"
     with torch.autocast(run.runtime.device.type, dtype=torch.bfloat16, enabled=enabled):
         hidden = run.model(**batch.model_inputs())
-        loss_sum, _ = chunked_token_loss(
-            hidden, batch.labels, run.decoder.unembed, num_targets=batch.num_targets
-        )
+        if grad_scale is not None and fused_loss(run.config, run.runtime):
+            loss_sum, _ = fused_token_loss(
+                hidden, batch.labels, run.decoder.unembed, grad_scale=grad_scale,
+                num_targets=batch.num_targets,
+            )  # fmt: skip
+        else:
+            loss_sum, _ = chunked_token_loss(
+                hidden, batch.labels, run.decoder.unembed, num_targets=batch.num_targets
+            )
     return loss_sum
 
 
@@ -156,8 +171,10 @@ def train_step(run: Setup, step: int) -> tuple[torch.Tensor, int, int]:
     assert run.stream is not None
     samples = run.train_data.samples
     num_targets = sum(samples[i].num_targets for i in run.plan[step].samples)
+    # accumulate_step's factor on each micro-batch's sum: the fused loss's gradient scale.
+    grad_scale = runtime.world_size / num_targets
     loss_sum, tokens, slots = training.accumulate_step(
-        run.stream, step, config.grad_accum, partial(_forward_loss, run),
+        run.stream, step, config.grad_accum, partial(_forward_loss, run, grad_scale=grad_scale),
         num_targets=num_targets, runtime=runtime,
     )  # fmt: skip
     loss = training.optimizer_step(

@@ -189,3 +189,21 @@ def test_preprocessing_quick(tmp_path):
         assert len(r["fusion_s"]) == len(r["transformers_s"]) == report["settings"]["rounds"]
         assert r["fusion_median_s"] > 0 and r["ratio_transformers_to_fusion"] > 0
         assert r["processor"] in stdout
+
+
+def test_finetune_qwen_lora_fused_profile_quick(tmp_path):
+    """Qwen2.5-VL with LoRA adapters (fusion's and peft's), fusion's fused loss and the
+    profile's shares: the same first loss everywhere (adapters start at zero), every range
+    seen."""
+    args = ("--quick", "--family", "qwen2_5_vl", "--train", "lora", "--loss", "fused")
+    stdout = run_script("finetune.py", *args, "--profile", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "finetune_qwen2_5_vl.json").read_text())
+    assert report["settings"]["train"] == "lora" and report["settings"]["loss"] == "fused"
+    assert report["first_step_losses_agree"]
+    assert_padding_free_matches_padded(report, rounds=1)
+    trainable = {r["trainable_parameters"] for r in report["results"].values()}
+    assert len(trainable) == 1  # the same adapters on both sides
+    for name, r in report["results"].items():
+        assert set(r["profile_s"]) == {"vision_tower", "decoder", "loss", "backward", "optimizer"}
+        assert r["profile_s"]["decoder"] > 0 and r["profile_s"]["backward"] > 0
+        assert f"profile {name}:" in stdout

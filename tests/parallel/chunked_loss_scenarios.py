@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from fusion import TransformerDecoder, chunked_token_loss, masked_token_loss
+from fusion import TransformerDecoder, chunked_token_loss, fused_token_loss, masked_token_loss
 from fusion.parallel import apply_fsdp, apply_tp
 from parallel.sharding_scenarios import (
     BATCH,
@@ -55,6 +55,7 @@ class Case:
     tied: bool
     starved: bool = False  # rank 1's samples have no target
     resharded_root: bool = False
+    fused: bool = False  # fusion.fused_token_loss instead (the output's backward in the forward)
 
     @property
     def name(self) -> str:
@@ -63,6 +64,7 @@ class Case:
             f"{self.plan}-{self.model}-{tied}"
             + ("-resharded" if self.resharded_root else "")
             + ("-starved" if self.starved else "")
+            + ("-fused" if self.fused else "")
         )
 
     @property
@@ -88,12 +90,28 @@ CASES = [
     Case("tp", "decoder", tied=False),
     Case("tp", "fusion", tied=False),
     Case("fsdp_tp", "fusion", tied=False),
+    # The fused loss: the output layer's backward runs inside the loss's forward, chunk by
+    # chunk: with the output in the root FSDP2 unit (tied, or per_module=False) and tensor
+    # parallel. (Not DDP, whose all-reduce would run per chunk: refused in its docstring.)
+    Case("fsdp", "fusion", tied=True, fused=True),
+    Case("fsdp", "decoder", tied=True, starved=True, fused=True),
+    Case("fsdp_root", "fusion", tied=False, fused=True),
+    Case("tp", "decoder", tied=False, fused=True),
 ]
 # Sharded where the output projection cannot gather its weight: refused by name.
 REFUSED = [
     Case("fsdp", "decoder", tied=True, resharded_root=True),
     Case("fsdp", "fusion", tied=True, resharded_root=True),
     Case("fsdp_root", "fusion", tied=False, resharded_root=True),
+]
+
+
+# The fused loss where the output is its own FSDP2 unit: refused by name (a reduce-scatter per
+# chunk, in the forward: ranks with different numbers of chunks would deadlock).
+FUSED_REFUSED = [
+    Case("fsdp", "decoder", tied=False, fused=True),
+    Case("fsdp", "fusion", tied=False, starved=True, fused=True),
+    Case("fsdp_tp", "fusion", tied=False, fused=True),
 ]
 
 
@@ -162,10 +180,17 @@ def run_case(case: Case, mesh: DeviceMesh) -> dict:
         hidden = model(tokens, **kwargs)
         assert hidden.shape == (*tokens.shape, decoder.embed_dim)
         num_targets = int((labels != -100).sum())  # the host count a recipe has
-        total, count = chunked_token_loss(
-            hidden, labels, decoder.unembed, chunk_size=CHUNK, num_targets=num_targets
-        )
-        (total * (averaged / step_targets)).backward()
+        scale = averaged / step_targets
+        if case.fused:
+            total, count = fused_token_loss(
+                hidden, labels, decoder.unembed, grad_scale=scale, chunk_size=CHUNK,
+                num_targets=num_targets,
+            )  # fmt: skip
+        else:
+            total, count = chunked_token_loss(
+                hidden, labels, decoder.unembed, chunk_size=CHUNK, num_targets=num_targets
+            )
+        (total * scale).backward()
         sums.append(total.detach())
         counts.append(count)
     return {
@@ -179,7 +204,7 @@ def run_case(case: Case, mesh: DeviceMesh) -> dict:
 def run_all(rank: int, world_size: int, init_file: str, out_dir: Path) -> None:
     mesh = join_group(rank, world_size, init_file)
     jobs: dict[str, Callable[[], dict]] = {
-        c.name: (lambda c=c: run_case(c, mesh)) for c in [*CASES, *REFUSED]
+        c.name: (lambda c=c: run_case(c, mesh)) for c in [*CASES, *REFUSED, *FUSED_REFUSED]
     }
     run_jobs(jobs, rank, out_dir)
 

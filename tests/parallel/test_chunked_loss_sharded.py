@@ -1,11 +1,12 @@
-"""fusion.chunked_token_loss over the hidden states of sharded models (FSDP2, DDP, tensor
-parallelism) on 2 gloo processes, against the full-logits step in one process (loss and
-every gradient), and the FSDP2 plans it cannot run under refused by name."""
+"""fusion.chunked_token_loss and fusion.fused_token_loss over the hidden states of sharded
+models (FSDP2, DDP, tensor parallelism; the fused loss: FSDP2 with the output in the root
+unit, tensor parallelism) on 2 gloo processes, against the full-logits step in one process
+(loss and every gradient), and the plans they cannot run under refused by name."""
 
 import pytest
 import torch
 
-from parallel.chunked_loss_scenarios import CASES, REFUSED, reference
+from parallel.chunked_loss_scenarios import CASES, FUSED_REFUSED, REFUSED, reference
 from parallel.conftest import run_scenarios
 from parallel.sharding_scenarios import TOLERANCE
 
@@ -49,3 +50,11 @@ def test_outputs_resharded_with_the_root_are_refused_by_name(chunked_runs, case)
         message = outcome["message"]
         assert message.startswith("unembed: the output projection failed on sharded"), message
         assert "set_reshard_after_forward(False, recurse=False)" in message
+
+
+@pytest.mark.parametrize("case", FUSED_REFUSED, ids=lambda c: c.name)
+def test_fused_loss_refuses_an_output_that_is_its_own_fsdp_unit(chunked_runs, case):
+    for result in chunked_runs.ranks:
+        outcome = result[case.name]
+        assert not outcome["ok"] and outcome["error_type"] == "ValueError"
+        assert outcome["message"].startswith("unembed: the output layer is its own FSDP2 unit")

@@ -239,3 +239,18 @@ def test_resume_from_another_working_directory(model_dirs, tmp_path, monkeypatch
     args = ["--resume", "--output-dir", str(first / "run"), "--threads", "1", "--no-progress"]
     assert main(args) == 0
     assert ft.metrics(first / "run")["losses"] == done
+
+
+@pytest.mark.parametrize("train", ["full", "lora"])
+def test_fused_loss_trains_as_the_chunked_loss(model_dirs, tmp_path, ft, train):
+    """The default on CPU (fusion.fused_token_loss) and --no-fused-loss (the checkpointed
+    chunked loss): the same losses, step after step, fully fine-tuned and with LoRA."""
+    data = ft.write_data(tmp_path / "data")
+    losses = {}
+    for flag in ("--fused-loss", "--no-fused-loss"):
+        out = tmp_path / flag
+        argv = ft.recipe_args(model_dirs["llava"], data, out, "--train", train, "--steps", "3")
+        assert main([*argv, "--lr", "1e-2", flag]) == 0
+        losses[flag] = ft.metrics(out)["losses"]
+    assert len(losses["--fused-loss"]) == 3
+    assert losses["--fused-loss"] == pytest.approx(losses["--no-fused-loss"], rel=1e-5)

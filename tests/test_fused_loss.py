@@ -1,0 +1,188 @@
+"""fusion.fused_token_loss: the fused linear cross-entropy (the output layer's backward made
+chunk by chunk in the forward) equals F.cross_entropy over full logits in fp32, loss and
+gradients (hidden states and the output module's parameters, tied, untied, with a LoRA
+adapter), never holds all the logits, and projects each chunk once."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from test_chunked_loss import LiveFloats, head, problems, step_grads
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from fusion import chunked_token_loss, fused_token_loss, masked_token_loss
+from fusion.lora import apply_lora
+from helpers import build_tiny_decoder, text_tokens
+
+RELATIVE = dict(rtol=1e-6, atol=1e-7)  # fp32: the same terms summed in another order
+
+
+def assert_relative(got: torch.Tensor, want: torch.Tensor, scale: float = 1.0) -> None:
+    """Within 1e-6 relative; elements near zero (sums of terms of order ``scale`` that
+    cancel, summed in another order: chunk by chunk) within 1e-6 x ``scale``, the tolerance
+    of chunked_token_loss's tests."""
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * scale)
+
+
+def full_logits_loss(hidden: torch.Tensor, labels: torch.Tensor, output) -> torch.Tensor:
+    """The reference: F.cross_entropy over every position's logits, summed."""
+    logits = output(hidden).float()
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+@given(problems(), st.sampled_from([1.0, 0.25, 3.0]), st.booleans())
+def test_equals_cross_entropy_over_full_logits(problem, scale, bias):
+    """Random targets, rows without any target, batches without targets, any chunk size: the
+    sum, the count and the gradients of the hidden states, the weight and the bias."""
+    hidden, labels = problem["hidden"], problem["labels"]
+    dim, vocab = problem["output"].in_features, problem["output"].out_features
+    torch.manual_seed(vocab)
+    output = nn.Linear(dim, vocab, bias=bias)
+    params = list(output.parameters())
+    total, count = fused_token_loss(
+        hidden, labels, output, grad_scale=scale, chunk_size=problem["chunk_size"],
+        num_targets=problem["num_targets"],
+    )  # fmt: skip
+    fused_grads = torch.autograd.grad(total * scale, [hidden], allow_unused=True)
+    fused_params = [p.grad.clone() for p in params]  # made during the forward
+    expected = full_logits_loss(hidden, labels, output)
+    assert total.dtype == torch.float32 and total.shape == ()
+    assert int(count) == int((labels != -100).sum())
+    torch.testing.assert_close(total, expected.detach(), **RELATIVE)
+    want = torch.autograd.grad(expected * scale, [hidden, *params], allow_unused=True)
+    for got, reference in zip([*fused_grads, *fused_params], want, strict=True):
+        reference = torch.zeros_like(got) if reference is None else reference
+        assert torch.isfinite(got).all()
+        assert_relative(got, reference, scale)
+
+
+def test_a_whole_batch_without_targets():
+    """Zero sum, zero (not missing) gradients, and the output still called."""
+    output = head(4, 9, seed=1)
+    calls = []
+    output.register_forward_hook(lambda *_: calls.append(1))
+    hidden = torch.randn(2, 5, 4, requires_grad=True)
+    total, count = fused_token_loss(hidden, torch.full((2, 5), -100), output, num_targets=0)
+    total.backward()
+    assert float(total.detach()) == 0 and int(count) == 0 and calls == [1]
+    assert hidden.grad is not None and not hidden.grad.any()
+    assert output.weight.grad is not None and not output.weight.grad.any()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_through_a_decoder_equals_its_logits_path(tied):
+    """``decoder.unembed``: the untied output module, or the tied embedding's weight."""
+    decoder = build_tiny_decoder(tie_word_embeddings=tied)
+    tokens, labels = text_tokens(3, 12, seed=1), text_tokens(3, 12, seed=2)
+    labels[0, :7] = -100
+    labels[1] = -100  # a row with no target
+    total, count = masked_token_loss(decoder(tokens), labels)
+    expected = step_grads(decoder, total / count)
+    decoder.skip_output_layer = True
+    fused, _ = fused_token_loss(
+        decoder(tokens), labels, decoder.unembed, grad_scale=1 / int(count), chunk_size=4,
+        num_targets=int(count),
+    )  # fmt: skip
+    torch.testing.assert_close(fused, total, **RELATIVE)
+    actual = step_grads(decoder, fused / count)
+    assert actual.keys() == expected.keys()
+    assert ("output.weight" in actual) != tied
+    for name, grad in expected.items():
+        assert grad.abs().sum() > 0, name
+        assert_relative(actual[name], grad, max(1.0, float(grad.abs().max())))
+
+
+def test_lora_on_the_output_layer():
+    """The output called as a module: its adapter runs and trains, the frozen base does not."""
+    decoder = build_tiny_decoder(tie_word_embeddings=False)
+    apply_lora(decoder, "output", rank=2)
+    with torch.no_grad():  # a nonzero B, so that the adapter changes the logits
+        decoder.output.lora_b.weight.normal_()
+    tokens, labels = text_tokens(2, 10, seed=3), text_tokens(2, 10, seed=4)
+    labels[1, :6] = -100
+    total, count = masked_token_loss(decoder(tokens), labels)
+    expected = step_grads(decoder, total / count)
+    assert {"output.lora_a.weight", "output.lora_b.weight"} <= expected.keys()
+    decoder.skip_output_layer = True
+    fused, _ = fused_token_loss(
+        decoder(tokens), labels, decoder.unembed, grad_scale=1 / int(count), chunk_size=3
+    )
+    torch.testing.assert_close(fused, total, **RELATIVE)
+    actual = step_grads(decoder, fused / count)
+    assert actual.keys() == expected.keys() and "output.weight" not in actual
+    for name, grad in expected.items():
+        assert_relative(actual[name], grad, max(1.0, float(grad.abs().max())))
+
+
+def test_only_the_output_trains():
+    """Hidden states without a gradient: the sum still takes its backward (and checks it)."""
+    output = head(4, 9, seed=2)
+    hidden, labels = torch.randn(2, 6, 4), torch.randint(0, 9, (2, 6))
+    total, _ = fused_token_loss(hidden, labels, output)
+    total.backward()
+    weight = output.weight.detach().requires_grad_()
+    reference = F.cross_entropy(hidden.flatten(0, 1) @ weight.T, labels.flatten(), reduction="sum")
+    reference.backward()
+    assert_relative(output.weight.grad, weight.grad)
+
+
+def test_eval_under_no_grad():
+    output = head(4, 9, seed=3)
+    hidden, labels = torch.randn(2, 6, 4), torch.randint(0, 9, (2, 6))
+    with torch.no_grad():
+        total, _ = fused_token_loss(hidden, labels, output, chunk_size=5)
+    torch.testing.assert_close(total, full_logits_loss(hidden, labels, output).detach())
+    assert output.weight.grad is None and not total.requires_grad
+
+
+def test_another_incoming_gradient_is_an_error():
+    """The output's gradient was made for ``grad_scale``: a sum scaled otherwise fails in its
+    backward (eagerly on CPU) instead of training with a wrong gradient."""
+    output = head(4, 9, seed=4)
+    hidden = torch.randn(1, 6, 4, requires_grad=True)
+    labels = torch.randint(0, 9, (1, 6))
+    total, _ = fused_token_loss(hidden, labels, output, grad_scale=0.5)
+    with pytest.raises(ValueError, match=r"grad_scale=0.5; pass the factor .* got 1.0"):
+        total.backward()
+    total, _ = fused_token_loss(hidden, labels, output, grad_scale=1 / 6)
+    (total / 6).backward()  # the float32 rounding of 1 / 6 is within the tolerance
+
+
+@pytest.mark.parametrize("scale", [0, -1.0, float("inf"), float("nan"), True, "1"])
+def test_bad_grad_scale(scale):
+    output = head(4, 9, seed=5)
+    with pytest.raises(ValueError, match="grad_scale: expected a positive finite number"):
+        fused_token_loss(torch.randn(1, 3, 4), torch.zeros(1, 3, dtype=torch.int64), output,
+                         grad_scale=scale)  # fmt: skip
+
+
+def test_no_tensor_of_all_logits_and_one_projection_per_chunk():
+    """Nothing above one chunk's logits is allocated; the step's matrix products are three
+    per chunk (logits, their gradient to the rows and to the weight) where the checkpointed
+    chunks of chunked_token_loss need four (the logits again in the backward)."""
+    batch, seq_len, dim, vocab, chunk = 2, 256, 16, 2048, 32
+    tokens = batch * seq_len
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(batch, seq_len, dim, generator=generator, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, seq_len), generator=generator)
+    output = head(dim, vocab, seed=0)
+    live = LiveFloats()
+    with live:
+        total, _ = fused_token_loss(hidden, labels, output, chunk_size=chunk, num_targets=tokens)
+        total.backward()
+    assert live.largest <= max(chunk * vocab, vocab * dim)
+    # Live at once: one chunk's logits and their log-probabilities (which become their
+    # gradient in place), the weight's gradient, the chunk's share of it and its transpose,
+    # the rows, their chunks' gradients and their concatenation, a few scalars.
+    gradients, scalars = 4 * (3 * tokens * dim + 3 * vocab * dim), 4096
+    assert live.peak <= 4 * 2 * chunk * vocab + gradients + scalars < 4 * tokens * vocab / 2
+    flops = {}
+    for name, loss in (("fused", fused_token_loss), ("chunked", chunked_token_loss)):
+        with FlopCounterMode(display=False) as counter:
+            total, _ = loss(hidden, labels, output, chunk_size=chunk, num_targets=tokens)
+            total.backward()
+        flops[name] = counter.get_total_flops()
+    projection = 2 * tokens * dim * vocab
+    assert flops["fused"] == 3 * projection and flops["chunked"] == 4 * projection
