@@ -44,7 +44,9 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 # A bug turns the property into a counterexample found, then shrunk, within these examples.
-BUG_SETTINGS = settings(SETTINGS, max_examples=100, database=None)
+# Derandomized: each planted bug is searched for the same way on every run (a random search
+# may miss the one layout a bug needs, e.g. a sample that fills its region exactly).
+BUG_SETTINGS = settings(SETTINGS, max_examples=100, database=None, derandomize=True)
 
 
 @pytest.fixture
