@@ -6,6 +6,7 @@ from fusion.decoder.delta_rule import (
     causal_conv,
     chunk_gated_delta_rule,
     conv_step,
+    gated_delta_step,
     recurrent_gated_delta_rule,
 )
 from fusion.decoder.feed_forward import FeedForward
@@ -35,5 +36,6 @@ __all__ = [
     "causal_conv",
     "chunk_gated_delta_rule",
     "conv_step",
+    "gated_delta_step",
     "recurrent_gated_delta_rule",
 ]

@@ -224,6 +224,51 @@ def recurrent_gated_delta_rule(
     return out.transpose(1, 2).contiguous().to(out_dtype), state
 
 
+def gated_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """One decoding step of :func:`recurrent_gated_delta_rule`, updating ``state`` in place:
+    the decay, the delta rule's write and the read are three in-place or batched-product
+    passes over the state (no new state, no copy back), and the shapes are the same at every
+    step.
+
+    Args:
+        q, k: [b, 1, hk, dk]; v: [b, 1, h, dv]; g, beta: [b, 1, h]; as
+            :func:`chunk_gated_delta_rule` takes them.
+        state: [b, h, dk, dv], overwritten with the state after the token (computed in
+            float32, float64 for float64 inputs; in place when the state is of that dtype).
+
+    Returns:
+        The output [b, 1, h, dv] in v's dtype.
+
+    Raises:
+        ValueError: as :func:`recurrent_gated_delta_rule`, or more than one token.
+    """
+    _check_inputs(q, k, v, g, beta)
+    batch, seq_len, heads, dv = v.shape
+    if seq_len != 1:
+        raise ValueError(f"v: expected one token [b, 1, h, dv], got {describe(v)}")
+    _check_state(state, "state", (batch, heads, q.shape[3], dv), q.device)
+    dtype = _compute_dtype(v.dtype)
+    # A state in another dtype (a float32 cache of a float64 model) is computed on a copy.
+    work = state if state.dtype == dtype else state.to(dtype)
+    q, k = _normalised_qk(q, k, heads, dtype)  # [b, h, 1, dk]
+    v_t = v.transpose(1, 2).to(dtype)  # [b, h, 1, dv]
+    g_t, beta_t = (x.transpose(1, 2).to(dtype)[..., None] for x in (g, beta))  # [b, h, 1, 1]
+    work.mul_(g_t.exp())
+    delta = beta_t * (v_t - k @ work)  # k_t^T S: [b, h, 1, dv]
+    work.addcmul_(k.transpose(-1, -2), delta)  # the outer product k_t delta^T, in place
+    out = (q @ work).transpose(1, 2).to(v.dtype)  # [b, 1, h, dv]
+    if work is not state:
+        state.copy_(work)
+    return out
+
+
 class _Indices(NamedTuple):
     """What :class:`SampleRegions` computes with, on one device."""
 

@@ -22,7 +22,8 @@ from fusion.decoder.delta_rule import (
     SampleRegions,
     causal_conv,
     chunk_gated_delta_rule,
-    recurrent_gated_delta_rule,
+    conv_step,
+    gated_delta_step,
 )
 from fusion.decoder.packed import PackedSegments
 from fusion.decoder.rms_norm import GatedRMSNorm
@@ -232,15 +233,15 @@ class GatedDeltaNet(nn.Module):
         """Run ``s`` tokens after the cached ones (a prompt, or one generated token), updating
         the state in place (static shapes: compiled decoding steps keep their graph)."""
         s = qkv.size(1)
+        if s == 1:  # a decoding step: the conv on one window, the state updated in place
+            conv_out, window = conv_step(self.conv1d, qkv, state.conv)
+            state.conv.copy_(window)
+            q, k, v = self._split(F.silu(conv_out))
+            return gated_delta_step(q, k, v, g, beta, state.recurrent)
         history = torch.cat([state.conv.transpose(1, 2).to(qkv.dtype), qkv], dim=1)
         kept = history.size(1) - (self.conv_kernel - 1)  # the last kernel - 1 inputs
         state.conv.copy_(history[:, kept:].transpose(1, 2))
         mixed = F.silu(causal_conv(self.conv1d, history)[:, -s:])
-        if s == 1:
-            q, k, v = self._split(mixed)
-            out, recurrent = recurrent_gated_delta_rule(q, k, v, g, beta, state.recurrent)
-        else:
-            out, final = self._delta_rule(mixed, g, beta, None, state.recurrent)
-            recurrent = final if final is not None else state.recurrent
-        state.recurrent.copy_(recurrent)
+        out, final = self._delta_rule(mixed, g, beta, None, state.recurrent)
+        state.recurrent.copy_(final if final is not None else state.recurrent)
         return out

@@ -18,6 +18,7 @@ from fusion.decoder import (
     causal_conv,
     chunk_gated_delta_rule,
     conv_step,
+    gated_delta_step,
     recurrent_gated_delta_rule,
 )
 
@@ -209,6 +210,30 @@ def test_empty_sequence_is_handled():
         torch.testing.assert_close(state, initial)
     out, state = chunk_gated_delta_rule(*tensors, output_final_state=True)
     assert not state.any()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "state_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float64, torch.float32),
+    ],
+)
+def test_the_decoding_step_updates_the_state_in_place_as_the_recurrence(dtype, state_dtype):
+    """``gated_delta_step`` on one token: the recurrence's output and state, the state written
+    in place (computed on a copy when it is not in the compute dtype)."""
+    tensors = inputs(2, 1, 2, 4, 8, 6, seed=9, dtype=dtype)
+    state = torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(4)).to(state_dtype)
+    ref_out, ref_state = recurrent_gated_delta_rule(*tensors, state)
+    written = state.clone()
+    out = gated_delta_step(*tensors, written)
+    assert out.shape == (2, 1, 4, 6) and out.dtype == dtype
+    tol = TOL if dtype != torch.bfloat16 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(written, ref_state.to(state_dtype), **TOL)
+    with pytest.raises(ValueError, match="one token"):
+        gated_delta_step(*inputs(2, 2, 2, 4, 8, 6), written)
 
 
 def test_kernels_run_on_meta():

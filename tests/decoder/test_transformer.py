@@ -71,6 +71,22 @@ class TestOutputs:
         assert torch.equal(first, tiny_decoder.tok_embeddings(tokens))
         assert torch.equal(tiny_decoder.unembed(tiny_decoder.norm(last)), logits)
 
+    @pytest.mark.parametrize("shape", [(1, 1), (2,), (1, 3), (4, 1), (5,), (2, 12)])
+    def test_tied_output_of_few_rows_equals_f_linear(self, shape):
+        """Up to FEW_ROWS rows take ``weight @ h.T`` on the CPU: the same logits as
+        ``F.linear`` to the last bits, of the same shape, with gradients."""
+        decoder = build_tiny_decoder(tie_word_embeddings=True)
+        weight = decoder.tok_embeddings.weight
+        h = torch.randn(*shape, EMBED_DIM, generator=torch.Generator().manual_seed(3))
+        h.requires_grad_()
+        logits = decoder.unembed(h)
+        expected = torch.nn.functional.linear(h, weight)
+        assert logits.shape == (*shape, VOCAB) and logits.dtype == torch.float32
+        torch.testing.assert_close(logits, expected, atol=1e-6, rtol=1e-5)
+        (grad_h,) = torch.autograd.grad(logits.square().sum(), h)
+        (expected_grad,) = torch.autograd.grad(expected.square().sum(), h)
+        torch.testing.assert_close(grad_h, expected_grad, atol=1e-5, rtol=1e-5)
+
 
 class TestKVCache:
     @pytest.mark.parametrize("prefill", [1, 5, 11])
