@@ -78,3 +78,65 @@ def test_full_generation_model_has_qwen3_5_0_8b_widths():
     assert (text.linear_key_head_dim, text.linear_value_head_dim) == (128, 128)
     assert text.linear_conv_kernel_dim == 4 and text.layer_types[-1] == "full_attention"
     assert text.layer_types.count("linear_attention") == 3
+
+
+@pytest.mark.parametrize("train", ["full", "lora"])
+def test_finetune_qwen3_5_quick(tmp_path, train):
+    """``finetune.py --family qwen3_5``: fusion packed and padded against transformers padded on
+    the same weights and samples, one first loss for all; transformers' padding-free rows
+    checked against its padded loss, untimed; the target reported."""
+    args = ("--quick", "--family", "qwen3_5", "--train", train, "--out", str(tmp_path))
+    stdout = run_script("finetune.py", *args)
+    report = json.loads((tmp_path / "finetune_qwen3_5.json").read_text())
+    assert (tmp_path / "finetune_qwen3_5_cpu.txt").read_text() in stdout
+    assert report["settings"]["train"] == train and report["settings"]["rounds"] == 1
+    results = report["results"]
+    assert set(results) == {"transformers_padded", "fusion_padded", "fusion_packed"}
+    assert report["first_step_losses_agree"]
+    first = [r["losses"][0] for r in results.values()]
+    assert first == pytest.approx([first[0]] * 3, rel=1e-4)
+    assert len({tuple(r["tokens"]) for r in results.values()}) == 1  # the same samples
+    assert len({r["trainable_parameters"] for r in results.values()}) == 1
+    assert results["fusion_packed"]["padding_fraction"] == 0.0
+    assert results["fusion_padded"]["positions"] == results["transformers_padded"]["positions"]
+    assert report["padding_free_first_loss"] is None  # not a timed contestant
+    check = report["padding_free_untimed_check"]
+    assert check["samples"] == report["settings"]["samples_per_step"]
+    per_sample = check["per_sample_relative_difference"]
+    assert len(per_sample) == check["samples"] and check["first_in_row"][0]
+    assert check["agree"] == (max([check["relative_difference"], *per_sample]) <= 1e-5)
+    # A row's first sample has nothing before it to leak from: only rounding differs.
+    firsts = [d for d, first in zip(per_sample, check["first_in_row"], strict=True) if first]
+    assert max(firsts) <= check["tolerance"] == 1e-5
+    assert "transformers_padding_free (untimed)" in stdout
+    packed = results["fusion_packed"]
+    target = report["target"]
+    assert target["measured"] == packed["x_transformers_tokens_per_s"]
+    assert target["met"] == (target["measured"] >= 1.5)
+    text = report["model"]["config"]["text_config"]
+    assert text["layer_types"] == [*["linear_attention"] * 3, "full_attention"]
+
+
+def test_finetune_qwen3_5_model_has_0_8b_widths():
+    """What the full fine-tuning run builds: the 0.8B's widths, one [L, L, L, F] group, the
+    vision tower cut to 2 blocks, a 32768-id vocabulary; padding-free is not a contestant."""
+    from transformers import Qwen3_5Config
+
+    from bench_helpers import load_script
+
+    script = load_script("finetune")
+    config = Qwen3_5Config(**script.hf_config(False, "qwen3_5"))
+    text, vision = config.text_config, config.vision_config
+    assert (text.hidden_size, text.intermediate_size, text.num_hidden_layers) == (1024, 3584, 4)
+    assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim) == (8, 2, 256)
+    assert (text.linear_num_key_heads, text.linear_num_value_heads) == (16, 16)
+    assert (text.linear_key_head_dim, text.linear_value_head_dim) == (128, 128)
+    assert text.linear_conv_kernel_dim == 4 and text.vocab_size == 32768
+    assert text.layer_types == [*["linear_attention"] * 3, "full_attention"]
+    assert (vision.depth, vision.hidden_size, vision.num_heads) == (2, 768, 12)
+    assert (vision.out_hidden_size, vision.patch_size) == (1024, 16)
+    assert script.parse_args(["--family", "qwen3_5", "--out", "/tmp"]).only == [
+        "transformers_padded", "fusion_padded", "fusion_packed",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        script.parse_args(["--family", "qwen3_5", "--only", "transformers_padding_free"])
