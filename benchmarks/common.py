@@ -7,6 +7,7 @@ import platform
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,3 +85,30 @@ def idefics3_hf_config(text: dict, vision: dict, scale_factor: int, image_token_
         "image_token_id": image_token_id,
         "tie_word_embeddings": text["tie_word_embeddings"],
     }
+
+
+#: Qwen3.5-0.8B's text stack as its published ``config.json`` gives it (``Qwen3_5TextConfig``
+#: fields), less its layer count and vocabulary, which each benchmark cuts (shared by
+#: ``finetune.py`` and ``qwen3_5_generation.py``).
+QWEN3_5_TEXT: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+}

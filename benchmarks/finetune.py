@@ -134,7 +134,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import add_out_argument, idefics3_hf_config, machine, output_dir
+from common import QWEN3_5_TEXT, add_out_argument, idefics3_hf_config, machine, output_dir
 from torch.autograd.profiler import record_function
 
 from fusion import chunked_token_loss, fused_token_loss
@@ -232,31 +232,8 @@ QWEN_IM_START, QWEN_IM_END = 151_644, 151_645
 #: block of each group of 8 in the 3B (7, 15, 23, 31), block 0 within 112-pixel windows.
 QWEN_TEXT_LAYERS, QWEN_VISION_DEPTH, QWEN_FULL_ATTENTION = 2, 2, [1]
 
-#: Qwen3.5-0.8B's text stack as its published ``config.json`` gives it (``Qwen3_5TextConfig``
-#: fields), less its layer count and vocabulary (:data:`QWEN3_5_LAYER_TYPES`,
-#: :data:`QWEN3_5_VOCAB`).
-QWEN3_5_0_8B_TEXT: dict[str, Any] = {
-    "hidden_size": 1024,
-    "intermediate_size": 3584,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 256,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 16,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "max_position_embeddings": ROW_TOKENS,
-    "rms_norm_eps": 1e-6,
-    "hidden_act": "silu",
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10_000_000.0,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [11, 11, 10],
-        "mrope_interleaved": True,
-    },
-}
+#: Qwen3.5-0.8B's text stack (:data:`common.QWEN3_5_0_8B_TEXT`), positions for a packed row.
+QWEN3_5_0_8B_TEXT: dict[str, Any] = QWEN3_5_TEXT | {"max_position_embeddings": ROW_TOKENS}
 #: Its vision tower (Qwen3-VL's without DeepStack; the MLP width 4 x 768 is assumed), cut to
 #: :data:`QWEN3_5_VISION_DEPTH` blocks of its 12.
 QWEN3_5_0_8B_VISION: dict[str, Any] = {

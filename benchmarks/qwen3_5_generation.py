@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_out_argument, machine, output_dir
+from common import QWEN3_5_TEXT, add_out_argument, machine, output_dir
 
 CONTESTANTS = ("fusion_eager", "fusion_compiled", "transformers")
 BASELINE = "transformers"
@@ -82,30 +82,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def hf_config(vocab: int, quick: bool) -> dict:
     """``Qwen3_5Config`` fields: Qwen3.5-0.8B's text widths, 4 layers, ``vocab`` ids (its last
     eight the special tokens), a one-block vision tower; tiny widths for ``quick``."""
-    text = {
+    text = QWEN3_5_TEXT | {
         "vocab_size": vocab,
-        "hidden_size": 1024,
-        "intermediate_size": 3584,
         "num_hidden_layers": 4,
         "layer_types": [*["linear_attention"] * 3, "full_attention"],
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 16,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10_000_000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
         "pad_token_id": PAD,
     }
     if quick:
