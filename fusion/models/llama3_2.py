@@ -5,6 +5,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fusion._validation import check_int
 from fusion.decoder import (
     FeedForward,
     MultiHeadAttention,
@@ -68,8 +69,7 @@ def llama3_2(
         ("embed_dim", embed_dim),
         ("max_seq_len", max_seq_len),
     ):
-        if value <= 0:
-            raise ValueError(f"{name}: expected a positive integer, got {value}")
+        check_int(value, name, low=1)
     if head_dim is None:
         if embed_dim % num_heads:
             raise ValueError(

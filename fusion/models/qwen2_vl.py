@@ -77,8 +77,17 @@ def qwen2_vl(
     """
     if model_type not in VISION_TOWERS:
         raise ValueError(f"model_type: expected one of {list(VISION_TOWERS)}, got {model_type!r}")
-    decoder = llama3_2(**text)
-    tower = VISION_TOWERS[model_type](**vision)
+    return qwen_fusion(llama3_2(**text), VISION_TOWERS[model_type](**vision), image_token_id)
+
+
+def qwen_fusion(decoder: TransformerDecoder, tower: Any, image_token_id: int) -> EarlyFusion:
+    """``EarlyFusion(decoder, {"image": tower}, {"image": image_token_id},
+    hooks=[MRopePositions(...)])`` for a Qwen tower (its merger registered with
+    :func:`fusion.register_fusion_module`), what the Qwen-VL builders without DeepStack share.
+
+    Raises:
+        ValueError: a tower whose output width is not the decoder's.
+    """
     if tower.out_dim != decoder.embed_dim:
         raise ValueError(
             f"vision: the tower writes rows of width {tower.out_dim}, the decoder's width is "

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from fusion._validation import check_int
 from fusion.decoder import (
     FeedForward,
     GatedDeltaNet,
@@ -16,9 +17,9 @@ from fusion.decoder import (
     TransformerSelfAttentionLayer,
     ZeroCenteredRMSNorm,
 )
-from fusion.early_fusion import EarlyFusion, register_fusion_module
+from fusion.early_fusion import EarlyFusion
 from fusion.encoders.qwen_vision import Qwen35VisionTransformer
-from fusion.hooks import MRopePositions
+from fusion.models.qwen2_vl import qwen_fusion
 
 #: The layer kinds of ``layer_types``, as Hugging Face's configs name them.
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -90,8 +91,7 @@ def qwen3_5_text(
         ("linear_value_head_dim", linear_value_head_dim),
         ("linear_conv_kernel", linear_conv_kernel),
     ):
-        if value <= 0:
-            raise ValueError(f"{name}: expected a positive integer, got {value}")
+        check_int(value, name, low=1)
     kinds = default_layer_types(num_layers) if layer_types is None else list(layer_types)
     if len(kinds) != num_layers or any(kind not in LAYER_TYPES for kind in kinds):
         raise ValueError(
@@ -166,17 +166,4 @@ def qwen3_5(
         ValueError: a tower whose output width is not the decoder's, or any argument the
             parts refuse.
     """
-    decoder = qwen3_5_text(**text)
-    tower = Qwen35VisionTransformer(**vision)
-    if tower.out_dim != decoder.embed_dim:
-        raise ValueError(
-            f"vision: the tower writes rows of width {tower.out_dim}, the decoder's width is "
-            f"{decoder.embed_dim}"
-        )
-    register_fusion_module(tower.merger)
-    return EarlyFusion(
-        decoder,
-        {"image": tower},
-        {"image": image_token_id},
-        hooks=[MRopePositions("image", tower.spatial_merge_size)],
-    )
+    return qwen_fusion(qwen3_5_text(**text), Qwen35VisionTransformer(**vision), image_token_id)
