@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion._validation import check_values, host_reads_are_free
+from fusion._validation import check_int, check_values, host_reads_are_free
 from fusion.decoder.delta_rule import (
     SampleRegions,
     causal_conv,
@@ -79,6 +79,16 @@ class GatedDeltaNet(nn.Module):
         chunk_size: int = 64,
     ) -> None:
         super().__init__()
+        for name, value in (
+            ("embed_dim", embed_dim),
+            ("num_key_heads", num_key_heads),
+            ("num_value_heads", num_value_heads),
+            ("key_head_dim", key_head_dim),
+            ("value_head_dim", value_head_dim),
+            ("conv_kernel", conv_kernel),
+            ("chunk_size", chunk_size),
+        ):
+            check_int(value, name, low=1)
         if num_value_heads % num_key_heads:
             raise ValueError(
                 f"num_value_heads: expected a multiple of num_key_heads={num_key_heads}, got "
