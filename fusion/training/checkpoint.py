@@ -59,6 +59,7 @@ from fusion.training.state import (
     RngState,
     TrainState,
     load_train_state,
+    match_param_groups,
     match_saved,
 )
 
@@ -477,9 +478,7 @@ def load_training_checkpoint(
     }
     check_tensors(path, expected, checked.tensors(""), "model and optimizer")
     live = _param_groups(optim_state)
-    groups = match_saved(
-        path, "optimizer.param_groups", state.param_groups, _hyper_parameters(live)
-    )
+    groups = match_param_groups(path, state.param_groups, _hyper_parameters(live))
     with _quiet_single_process():
         safe_dcp.load(path, checked, tensors, distributed=dist.is_initialized())
     optim = {

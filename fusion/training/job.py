@@ -45,7 +45,7 @@ from fusion.training.distributed import Runtime, agree_on_rank0, init_runtime, s
 from fusion.training.errors import TrainingError, one_line
 from fusion.training.report import flat, log, warn, warn_missing_extras
 from fusion.training.safe_dcp import CheckedMetadata, fail
-from fusion.training.state import TRAIN_STATE, TrainState, match_saved
+from fusion.training.state import TRAIN_STATE, TrainState, match_param_groups, match_saved
 
 C = TypeVar("C")
 R = TypeVar("R")
@@ -229,7 +229,7 @@ def check_optimizer_state(
         TrainingError: naming the file and the key that does not fit.
     """
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    match_saved(path, "optimizer.param_groups", state.param_groups, groups)
+    match_param_groups(path, state.param_groups, groups)
     match_saved(path, "scheduler", state.scheduler, scheduler.state_dict())
 
 

@@ -452,6 +452,35 @@ def key_error(path: Path, key: str, expected: str, value: Any) -> TrainingError:
     return _Schema(path / TRAIN_STATE).fail(key, expected, value)
 
 
+# How an optimizer computes its step, not what it computes: a checkpoint's flags are replaced by
+# the live optimizer's, so that checkpoints written before the recipes' AdamW became fused
+# resume (torch's own load_state_dict would restore the saved flags, and the run would go on
+# with the slower kernel without a word).
+IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def match_param_groups(path: Path, saved: Any, live: list[dict[str, Any]]) -> Any:
+    """The optimizer hyper-parameters ``saved`` in checkpoint ``path`` checked against the live
+    ones (``live``: the optimizer's ``param_groups`` without their ``params``) by
+    :func:`match_saved`, each group's :data:`IMPLEMENTATION_FLAGS` first migrated to the live
+    optimizer's.
+
+    Raises:
+        TrainingError: naming the file and the key that differs.
+    """
+    if isinstance(saved, list) and len(saved) == len(live):
+        saved = [
+            _with_flags_of(group, template) if isinstance(group, dict) else group
+            for group, template in zip(saved, live, strict=True)
+        ]
+    return match_saved(path, "optimizer.param_groups", saved, live)
+
+
+def _with_flags_of(group: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
+    kept = {key: value for key, value in group.items() if key not in IMPLEMENTATION_FLAGS}
+    return kept | {key: value for key, value in template.items() if key in IMPLEMENTATION_FLAGS}
+
+
 def match_saved(path: Path, key: str, saved: Any, template: Any) -> Any:
     """``saved`` (the ``key`` of checkpoint ``path``'s train state) checked against the live
     ``template``: same keys, list lengths and value types.

@@ -5,6 +5,7 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from bench_helpers import (
     BENCHMARKS,
@@ -207,3 +208,17 @@ def test_finetune_qwen_lora_fused_profile_quick(tmp_path):
         assert set(r["profile_s"]) == {"vision_tower", "decoder", "loss", "backward", "optimizer"}
         assert r["profile_s"]["decoder"] > 0 and r["profile_s"]["backward"] > 0
         assert f"profile {name}:" in stdout
+
+
+def test_optimizer_step_quick(tmp_path):
+    stdout = run_script("optimizer_step.py", "--quick", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "optimizer_step.json").read_text())
+    assert set(report["results"]) == {"loop", "foreach", "fused"}
+    assert report["results"]["loop"]["speedup_over_loop"] == 1.0
+    for name, result in report["results"].items():
+        low, high = result["step_ms_range"]
+        assert 0 < low <= result["step_ms_median"] <= high, name
+        assert f"{name} " in stdout
+    assert report["settings"]["parameters"] == sum(
+        torch.Size(s).numel() for s in load_script("optimizer_step").parameter_shapes(2, 16)
+    )

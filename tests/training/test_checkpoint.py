@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fusion.training import (
+    adamw_warmup_cosine,
     TrainingError,
     TrainState,
     check_model_tensors,
@@ -16,6 +17,7 @@ from fusion.training import (
     list_checkpoints,
     load_train_state,
     load_training_checkpoint,
+    match_saved,
     newest_intact_checkpoint,
     read_model_state_dict,
     restore_checkpoint,
@@ -24,6 +26,7 @@ from fusion.training import (
     verify_checkpoint,
 )
 from fusion.training import checkpoint as ckpt
+from fusion.training.job import check_optimizer_state
 from fusion.training.safe_dcp import read_metadata
 from helpers import build_tiny_decoder
 
@@ -73,6 +76,39 @@ def test_restore_continues_bit_for_bit(trained, tmp_path):
     assert resumed == expected
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_checkpoint_of_the_looping_adamw_resumes_fused(trained, tmp_path):
+    """Checkpoints written before the recipes' AdamW became fused (``foreach=None``,
+    ``fused=None``) resume with the fused one: the flags are migrated to the live optimizer's,
+    where torch's own loading would restore the saved ones, and the run goes on as if the
+    optimizer had switched kernels in memory."""
+    model, optimizer, scheduler, path = trained.saved(tmp_path, step=2)
+    assert optimizer.param_groups[0]["fused"] is None  # the loop, as fusion wrote them
+    for group in optimizer.param_groups:  # the uninterrupted run switches kernels in place
+        group["fused"], group["foreach"] = True, False
+    expected = [trained.step(model, optimizer, scheduler) for _ in range(2)]
+
+    fresh = build_tiny_decoder(seed=1)
+    fused, _ = adamw_warmup_cosine(
+        fresh.parameters(), lr=1e-3, weight_decay=0.0, warmup=1, total=10
+    )
+    assert fused.param_groups[0]["fused"] is True
+    fused_scheduler = torch.optim.lr_scheduler.LambdaLR(fused, lambda step: 1 / (step + 1))
+    state = load_train_state(path)
+    check_optimizer_state(path, state, fused, fused_scheduler)
+    restore_checkpoint(
+        path, state, fresh, fused, fused_scheduler, rank=0, device=torch.device("cpu")
+    )
+    # the hyper-parameters are the checkpoint's, the kernel the live optimizer's
+    assert [(g["fused"], g["betas"]) for g in fused.param_groups] == [(True, (0.9, 0.999))]
+    assert [trained.step(fresh, fused, fused_scheduler) for _ in range(2)] == expected
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # unmigrated, the saved flags (None) would not fit the live ones (True)
+    live = [{k: v for k, v in g.items() if k != "params"} for g in fused.param_groups]
+    with pytest.raises(TrainingError, match=r"key 'optimizer\.param_groups\[0\]\.fused'"):
+        match_saved(path, "optimizer.param_groups", state.param_groups, live)
 
 
 def test_restore_refuses_a_scheduler_that_does_not_fit_before_loading(trained, tmp_path):
