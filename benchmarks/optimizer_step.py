@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 from common import add_out_argument, machine, output_dir

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from fusion.training import (
-    adamw_warmup_cosine,
     TrainingError,
     TrainState,
+    adamw_warmup_cosine,
     check_model_tensors,
     checkpoint_dir,
     checkpoint_root,
