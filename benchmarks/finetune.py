@@ -11,8 +11,9 @@ cut to ``--text-layers`` decoder layers and ``--vision-layers`` SigLIP layers: b
 fits in minutes on 2 cores) and the full 30 and 12 on CUDA. Random weights, written once by
 ``transformers`` and loaded by each contestant (``fusion.checkpoint.load_hf_idefics3`` for
 ours). Every contestant trains the decoder and the connector (vision tower frozen, as in
-SmolVLM's and LLaVA's fine-tuning) with AdamW, one optimizer step per ``--samples-per-step``
-samples (the same samples, in the same order, for everyone):
+SmolVLM's and LLaVA's fine-tuning) with torch's fused AdamW (the recipe's, and the Hugging
+Face Trainer's default), one optimizer step per ``--samples-per-step`` samples (the same
+samples, in the same order, for everyone):
 
 - ``fusion_packed``: the fine-tuning recipe's path: the step's samples packed into rows of at
   most ``--max-seq-len`` tokens (default :data:`ROW_TOKENS`, SmolVLM-256M's
@@ -790,8 +791,16 @@ def fusion_step(model, samples: list[Sample], settings: StepSettings) -> tuple[t
     item = next(settings.feed)
     assert item.batch is not None and item.tokens == sum(len(s) for s in samples)
     batch = item.batch
+    loss = fusion_loss(model, batch, sum(sample.num_targets for sample in samples), settings)
+    with record_function("backward"):
+        loss.backward()
+    return loss.detach(), batch.tokens.numel()
+
+
+def fusion_loss(model, batch, targets: int, settings: StepSettings) -> torch.Tensor:
+    """The forward pass of :func:`fusion_step`: ``batch``'s loss over the step's ``targets``
+    (``settings.loss``: the chunked or the fused token loss)."""
     hidden = model(**batch.model_inputs())
-    targets = sum(sample.num_targets for sample in samples)
     with record_function("loss"):
         if settings.loss == "fused":
             loss_sum, _ = fused_token_loss(
@@ -802,10 +811,7 @@ def fusion_step(model, samples: list[Sample], settings: StepSettings) -> tuple[t
             loss_sum, _ = chunked_token_loss(
                 hidden, batch.labels, model.decoder.unembed, num_targets=batch.num_targets
             )
-        loss = loss_sum / targets
-    with record_function("backward"):
-        loss.backward()
-    return loss.detach(), batch.tokens.numel()
+        return loss_sum / targets
 
 
 def fusion_feed(steps: list[list[Sample]], settings: StepSettings, packing: bool) -> "MicroBatches":
@@ -962,6 +968,24 @@ def load_contestant(args: argparse.Namespace, device: torch.device):
     return model, model.encoders["image"].vision_model, None
 
 
+def set_trainable(
+    args: argparse.Namespace, model, tower, trained_in_tower
+) -> list[torch.nn.Parameter]:
+    """Train mode and what trains (``--train``): everything but the vision ``tower`` (its
+    ``trained_in_tower`` part does), or LoRA adapters alone; the trained parameters."""
+    model.train()
+    for param in model.parameters():
+        param.requires_grad_(True)
+    for param in tower.parameters():
+        param.requires_grad_(False)
+    if trained_in_tower is not None:
+        for param in trained_in_tower.parameters():
+            param.requires_grad_(True)
+    if args.train == "lora":
+        add_lora(args.worker, model, args.seed)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def add_lora(worker: str, model, seed: int) -> None:
     """``--train lora``: rank-:data:`LORA_RANK` adapters on the decoder's q and v projections,
     everything else frozen; fusion's ``apply_lora``, transformers' peft (its layers, in place:
@@ -1031,19 +1055,10 @@ def run_worker(args: argparse.Namespace) -> None:
         args.result.write_text(json.dumps(check | {"peak_memory_bytes": peak_bytes(device)}))
         return
     step = STEPS[args.worker]
-
-    model.train()
-    for param in model.parameters():
-        param.requires_grad_(True)
-    for param in tower.parameters():
-        param.requires_grad_(False)
-    if trained_in_tower is not None:
-        for param in trained_in_tower.parameters():
-            param.requires_grad_(True)
-    if args.train == "lora":
-        add_lora(args.worker, model, args.seed)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=LR)
+    trainable = set_trainable(args, model, tower, trained_in_tower)
+    # Fused: the recipe's AdamW (fusion.training.adamw_warmup_cosine) and the Hugging Face
+    # Trainer's default (optim="adamw_torch_fused" for torch >= 2.8), for every contestant.
+    optimizer = torch.optim.AdamW(trainable, lr=LR, fused=True)
     loaded = rss_bytes()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     checks = {}

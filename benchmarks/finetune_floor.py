@@ -47,8 +47,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 MiB = 2**20
-#: fp32 matrix products at the SmolVLM-256M shape's sizes: (rows, inner, columns).
-GEMM_SHAPES = ((8192, 768, 3072), (2474, 576, 1536), (1024, 576, 49280))
+#: fp32 matrix products at each family's sizes (rows, inner, columns): its tower's MLP, its
+#: decoder's MLP and its output layer at a step's targets.
+GEMM_SHAPES = {
+    "smolvlm": ((8192, 768, 3072), (2474, 576, 1536), (1024, 576, 49280)),
+    "qwen2_5_vl": ((4096, 1280, 3420), (2048, 2048, 11008), (1024, 2048, 151936)),
+    "qwen3_5": ((4096, 768, 3072), (2048, 1024, 3584), (1024, 1024, 32768)),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a tiny model: checks the script")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--rounds", type=int, default=5, help="rounds per matrix product shape")
+    p.add_argument("--family", choices=bench.FAMILIES, default="smolvlm")
+    p.add_argument("--train", choices=bench.TRAIN_MODES, default="full")
+    p.add_argument("--loss", choices=bench.LOSSES, default="chunked", help="fusion's loss")
     p.add_argument(
         "--results", type=Path, help="a finetune.json: its settings, and the floors set against it"
     )
@@ -64,13 +72,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def finetune_settings(args: argparse.Namespace, workdir: Path) -> argparse.Namespace:
-    """``finetune.py``'s settings: those ``--results`` was measured with, else its defaults."""
+    """``finetune.py``'s settings: those ``--results`` was measured with, else its defaults
+    for ``--family``, ``--train`` and ``--loss``."""
     argv = ["--out", str(workdir / "unused")] + ["--quick"] * args.quick
+    argv += ["--family", args.family, "--train", args.train, "--loss", args.loss]
     if args.results is not None:
         results = json.loads(args.results.read_text())
         stored, measured_on = results["settings"], results["machine"]["platform"]
-        if stored["family"] != "smolvlm" or stored["device"] != "cpu":
-            raise SystemExit("--results: expected a CPU run of the smolvlm family")
+        if stored["device"] != "cpu":
+            raise SystemExit(f"--results: expected a CPU run, got one on {stored['device']}")
         if measured_on != platform.platform():
             raise SystemExit(
                 f"--results: measured on {measured_on}, this is {platform.platform()}: a time "
@@ -78,11 +88,14 @@ def finetune_settings(args: argparse.Namespace, workdir: Path) -> argparse.Names
             )
         argv = ["--out", str(workdir / "unused")] + ["--quick"] * stored["quick"]
         argv += ["--short-warmup"] * stored["short_warmup"]
+        for key in ("family", "train", "loss"):
+            argv += [f"--{key}", stored.get(key, getattr(args, key))]
         for key in ("samples_per_step", "steps", "seed", "max_seq_len", "text_layers"):
             if stored[key] is not None:
                 argv += [f"--{key.replace('_', '-')}", str(stored[key])]
-        if stored["vision_layers"] is not None:
-            argv += ["--vision-layers", str(stored["vision_layers"])]
+        for key in ("vision_layers", "max_image"):
+            if stored.get(key) is not None:
+                argv += [f"--{key.replace('_', '-')}", str(stored[key])]
     return bench.parse_args(argv)
 
 
@@ -90,12 +103,11 @@ def rss_mib() -> float:
     return bench.rss_bytes() / MiB
 
 
-def load(name: str, model_dir: Path):
-    """``name``'s model as ``finetune.py`` trains it: the tower frozen, the rest trained."""
-    worker = argparse.Namespace(worker=name, model_dir=model_dir, family="smolvlm")
-    model, tower, _ = bench.load_contestant(worker, torch.device("cpu"))
-    model.train().requires_grad_(True)
-    tower.requires_grad_(False)
+def load(name: str, model_dir: Path, fargs: argparse.Namespace):
+    """``name``'s model as ``finetune.py`` trains it (``--train``), and its vision tower."""
+    worker = argparse.Namespace(**vars(fargs) | {"worker": name, "model_dir": model_dir})
+    model, tower, trained_in_tower = bench.load_contestant(worker, torch.device("cpu"))
+    bench.set_trainable(worker, model, tower, trained_in_tower)
     return model, tower
 
 
@@ -145,15 +157,12 @@ def saved_activations_mib(model, steps, settings) -> float:
         next(feed)
         batch = next(feed).batch
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            hidden = model(**batch.model_inputs())
-            loss, _ = bench.chunked_token_loss(
-                hidden, batch.labels, model.decoder.unembed, num_targets=batch.num_targets
-            )
-    del loss, hidden
+            loss = bench.fusion_loss(model, batch, sum(s.num_targets for s in steps[1]), settings)
+    del loss
     return total / MiB
 
 
-def gemm_gflops(rounds: int, shapes=GEMM_SHAPES) -> dict:
+def gemm_gflops(rounds: int, shapes: tuple[tuple[int, int, int], ...]) -> dict:
     """The best rate of each fp32 matrix product shape over ``rounds`` rounds."""
     rates = {}
     for m, k, n in shapes:
@@ -188,23 +197,29 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"settings": vars(args) | {"out": str(args.out), "results": str(args.results)}}
     with tempfile.TemporaryDirectory(prefix="finetune_floor_") as workdir:
         fargs = finetune_settings(args, Path(workdir))
-        config = bench.hf_config(fargs.quick, "smolvlm", fargs.text_layers, fargs.vision_layers)
-        settings = bench.StepSettings(torch.device("cpu"), bench.pad_id(config), fargs.max_seq_len)
+        family = fargs.family
+        config = bench.hf_config(fargs.quick, family, fargs.text_layers, fargs.vision_layers)
+        settings = bench.StepSettings(
+            torch.device("cpu"), bench.pad_id(config), fargs.max_seq_len, loss=fargs.loss
+        )
         steps = bench.step_samples(fargs, config)
         report["finetune_settings"] = {k: str(v) for k, v in vars(fargs).items()}
         model_dir = Path(workdir) / "model"
         torch.manual_seed(fargs.seed)
-        bench.save_model("smolvlm", config, model_dir)
+        bench.save_model(family, config, model_dir)
         work = {}
-        for name in bench.CONTESTANTS:
-            model, tower = load(name, model_dir)
+        for name in fargs.only:
+            model, tower = load(name, model_dir, fargs)
             work[name] = step_work(name, model, tower, steps, settings)
             del model, tower
-        model, _ = load("fusion_packed", model_dir)
+        model, _ = load("fusion_packed", model_dir, fargs)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         activations = saved_activations_mib(model, steps, settings)
-    rates = gemm_gflops(args.rounds)
+    shapes = GEMM_SHAPES[family]
+    if args.quick:  # checks the script: an eighth of each size
+        shapes = tuple((m // 8, k // 8, n // 8) for m, k, n in shapes)
+    rates = gemm_gflops(args.rounds, shapes)
     rate = max(rates.values())
     for entry in work.values():
         entry["floor_s"] = entry["gflop"] / rate
@@ -237,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         bounds = {
             f"fusion_packed / {name} (tokens/s, at most)": seen[name]["step_s"] / packed["floor_s"]
             for name in ("transformers_padded", "transformers_padding_free")
+            if name in seen
         }
         bounds["fusion_packed / fusion_padded (tokens/s, equal efficiency)"] = (
             work["fusion_padded"]["gflop"] / packed["gflop"]

@@ -115,3 +115,26 @@ def test_vlm_generation_quick_qwen2_5_vl(tmp_path):
     expected = [b["total_cpu_s"] / a["total_cpu_s"] for a, b in zip(*rounds.values(), strict=True)]
     assert cpu["rounds"] == pytest.approx(expected)
     assert cpu["median"] == pytest.approx(statistics.median(expected))
+
+
+def test_finetune_floor_quick_qwen2_5_vl_full_and_lora(tmp_path):
+    """The floor tool on Qwen2.5-VL (issue 40): its own matrix shapes, the merger trained
+    with the decoder under ``--train full``, and far less to update under ``--train lora``."""
+    floors = {}
+    for train in ("full", "lora"):
+        out = tmp_path / f"{train}.json"
+        args = ("--quick", "--rounds", "1", "--family", "qwen2_5_vl", "--train", train)
+        stdout = run_script("finetune_floor.py", *args, "--out", str(out))
+        floors[train] = json.loads(out.read_text())
+        assert "memory floor" in stdout
+    full, lora = floors["full"], floors["lora"]
+    assert set(full["gemm_gflops"]) == {"512x160x427", "256x256x1376", "128x256x18992"}  # / 8
+    for floor in (full, lora):
+        work = floor["work"]
+        assert set(work) == set(FINETUNE_CONTESTANTS)
+        assert work["fusion_packed"]["gflop"] < work["fusion_padded"]["gflop"]
+        assert len({w["tower_gflop"] for w in work.values()}) == 1
+    # LoRA trains rank-8 adapters alone: a sliver of the AdamW state, and no weight gradients
+    assert lora["memory"]["adamw_state_mib"] < full["memory"]["adamw_state_mib"] / 10
+    assert lora["memory"]["parameters_mib"] >= full["memory"]["parameters_mib"]
+    assert lora["work"]["fusion_packed"]["gflop"] < full["work"]["fusion_packed"]["gflop"]
