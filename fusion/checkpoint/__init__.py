@@ -2,8 +2,7 @@
 and torch files.
 
 - :func:`load_hf_model` / :func:`save_hf_model`: a Hugging Face directory of any registered
-  family (:mod:`fusion.families`: Llama, LLaVA, Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL,
-  Qwen3-VL) <-> a ``llama3_2`` decoder or a ready ``EarlyFusion``.
+  family (:data:`fusion.families.FAMILIES`) <-> a text decoder or a ready ``EarlyFusion``.
 - :func:`load_hf_llama` / :func:`save_hf_llama`: the same for a Llama directory only (config,
   key names and the q/k rotary row permutation). The per-family ``load_hf_llava``,
   ``load_hf_idefics3``, ``load_hf_vlm``, ``save_hf_llava``, ``save_hf_idefics3``,

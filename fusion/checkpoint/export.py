@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from torch import nn
 
@@ -61,11 +61,9 @@ def export_hf(
     """Write ``model`` as a Hugging Face directory at ``out_dir``, with ``source_dir``'s
     tokenizer, processor, chat-template and generation-config files (:data:`SIDE_FILES`).
 
-    The weights and ``config.json`` come from :func:`~fusion.checkpoint.save_hf_llava`,
-    :func:`~fusion.checkpoint.save_hf_idefics3` (also SmolVLM) or
-    :func:`~fusion.checkpoint.save_hf_llama`, whichever fits ``model``: the class
-    ``transformers`` loads is ``LlavaForConditionalGeneration``,
-    ``Idefics3ForConditionalGeneration`` or ``LlamaForCausalLM``. The directory is complete or
+    The weights and ``config.json`` come from :func:`~fusion.checkpoint.save_hf_model`: the
+    class ``transformers`` loads is the one of ``model``'s family (its ``architectures``,
+    :data:`fusion.families.FAMILIES`). The directory is complete or
     absent: everything is written and fsynced into a new sibling directory, then renamed to
     ``out_dir``. With ``overwrite``, an existing ``out_dir`` is first renamed aside and removed
     once the new one is in place (a crash between the two renames leaves both complete beside
@@ -81,7 +79,7 @@ def export_hf(
     :data:`MAX_SIDE_FILE_BYTES`; nothing in them is parsed or run.
 
     Args:
-        model: a LLaVA or Idefics3 ``EarlyFusion`` as the loaders build them, or a ``llama3_2``
+        model: an ``EarlyFusion`` of a registered family as the loaders build it, or a text
             decoder (or an ``EarlyFusion`` without encoders over one); possibly wrapped by
             ``torch.compile``, DDP or DataParallel; unsharded, LoRA merged
             (:func:`fusion.lora.merge_lora`). Saved in its own dtype.
@@ -158,19 +156,10 @@ def _saver(model: object) -> Callable[[Path, int | None], list[Path]]:
             "with fusion.lora.merge_lora(model) (save them apart with save_adapter)"
         )
     if isinstance(inner, EarlyFusion | TransformerDecoder):
-        try:
-            family = family_of(inner)
-        except TypeError:
-            encoders = cast(EarlyFusion, inner).encoders  # a decoder always has a family
-            got = {name: type(e).__name__ for name, e in encoders.items()}
-            raise TypeError(
-                f"model: expected a LLaVA, Idefics3 or Qwen-VL EarlyFusion (one 'image' encoder, "
-                f"a LlavaImageEncoder, an Idefics3ImageEncoder or a Qwen vision tower), or a "
-                f"text decoder; got encoders {got}"
-            ) from None
+        family = family_of(inner)  # a TypeError naming the families and the encoders
         return partial(_save, family, inner)
     raise TypeError(
-        "model: expected an EarlyFusion (LLaVA, Idefics3) or a TransformerDecoder, possibly "
+        "model: expected an EarlyFusion or a TransformerDecoder, possibly "
         f"wrapped by torch.compile or DDP; got {type(model).__name__}"
     )
 

@@ -45,7 +45,7 @@ _ROPE_TABLE_FLOOR = 64 * 2**20
 class HfSpec:
     """What a Hugging Face ``config.json`` describes, to be checked against the weights."""
 
-    kind: str  # named in errors: "llama", "llava", "idefics3"
+    kind: str  # named in errors: the family's name
     config_file: Path
     text: dict[str, Any]  # the text model's llama3_2 arguments (max_seq_len may be overridden)
     build: Callable[[], nn.Module]  # the model, from ``text`` and the rest of the config

@@ -85,9 +85,8 @@ class HfDirectory:
 
 
 def hf_model_kind(path: "str | bytes | os.PathLike | HfDirectory") -> str:
-    """The name of the family ``config.json`` describes (``"llama"``, ``"llava"``,
-    ``"idefics3"`` for Idefics3 and SmolVLM, ``"qwen2_vl"`` for Qwen2-VL and Qwen2.5-VL,
-    ``"qwen3_vl"``), from its ``model_type`` (a config without one is a Llama's).
+    """The name of the family ``config.json`` describes (a :data:`fusion.families.FAMILIES`
+    entry's ``name``), from its ``model_type`` (a config without one is a Llama's).
 
     Args:
         path: a model directory (or its :class:`HfDirectory`), or its ``config.json``.
@@ -107,7 +106,7 @@ def hf_model_kind(path: "str | bytes | os.PathLike | HfDirectory") -> str:
 @dataclass(frozen=True)
 class VlmImageLayout:
     """What preprocessing needs to know of a model whose tower takes square images or tiles
-    of one size (LLaVA, Idefics3): its family's ``kind``, the placeholder id of image rows,
+    of one size (a family's ``square_images``): its family's ``kind``, the placeholder id of image rows,
     the rows one image or tile gives, and the side of the images its tower takes."""
 
     kind: str
@@ -165,8 +164,8 @@ def load_hf_model(
     max_seq_len: int | None = None,
 ) -> EarlyFusion | TransformerDecoder:
     """Build the model a Hugging Face directory describes, of whichever registered family its
-    ``config.json`` names (:data:`fusion.families.FAMILIES`: a Llama decoder, or a LLaVA,
-    Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL or Qwen3-VL ``EarlyFusion``), with its weights.
+    ``config.json`` names (:data:`fusion.families.FAMILIES`: a text decoder, or an
+    ``EarlyFusion`` of the family's encoders), with its weights.
 
     ``config.json`` is read once (not at all when ``path`` is an :class:`HfDirectory` that
     has read it already). Everything is checked from it and from the weights' headers
@@ -225,9 +224,8 @@ def save_hf_model(
     overwrite: bool = False,
 ) -> list[Path]:
     """Write ``model`` as the Hugging Face directory of its family: ``config.json`` and
-    safetensors, in the layout transformers loads (its class is the family's: e.g.
-    ``LlamaForCausalLM``, ``LlavaForConditionalGeneration``,
-    ``Qwen2_5_VLForConditionalGeneration``), and :func:`load_hf_model` gives back the same
+    safetensors, in the layout transformers loads (its class is the family's, its
+    ``architectures``), and :func:`load_hf_model` gives back the same
     parameters bit for bit. Written crash-safely as :func:`~fusion.checkpoint.save_state_dict`
     describes, ``config.json`` renamed in last.
 

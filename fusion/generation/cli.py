@@ -27,12 +27,14 @@ import torch
 
 from fusion._arguments import as_device
 from fusion.checkpoint import load_hf_model
+from fusion.families import FAMILIES
 from fusion.generation.autoregressive import generate_stream
 from fusion.generation.sampling import check_sampling_args
 from fusion.hf.errors import CheckpointError
 from fusion.hf.files import read_bounded, read_tokenizer
 from fusion.padding import left_pad
 from fusion.preprocessing import detect_model_kind, load_image, prepare_inputs
+from fusion.preprocessing.processor import KINDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_JSON_BYTES = 16 << 20  # config.json and generation_config.json are a few KiB
@@ -69,11 +71,25 @@ _SEED = _number(
 )
 
 
+def _model_types() -> list[str]:
+    return [model_type for family in FAMILIES for model_type in family.model_types]
+
+
+def _image_markers() -> str:
+    """Each processor's image marker and the model types it is for, from the registry."""
+    types: dict[str, list[str]] = {}
+    for family in FAMILIES:
+        if family.processor is not None:
+            marker = KINDS[family.processor].marker
+            types.setdefault(marker, []).extend(family.model_types)
+    return "; ".join(f"{marker} for {', '.join(names)}" for marker, names in types.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m fusion.generation",
-        description="Load a Hugging Face Llama, LLaVA, Idefics3 / SmolVLM, Qwen2-VL or "
-        "Qwen2.5-VL directory (config.json + safetensors) and generate. Prompts are text (needs "
+        description="Load a Hugging Face directory (config.json + safetensors) of a model type "
+        f"of fusion.families ({', '.join(_model_types())}) and generate. Prompts are text (needs "
         "tokenizer.json and `tokenizers`, or a tokenizer `transformers` loads offline without "
         "running the directory's code) or token ids. One prompt streams its tokens; several "
         "print a line each. Errors are one line on stderr: exit status 2 for a bad command "
@@ -89,9 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--image",
         action="append",
         type=Path,
-        help="an image file for the prompts' image markers, in order (repeatable): <image> for "
-        "LLaVA and Idefics3 / SmolVLM directories, <|vision_start|><|image_pad|><|vision_end|> "
-        "for Qwen2-VL and Qwen2.5-VL ones; decoding needs Pillow (the vision extra)",
+        help="an image file for the prompts' image markers, in order (repeatable): "
+        f"{_image_markers()}; decoding needs Pillow (the vision extra)",
     )
     parser.add_argument(
         "--max-pixels",

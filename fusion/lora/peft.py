@@ -10,10 +10,8 @@ class of the model, and ``PeftModel.from_pretrained`` (or vLLM) loads it.
   cannot compute is refused by name, never dropped.
 - :func:`read_peft_config`: the settings of such a directory, checked, without the weights.
 
-Supported: ``LlavaForConditionalGeneration``, ``Idefics3ForConditionalGeneration`` (also
-SmolVLM), ``LlamaForCausalLM``, ``Qwen2VLForConditionalGeneration``,
-``Qwen2_5_VLForConditionalGeneration`` and ``Qwen3VLForConditionalGeneration``, as
-:mod:`fusion.checkpoint` loads them.
+Supported: the transformers classes of every registered family (their ``architectures``,
+:data:`fusion.families.FAMILIES`), as :func:`fusion.checkpoint.load_hf_model` loads them.
 
 This library's decoder keeps the rows of ``q_proj`` and ``k_proj`` permuted for its
 interleaved rotary embedding (:func:`fusion.checkpoint.keys.rotate_half_to_interleaved`): an
@@ -91,9 +89,8 @@ def load_peft_adapter(
     weights alone decide.
 
     Args:
-        model: as :func:`fusion.checkpoint.load_hf_vlm` or
-            :func:`~fusion.checkpoint.load_hf_llama` builds it (a LLaVA, Idefics3 / SmolVLM,
-            Qwen2-VL, Qwen2.5-VL or Qwen3-VL ``EarlyFusion``, or a Llama decoder), possibly
+        model: as :func:`fusion.checkpoint.load_hf_model` builds it (an ``EarlyFusion`` of a
+            registered family, or a text decoder), possibly
             wrapped by ``torch.compile`` or DDP; unsharded (apply before FSDP2). Layers that
             already carry adapters may not be among the adapter's.
         directory: written by peft's ``save_pretrained`` (or :func:`save_peft_adapter`).

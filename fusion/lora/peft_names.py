@@ -8,7 +8,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import cast
 
 from torch import nn
 
@@ -137,16 +136,7 @@ class _Model:
 def _describe(model: object) -> _Model:
     inner = unwrap(model)
     if isinstance(inner, TransformerDecoder | EarlyFusion):
-        try:
-            family = family_of(inner)
-        except TypeError:
-            encoders = cast(EarlyFusion, inner).encoders  # a decoder always has a family
-            got = {name: type(e).__name__ for name, e in encoders.items()}
-            raise TypeError(
-                "model: expected a LLaVA, Idefics3, Qwen2-VL, Qwen2.5-VL or Qwen3-VL EarlyFusion "
-                "(one 'image' encoder as fusion.checkpoint's loaders build it) or a text "
-                f"decoder; got encoders {got}"
-            ) from None
+        family = family_of(inner)  # a TypeError naming the families and the encoders
         peft = _Family(family, family.model_type_of(inner))
         return _Model(inner, peft, "" if isinstance(inner, TransformerDecoder) else "decoder.")
     raise TypeError(

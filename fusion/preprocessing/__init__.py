@@ -1,5 +1,5 @@
-"""From image files and prompts to token ids and pixels, for LLaVA, Idefics3 / SmolVLM,
-Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
+"""From image files and prompts to token ids and pixels, for every family of
+:data:`fusion.families.FAMILIES` that takes images (its ``processor``).
 
 Decoding and resizing use Pillow (the ``vision`` extra), imported only by :func:`load_image`,
 :func:`from_pil` and :func:`resize` (Pillow's own ``Image.resize``, as Hugging Face's image

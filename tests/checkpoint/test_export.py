@@ -181,7 +181,7 @@ def test_refusals_before_anything_is_written(tmp_path, source):
         export_hf(decoder, source, out)
     merge_lora(decoder)
     with pytest.raises(
-        TypeError, match=r"expected a LLaVA, Idefics3 or Qwen-VL EarlyFusion .* got "
+        TypeError, match=r"model: expected a model of \['llama', 'llava', .*\], got \{'image': "
     ):
         export_hf(build_tiny_fusion(), source, out)
     with pytest.raises(TypeError, match=r"model: expected an EarlyFusion .* got Linear"):
