@@ -106,8 +106,8 @@ def hf_model_kind(path: "str | bytes | os.PathLike | HfDirectory") -> str:
 @dataclass(frozen=True)
 class VlmImageLayout:
     """What preprocessing needs to know of a model whose tower takes square images or tiles
-    of one size (a family's ``square_images``): its family's ``kind``, the placeholder id of image rows,
-    the rows one image or tile gives, and the side of the images its tower takes."""
+    of one size (a family's ``square_images``): its family's ``kind``, the placeholder id of
+    image rows, the rows one image or tile gives, and the side of the images its tower takes."""
 
     kind: str
     image_token_id: int
