@@ -2,6 +2,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion.decoder.recompute import recomputed
+
+# Each norm's ``recompute`` (on by default): when training, only the input is kept for the
+# backward pass and the normalised copy is recomputed there (:func:`recomputed`), one
+# ``[..., dim]`` tensor fewer per norm, gradients unchanged bit for bit.
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned ``scale``, computed in float32.
@@ -9,16 +15,22 @@ class RMSNorm(nn.Module):
     Args:
         dim: size of the last dimension of the input.
         eps: added to the mean square before the square root.
+        recompute: when training, keep the input alone for the backward pass and recompute
+            the normalised copy there (as every norm here does by default).
 
     Shapes: input ``[..., dim]``, output the same shape and dtype.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, recompute: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.scale = nn.Parameter(torch.ones(dim))
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(self._norm, x) if self.recompute else self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.scale
@@ -32,12 +44,16 @@ class ZeroCenteredRMSNorm(nn.Module):
     Shapes: input ``[..., dim]``, output the same shape and dtype.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, recompute: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.scale = nn.Parameter(torch.zeros(dim))
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(self._norm, x) if self.recompute else self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.scale.float())).type_as(x)
@@ -53,12 +69,18 @@ class GatedRMSNorm(nn.Module):
     Shapes: ``x`` and ``gate`` ``[..., dim]``, output the same shape and ``x``'s dtype.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, recompute: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.scale = nn.Parameter(torch.ones(dim))
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.recompute:
+            return recomputed(self._norm, x, gate)
+        return self._norm(x, gate)
+
+    def _norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         scaled = self.scale * normed.to(x.dtype)

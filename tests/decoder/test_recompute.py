@@ -1,0 +1,126 @@
+"""Selective recomputation (issue 40): norms and SwiGLU's gate are recomputed in the backward
+pass; losses and gradients equal those without it bit for bit (fp32), and fewer tensors are
+kept, counted through saved-tensor hooks."""
+
+import pytest
+import torch
+
+from fusion.decoder import FeedForward, GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
+from helpers import VOCAB, build_tiny_decoder
+
+
+def saved_bytes(run) -> int:
+    """The bytes of the distinct tensors autograd keeps for the backward pass of ``run()``,
+    parameters left out."""
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.nn.Parameter):
+            storage = tensor.untyped_storage()
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(kept.values())
+
+
+def set_recompute(model: torch.nn.Module, on: bool) -> None:
+    for module in model.modules():
+        if hasattr(module, "recompute"):
+            module.recompute = on
+
+
+def gradients(model: torch.nn.Module, inputs, output_grad) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    for tensor in inputs:
+        tensor.grad = None
+    out = model(*inputs)
+    out.backward(output_grad)
+    return [out.detach(), *(t.grad for t in inputs), *(p.grad for p in model.parameters())]
+
+
+MODULES = {
+    "swiglu": (lambda: FeedForward(16, 48), 1, 16),
+    "rms_norm": (lambda: RMSNorm(16), 1, 16),
+    "zero_centred": (lambda: ZeroCenteredRMSNorm(16), 1, 16),
+    "gated": (lambda: GatedRMSNorm(16), 2, 16),
+}
+
+
+@pytest.mark.parametrize("name", MODULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recomputed_modules_give_the_same_gradients_and_keep_less(name, dtype):
+    build, arity, dim = MODULES[name]
+    torch.manual_seed(0)
+    module = build().to(dtype)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_()
+    inputs = [torch.randn(2, 5, dim, dtype=dtype, requires_grad=True) for _ in range(arity)]
+    output_grad = torch.randn(2, 5, dim, dtype=dtype)
+    assert module.recompute  # the default
+    recomputed = gradients(module, inputs, output_grad)
+    kept = saved_bytes(lambda: module(*inputs))
+    set_recompute(module, False)
+    plain = gradients(module, inputs, output_grad)
+    kept_plain = saved_bytes(lambda: module(*inputs))
+    for a, b in zip(recomputed, plain, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert kept < kept_plain
+
+
+def test_swiglu_keeps_three_hidden_tensors_of_four():
+    mlp, x = FeedForward(8, 1000), torch.randn(3, 8, requires_grad=True)
+    hidden = 3 * 1000 * 4  # one [3, 1000] float32 tensor
+    with_recompute = saved_bytes(lambda: mlp(x))
+    mlp.recompute = False
+    assert saved_bytes(lambda: mlp(x)) - with_recompute == hidden
+
+
+def test_a_decoder_trains_bit_for_bit_as_without_recomputation():
+    decoder = build_tiny_decoder(tie_word_embeddings=False)
+    tokens = torch.randint(0, VOCAB, (2, 12))
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        decoder.zero_grad(set_to_none=True)
+        loss = decoder(tokens).float().logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), [p.grad for p in decoder.parameters()]
+
+    loss, grads = step()
+    kept = saved_bytes(lambda: decoder(tokens))
+    set_recompute(decoder, False)
+    plain_loss, plain_grads = step()
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    assert kept < saved_bytes(lambda: decoder(tokens))
+
+
+def test_without_autograd_recomputation_is_a_plain_call(monkeypatch):
+    """Inference pays nothing: no checkpoint is set up under no_grad or inference mode."""
+    import fusion.decoder.recompute as recompute
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checkpoint called outside autograd")
+
+    monkeypatch.setattr(recompute, "checkpoint", refuse)
+    decoder = build_tiny_decoder()
+    tokens = torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        expected = decoder(tokens)
+    with torch.inference_mode():
+        assert torch.equal(decoder(tokens), expected)
+    with pytest.raises(AssertionError, match="checkpoint called"):
+        decoder(tokens)  # with grad: checkpointed
+
+
+def test_recomputation_compiles_to_the_same_gradients():
+    torch.manual_seed(0)
+    mlp = FeedForward(16, 32)
+    x = torch.randn(4, 16, requires_grad=True)
+    output_grad = torch.randn(4, 16)
+    eager = gradients(mlp, [x], output_grad)
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
+    for a, b in zip(gradients(compiled, [x], output_grad), eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
