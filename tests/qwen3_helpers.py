@@ -230,39 +230,55 @@ def write_qwen3_dir(directory: Path, seed: int = 0, *, tied: bool = False) -> Pa
     return directory
 
 
+# transformers' Qwen3_5TextConfig of the tiny models: two Gated DeltaNet layers, one gated
+# full-attention layer, then one more DeltaNet (kernel 4, two key heads shared by four value
+# heads), rotary on a quarter of each 32-wide head.
+QWEN3_5_HF_TEXT = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "layer_types": [*["linear_attention"] * 2, "full_attention", "linear_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 1024,
+    "pad_token_id": PAD,
+    "eos_token_id": EOS,
+}
+QWEN3_5_HF_ROPE = {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25}
+
+
+def randomize_qwen3_5(model, seed: int):
+    """:func:`vlm_helpers.randomize`, less 1 on the text stack's norms: those are zero-centred
+    (x * (1 + w)), so the effective scales are randomize's [0.5, 1.5] (the DeltaNet's gated
+    output norm is a plain one)."""
+    torch.manual_seed(seed)
+    model = randomize(model.to(torch.float32), seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if (
+                "norm" in name
+                and "linear_attn.norm" not in name
+                and not name.startswith("model.visual.")
+            ):
+                param.sub_(1.0)
+    return model
+
+
 def tiny_hf_qwen3_5(seed: int = 2, *, vocab: int = VOCAB, ids: dict | None = None):
-    """A random ``Qwen3_5ForConditionalGeneration``: two Gated DeltaNet layers, one gated
-    full-attention layer, then one more DeltaNet (kernel 4, two key heads shared by four value
-    heads), rotary on a quarter of each 32-wide head, and Qwen3-VL's tower without DeepStack;
+    """A random ``Qwen3_5ForConditionalGeneration``: the text stack of
+    :data:`QWEN3_5_HF_TEXT` with interleaved M-RoPE, and Qwen3-VL's tower without DeepStack;
     ``ids``: the special ids (image, video, vision start and end; default Qwen-VL's test ids).
     Seed 2: greedy decoding that does not settle on one token."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    text = {
-        "vocab_size": vocab,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "layer_types": [*["linear_attention"] * 2, "full_attention", "linear_attention"],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8,
-        "linear_conv_kernel_dim": 4,
-        "max_position_embeddings": 1024,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10_000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
-        "pad_token_id": PAD,
-        "eos_token_id": EOS,
-    }
+    rope = QWEN3_5_HF_ROPE | {"mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    text = QWEN3_5_HF_TEXT | {"vocab_size": vocab, "rope_parameters": rope}
     vision = {
         key: value for key, value in VISION_CONFIG.items() if key != "deepstack_visual_indexes"
     }
@@ -273,16 +289,22 @@ def tiny_hf_qwen3_5(seed: int = 2, *, vocab: int = VOCAB, ids: dict | None = Non
         "vision_end_token_id": VISION_END,
     }
     config = Qwen3_5Config(text_config=text, vision_config=vision, **ids)
-    torch.manual_seed(seed)
-    model = randomize(Qwen3_5ForConditionalGeneration(config).to(torch.float32), seed)
-    # randomize draws norm weights from [0.5, 1.5]; the text stack's norms are zero-centred
-    # (x * (1 + w)), so shift theirs to give the same effective scales.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            zero_centred = "language_model" in name and "linear_attn.norm" not in name
-            if zero_centred and "norm" in name:
-                param.sub_(1.0)
-    return model
+    return randomize_qwen3_5(Qwen3_5ForConditionalGeneration(config), seed)
+
+
+def tiny_hf_qwen3_5_text(seed: int = 2, *, tied: bool = False):
+    """A random ``Qwen3_5ForCausalLM`` (``qwen3_5_text``): the text stack of
+    :data:`QWEN3_5_HF_TEXT`, with the rotary settings transformers writes for it (no M-RoPE
+    section)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        **QWEN3_5_HF_TEXT,
+        vocab_size=VOCAB,
+        rope_parameters=dict(QWEN3_5_HF_ROPE),
+        tie_word_embeddings=tied,
+    )
+    return randomize_qwen3_5(Qwen3_5ForCausalLM(config), seed)
 
 
 # Qwen's special tokens after the 256 byte symbols of :func:`qwen3_5_byte_tokenizer`.

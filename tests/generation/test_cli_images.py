@@ -71,4 +71,4 @@ def test_a_llama_takes_no_images(tmp_path, capsys):
     save_hf_llama(llama3_2(64, 1, 2, 1, 16, 32), tmp_path)
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(tmp_path), "--image", "x.png", "--prompt", "hi"])
-    assert "holds a text-only Llama, which takes no images" in capsys.readouterr().err
+    assert "holds a text-only model, which takes no images" in capsys.readouterr().err
