@@ -446,8 +446,8 @@ def qwen3_5_byte_tokenizer():
 def write_qwen3_5_dir(directory: Path, seed: int = 0) -> Path:
     """A tiny random Qwen3.5 directory as the Hub carries one: weights and ``config.json`` by
     transformers' ``save_pretrained`` (a vocabulary of 320: the byte tokenizer's ids),
-    :func:`qwen3_5_byte_tokenizer`, :data:`QWEN3_CHAT_TEMPLATE` in ``chat_template.json`` and
-    :data:`QWEN3_PREPROCESSOR` in ``preprocessor_config.json``."""
+    :func:`qwen3_5_byte_tokenizer`, :data:`QWEN3_5_CHAT_TEMPLATE` in ``chat_template.jinja``
+    and :data:`QWEN3_PREPROCESSOR` in ``preprocessor_config.json``."""
     directory.mkdir(parents=True, exist_ok=True)
     ids = {
         f"{name}_token_id": QWEN3_5_SPECIAL_IDS[f"<|{name}|>"]
@@ -457,7 +457,6 @@ def write_qwen3_5_dir(directory: Path, seed: int = 0) -> Path:
     ids["video_token_id"] = ids.pop("video_pad_token_id")
     tiny_hf_qwen3_5(seed, vocab=320, ids=ids).save_pretrained(directory)
     qwen3_5_byte_tokenizer().save_pretrained(directory)
-    template = {"chat_template": QWEN3_CHAT_TEMPLATE}
-    (directory / "chat_template.json").write_text(json.dumps(template, indent=2))
+    (directory / "chat_template.jinja").write_text(QWEN3_5_CHAT_TEMPLATE)
     (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_PREPROCESSOR, indent=2))
     return directory
