@@ -397,7 +397,7 @@ def tiny_hf_qwen3_5(seed: int = 2, *, vocab: int = VOCAB, ids: dict | None = Non
     return randomize_qwen3_5(Qwen3_5ForConditionalGeneration(config), seed)
 
 
-def tiny_hf_qwen3_5_text(seed: int = 2, *, tied: bool = False):
+def tiny_hf_qwen3_5_text(seed: int = 2, *, vocab: int = VOCAB, tied: bool = False):
     """A random ``Qwen3_5ForCausalLM`` (``qwen3_5_text``): the text stack of
     :data:`QWEN3_5_HF_TEXT`, with the rotary settings transformers writes for it (no M-RoPE
     section)."""
@@ -405,7 +405,7 @@ def tiny_hf_qwen3_5_text(seed: int = 2, *, tied: bool = False):
 
     config = Qwen3_5TextConfig(
         **QWEN3_5_HF_TEXT,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         rope_parameters=dict(QWEN3_5_HF_ROPE),
         tie_word_embeddings=tied,
     )
@@ -459,4 +459,15 @@ def write_qwen3_5_dir(directory: Path, seed: int = 0) -> Path:
     qwen3_5_byte_tokenizer().save_pretrained(directory)
     (directory / "chat_template.jinja").write_text(QWEN3_5_CHAT_TEMPLATE)
     (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_PREPROCESSOR, indent=2))
+    return directory
+
+
+def write_qwen3_5_text_dir(directory: Path, seed: int = 0) -> Path:
+    """A tiny random text-only Qwen3.5 directory (``Qwen3_5ForCausalLM``, a vocabulary of 320:
+    the byte tokenizer's ids) with :func:`qwen3_5_byte_tokenizer` and
+    :data:`QWEN3_5_CHAT_TEMPLATE` in ``chat_template.jinja``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tiny_hf_qwen3_5_text(seed, vocab=320).save_pretrained(directory)
+    qwen3_5_byte_tokenizer().save_pretrained(directory)
+    (directory / "chat_template.jinja").write_text(QWEN3_5_CHAT_TEMPLATE)
     return directory
