@@ -85,9 +85,10 @@ class HfDirectory:
 
 
 def hf_model_kind(path: "str | bytes | os.PathLike | HfDirectory") -> str:
-    """The name of the family ``config.json`` describes (``"llama"``, ``"llava"``,
-    ``"idefics3"`` for Idefics3 and SmolVLM, ``"qwen2_vl"`` for Qwen2-VL and Qwen2.5-VL,
-    ``"qwen3_vl"``), from its ``model_type`` (a config without one is a Llama's).
+    """The name of the family ``config.json`` describes (``"llama"``, ``"qwen3_5_text"``,
+    ``"llava"``, ``"idefics3"`` for Idefics3 and SmolVLM, ``"qwen2_vl"`` for Qwen2-VL and
+    Qwen2.5-VL, ``"qwen3_vl"``, ``"qwen3_5"``), from its ``model_type`` (a config without one
+    is a Llama's).
 
     Args:
         path: a model directory (or its :class:`HfDirectory`), or its ``config.json``.
@@ -165,8 +166,9 @@ def load_hf_model(
     max_seq_len: int | None = None,
 ) -> EarlyFusion | TransformerDecoder:
     """Build the model a Hugging Face directory describes, of whichever registered family its
-    ``config.json`` names (:data:`fusion.families.FAMILIES`: a Llama decoder, or a LLaVA,
-    Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL or Qwen3-VL ``EarlyFusion``), with its weights.
+    ``config.json`` names (:data:`fusion.families.FAMILIES`: a Llama or Qwen3.5 text decoder,
+    or a LLaVA, Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 ``EarlyFusion``),
+    with its weights.
 
     ``config.json`` is read once (not at all when ``path`` is an :class:`HfDirectory` that
     has read it already). Everything is checked from it and from the weights' headers
