@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from fusion.preprocessing import detect_model_kind, prepare_inputs
@@ -190,3 +192,42 @@ def test_conversation_labels_are_each_turns_answer_as_rendered(qwen3_5_dir, case
     assert torch.equal(sample.labels[targets], sample.tokens[targets + 1])
     if case == "turns":  # earlier turns lost their reasoning, as the template writes them
         assert "greet" not in text and "old" not in text
+
+
+WORDS = st.text(alphabet="ab01 ", max_size=6).map(str.strip)  # probe-like edges: 0 and 1
+
+
+@st.composite
+def turns(draw) -> tuple[list[dict], list[str]]:
+    """A conversation of 1 to 4 user / assistant turns, each answer's reasoning inline, in
+    ``reasoning_content`` or absent, and each answer's targets as Qwen3.5's template
+    renders them (the last with its thinking block, the earlier without reasoning)."""
+    messages: list[dict] = [{"role": "system", "content": "S"}] if draw(st.booleans()) else []
+    targets = []
+    count = draw(st.integers(1, 4))
+    for i in range(count):
+        messages.append({"role": "user", "content": draw(WORDS) or "q"})
+        answer, reasoning = draw(WORDS), draw(WORDS)
+        form = draw(st.sampled_from(["none", "inline", "field"]))
+        message = {"role": "assistant", "content": answer}
+        if form == "inline":
+            message["content"] = f"<think>\n{reasoning}\n</think>\n\n{answer}"
+        elif form == "field":
+            message["reasoning_content"] = reasoning
+        else:
+            reasoning = ""
+        messages.append(message)
+        last = i == count - 1
+        targets.append((reasoning + THINK_END if last else "") + answer + "<|im_end|>")
+    return messages, targets
+
+
+@settings(max_examples=60, deadline=None)
+@given(conversation=turns())
+def test_spans_of_random_conversations_are_each_answer_as_rendered(conversation):
+    from fusion.data import ChatTemplate
+    from qwen3_helpers import QWEN3_5_CHAT_TEMPLATE
+
+    messages, targets = conversation
+    rendered = ChatTemplate(QWEN3_5_CHAT_TEMPLATE).render_with_spans(messages)
+    assert [rendered.text[a:b] for a, b in rendered.spans] == targets
