@@ -62,7 +62,7 @@ def test_first_loss_packed_equals_padded_equals_transformers_and_the_export_load
     expected = transformers_loss(directory, data)
     for packed in (True, False):
         out = root / f"run-{packed}"
-        argv = ft.recipe_args(directory, data, out, *ARGS, "--train", "full", "--steps", "2")
+        argv = ft.recipe_args(directory, data, out, *ARGS, "--train", "full", "--steps", "1")
         assert main(argv + ([] if packed else ["--no-packing"])) == 0
         losses = ft.metrics(out)["losses"]
         assert losses[0] == pytest.approx(expected, rel=1e-5), f"packed={packed}"
