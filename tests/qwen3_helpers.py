@@ -471,3 +471,31 @@ def write_qwen3_5_text_dir(directory: Path, seed: int = 0) -> Path:
     qwen3_5_byte_tokenizer().save_pretrained(directory)
     (directory / "chat_template.jinja").write_text(QWEN3_5_CHAT_TEMPLATE)
     return directory
+
+
+def with_config(source: Path, target: Path, edit) -> Path:
+    """``target``: ``source``'s weights (linked) and its config.json edited by ``edit``."""
+    target.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    edit(config)
+    (target / "config.json").write_text(json.dumps(config))
+    for weights in source.glob("*.safetensors*"):
+        (target / weights.name).symlink_to(weights)
+    return target
+
+
+def check_refused_unbuilt(directory: Path, key: str, message: str) -> None:
+    """``load_hf_model(directory)`` raises a ``CheckpointError`` matching ``message`` that
+    names ``directory``'s config.json and ``key``, before any module is built."""
+    from unittest import mock
+
+    import pytest
+
+    from fusion.checkpoint import CheckpointError, load_hf_model
+
+    with mock.patch.object(torch.nn.Module, "__init__", side_effect=AssertionError("built")):
+        with pytest.raises(CheckpointError, match=message) as error:
+            load_hf_model(directory)
+    assert error.value.key == key
+    assert error.value.file == directory / "config.json"
+    assert key.rsplit(".", 1)[-1] in str(error.value)

@@ -13,8 +13,6 @@ export, peft):
 
 import json
 import warnings
-from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -26,7 +24,7 @@ from fusion.checkpoint import CheckpointError, load_hf_model, save_hf_model
 from fusion.data import IGNORE_INDEX, Sample, collate_packed, pack_samples
 from fusion.families import family_named, family_of
 from fusion.padding import leading_pad_counts, prefill_mask, prompt_positions
-from qwen3_helpers import tiny_hf_qwen3_5_text
+from qwen3_helpers import check_refused_unbuilt, tiny_hf_qwen3_5_text, with_config
 from qwen_helpers import PAD, VOCAB
 
 LENGTHS = [3, 64, 70, 5]  # shorter than the kernel, one chunk exactly, over one
@@ -170,16 +168,6 @@ def test_an_early_fusion_without_encoders_is_saved_as_the_text_model(pair, tmp_p
 # ---------------------------------------------------------------------- hostile configs
 
 
-def with_config(source: Path, target: Path, edit) -> Path:
-    target.mkdir()
-    config = json.loads((source / "config.json").read_text())
-    edit(config)
-    (target / "config.json").write_text(json.dumps(config))
-    for weights in source.glob("*.safetensors*"):
-        (target / weights.name).symlink_to(weights)
-    return target
-
-
 def top(**values):
     return lambda config: config.update(values)
 
@@ -214,12 +202,7 @@ HOSTILE = {
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_configs_are_refused_before_anything_is_built(pair, tmp_path, case):
     edit, key, message = HOSTILE[case]
-    directory = with_config(pair[1], tmp_path / case, edit)
-    with mock.patch.object(torch.nn.Module, "__init__", side_effect=AssertionError("built")):
-        with pytest.raises(CheckpointError, match=message) as error:
-            load_hf_model(directory)
-    assert error.value.key == key
-    assert error.value.file == directory / "config.json"
+    check_refused_unbuilt(with_config(pair[1], tmp_path / case, edit), key, message)
 
 
 def test_the_vision_language_moe_model_type_stays_refused(pair, tmp_path):
