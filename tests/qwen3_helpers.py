@@ -199,44 +199,24 @@ QWEN3_CHAT_TEMPLATE = """\
 {%- endif %}
 """
 # Qwen3.5's chat template as its Hub repositories carry it (chat_template.jinja; transformers
-# 5.24 ships none), written here to its behaviour less the tool-calling branches (tools,
-# tool_calls, tool turns), which no test renders: content as a string or a list of parts (an
-# image or video part gives "<|vision_start|><|image_pad|><|vision_end|>" or its video
-# form, Picture / Video numbers under add_vision_id), every message's text trimmed, a first
-# system message before the loop (refused elsewhere). An assistant turn after the last user
-# message opens with "<think>\n{reasoning}\n</think>\n\n" (reasoning from
-# reasoning_content, else what the content holds before "</think>", else empty); earlier
-# turns drop their reasoning (the template rewrites history). The generation prompt opens a
-# thinking block, "<think>\n", or closes an empty one under enable_thinking=false.
+# 5.24 ships none), written here to its behaviour less what no test renders (tools, tool
+# calls and tool turns; add_vision_id's Picture / Video numbers; the refusal of images in a
+# system message): content as a string or a list of parts (an image or video part gives
+# "<|vision_start|><|image_pad|><|vision_end|>" or its video form), every message's text
+# trimmed, a first system message before the loop (refused elsewhere). An assistant turn
+# after the last user message opens with "<think>\n{reasoning}\n</think>\n\n" (reasoning
+# from reasoning_content, else what the content holds before "</think>", else empty);
+# earlier turns drop their reasoning (the template rewrites history). The generation prompt
+# opens a thinking block, "<think>\n", or closes an empty one under enable_thinking=false.
 QWEN3_5_CHAT_TEMPLATE = """\
-{%- set image_count = namespace(value=0) %}
-{%- set video_count = namespace(value=0) %}
-{%- macro render_content(content, do_vision_count, is_system_content=false) %}
+{%- macro text_of(content) %}
     {%- if content is string %}
         {{- content }}
     {%- elif content is iterable and content is not mapping %}
         {%- for part in content %}
-            {%- if 'image' in part or 'image_url' in part or part.type == 'image' %}
-                {%- if is_system_content %}
-                    {{- raise_exception('System message cannot contain images.') }}
-                {%- endif %}
-                {%- if do_vision_count %}
-                    {%- set image_count.value = image_count.value + 1 %}
-                {%- endif %}
-                {%- if add_vision_id %}
-                    {{- 'Picture ' ~ image_count.value ~ ': ' }}
-                {%- endif %}
+            {%- if part.type == 'image' or 'image' in part or 'image_url' in part %}
                 {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
-            {%- elif 'video' in part or part.type == 'video' %}
-                {%- if is_system_content %}
-                    {{- raise_exception('System message cannot contain videos.') }}
-                {%- endif %}
-                {%- if do_vision_count %}
-                    {%- set video_count.value = video_count.value + 1 %}
-                {%- endif %}
-                {%- if add_vision_id %}
-                    {{- 'Video ' ~ video_count.value ~ ': ' }}
-                {%- endif %}
+            {%- elif part.type == 'video' or 'video' in part %}
                 {{- '<|vision_start|><|video_pad|><|vision_end|>' }}
             {%- elif 'text' in part %}
                 {{- part.text }}
@@ -244,9 +224,7 @@ QWEN3_5_CHAT_TEMPLATE = """\
                 {{- raise_exception('Unexpected item type in content.') }}
             {%- endif %}
         {%- endfor %}
-    {%- elif content is none or content is undefined %}
-        {{- '' }}
-    {%- else %}
+    {%- elif content is not none and content is defined %}
         {{- raise_exception('Unexpected content type.') }}
     {%- endif %}
 {%- endmacro %}
@@ -254,7 +232,7 @@ QWEN3_5_CHAT_TEMPLATE = """\
     {{- raise_exception('No messages provided.') }}
 {%- endif %}
 {%- if messages[0].role == 'system' %}
-    {%- set content = render_content(messages[0].content, false, true)|trim %}
+    {%- set content = text_of(messages[0].content)|trim %}
     {{- '<|im_start|>system\\n' + content + '<|im_end|>\\n' }}
 {%- endif %}
 {%- set ns = namespace(last_query_index=-1) %}
@@ -267,7 +245,7 @@ QWEN3_5_CHAT_TEMPLATE = """\
     {{- raise_exception('No user query found in messages.') }}
 {%- endif %}
 {%- for message in messages %}
-    {%- set content = render_content(message.content, true)|trim %}
+    {%- set content = text_of(message.content)|trim %}
     {%- if message.role == 'system' %}
         {%- if not loop.first %}
             {{- raise_exception('System message must be at the beginning.') }}

@@ -76,7 +76,8 @@ def test_the_decoder_rotates_with_plain_1d_rope(pair):
     config = json.loads((directory / "config.json").read_text())
     assert "mrope_section" not in config["rope_parameters"]
     assert config["architectures"] == ["Qwen3_5ForCausalLM"]
-    # transformers' text model: text positions on every row, so a section changes nothing
+    # transformers' text model puts the text positions on every M-RoPE row: shifted, they
+    # move its logits as they move ours
     ids = samples([9])[0]
     with torch.no_grad():
         moved = hf(input_ids=ids[None], position_ids=torch.arange(9)[None] + 3).logits[0]
