@@ -210,3 +210,39 @@ def test_the_vision_language_moe_model_type_stays_refused(pair, tmp_path):
     directory = with_config(pair[1], tmp_path / "moe", top(model_type="qwen3_5_moe"))
     with pytest.raises(CheckpointError, match=r"'qwen3_5_moe': .*mixture-of-experts"):
         load_hf_model(directory)
+
+
+def test_an_mrope_section_in_a_text_config_changes_nothing(pair, tmp_path):
+    """A ``qwen3_5_text`` config holding its VLM's ``mrope_section`` (e.g. a text stack cut
+    out of a Qwen3.5 directory): transformers puts text positions on every row, so the
+    section changes nothing; we read the same model."""
+    from transformers import Qwen3_5ForCausalLM
+
+    rope = {"rope_type": "default", "partial_rotary_factor": 0.25, "rope_theta": 10_000.0}
+    rope |= {"mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    directory = with_config(pair[1], tmp_path / "mrope", top(rope_parameters=rope))
+    ids = samples([13])[0]
+    hf = Qwen3_5ForCausalLM.from_pretrained(directory).eval()
+    model = load_hf_model(directory).eval()
+    with torch.no_grad():
+        assert max_error(model(ids[None])[0], theirs_alone(hf, ids)) <= 1e-4
+        assert torch.equal(model(ids[None]), pair[2](ids[None]))
+
+
+def test_a_qwen3_5_decoder_saved_alone_loads_as_the_text_model(tmp_path):
+    """The text stack of a Qwen3.5 vision-language model (interleaved M-RoPE) saved alone is
+    a ``Qwen3_5ForCausalLM`` with its logits on text (1-D positions are text on every row)."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from qwen3_helpers import tiny_qwen3_5
+
+    decoder = tiny_qwen3_5().decoder
+    assert decoder.attentions()[0].pos_embeddings.mrope_section is not None
+    save_hf_model(decoder, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5_text"
+    hf = Qwen3_5ForCausalLM.from_pretrained(tmp_path).eval()
+    ids = samples([13])[0]
+    with torch.no_grad():
+        ours = decoder(ids[None])[0]
+        assert max_error(ours, theirs_alone(hf, ids)) <= 1e-4
+        assert max_error(load_hf_model(tmp_path).eval()(ids[None])[0], ours) <= 1e-5
