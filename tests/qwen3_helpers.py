@@ -198,6 +198,89 @@ QWEN3_CHAT_TEMPLATE = """\
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
+# Qwen3.5's chat template as its Hub repositories carry it (chat_template.jinja; transformers
+# 5.24 ships none), written here to its behaviour less what no test renders (tools, tool
+# calls and tool turns; add_vision_id's Picture / Video numbers; the refusal of images in a
+# system message): content as a string or a list of parts (an image or video part gives
+# "<|vision_start|><|image_pad|><|vision_end|>" or its video form), every message's text
+# trimmed, a first system message before the loop (refused elsewhere). An assistant turn
+# after the last user message opens with "<think>\n{reasoning}\n</think>\n\n" (reasoning
+# from reasoning_content, else what the content holds before "</think>", else empty);
+# earlier turns drop their reasoning (the template rewrites history). The generation prompt
+# opens a thinking block, "<think>\n", or closes an empty one under enable_thinking=false.
+QWEN3_5_CHAT_TEMPLATE = """\
+{%- macro text_of(content) %}
+    {%- if content is string %}
+        {{- content }}
+    {%- elif content is iterable and content is not mapping %}
+        {%- for part in content %}
+            {%- if part.type == 'image' or 'image' in part or 'image_url' in part %}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+            {%- elif part.type == 'video' or 'video' in part %}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' }}
+            {%- elif 'text' in part %}
+                {{- part.text }}
+            {%- else %}
+                {{- raise_exception('Unexpected item type in content.') }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif content is not none and content is defined %}
+        {{- raise_exception('Unexpected content type.') }}
+    {%- endif %}
+{%- endmacro %}
+{%- if not messages %}
+    {{- raise_exception('No messages provided.') }}
+{%- endif %}
+{%- if messages[0].role == 'system' %}
+    {%- set content = text_of(messages[0].content)|trim %}
+    {{- '<|im_start|>system\\n' + content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query_index=-1) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {%- set ns.last_query_index = loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- if ns.last_query_index < 0 %}
+    {{- raise_exception('No user query found in messages.') }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = text_of(message.content)|trim %}
+    {%- if message.role == 'system' %}
+        {%- if not loop.first %}
+            {{- raise_exception('System message must be at the beginning.') }}
+        {%- endif %}
+    {%- elif message.role == 'user' %}
+        {{- '<|im_start|>user\\n' + content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set reasoning = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n') %}
+            {%- set reasoning = reasoning.split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning|trim + '\\n</think>\\n\\n' }}
+            {{- content }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- else %}
+        {{- raise_exception('Unexpected message role.') }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- else %}
+        {{- '<think>\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
 # A small pixel range (sides are multiples of 32), so that images give a few to 20 rows.
 QWEN3_PIXELS = {"shortest_edge": 32 * 32, "longest_edge": 32 * 32 * 20}
 # preprocessor_config.json as Qwen3-VL's Hub directories hold it (the size form, mean and std
@@ -230,39 +313,55 @@ def write_qwen3_dir(directory: Path, seed: int = 0, *, tied: bool = False) -> Pa
     return directory
 
 
+# transformers' Qwen3_5TextConfig of the tiny models: two Gated DeltaNet layers, one gated
+# full-attention layer, then one more DeltaNet (kernel 4, two key heads shared by four value
+# heads), rotary on a quarter of each 32-wide head.
+QWEN3_5_HF_TEXT = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "layer_types": [*["linear_attention"] * 2, "full_attention", "linear_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 1024,
+    "pad_token_id": PAD,
+    "eos_token_id": EOS,
+}
+QWEN3_5_HF_ROPE = {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25}
+
+
+def randomize_qwen3_5(model, seed: int):
+    """:func:`vlm_helpers.randomize`, less 1 on the text stack's norms: those are zero-centred
+    (x * (1 + w)), so the effective scales are randomize's [0.5, 1.5] (the DeltaNet's gated
+    output norm is a plain one)."""
+    torch.manual_seed(seed)
+    model = randomize(model.to(torch.float32), seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if (
+                "norm" in name
+                and "linear_attn.norm" not in name
+                and not name.startswith("model.visual.")
+            ):
+                param.sub_(1.0)
+    return model
+
+
 def tiny_hf_qwen3_5(seed: int = 2, *, vocab: int = VOCAB, ids: dict | None = None):
-    """A random ``Qwen3_5ForConditionalGeneration``: two Gated DeltaNet layers, one gated
-    full-attention layer, then one more DeltaNet (kernel 4, two key heads shared by four value
-    heads), rotary on a quarter of each 32-wide head, and Qwen3-VL's tower without DeepStack;
+    """A random ``Qwen3_5ForConditionalGeneration``: the text stack of
+    :data:`QWEN3_5_HF_TEXT` with interleaved M-RoPE, and Qwen3-VL's tower without DeepStack;
     ``ids``: the special ids (image, video, vision start and end; default Qwen-VL's test ids).
     Seed 2: greedy decoding that does not settle on one token."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    text = {
-        "vocab_size": vocab,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "layer_types": [*["linear_attention"] * 2, "full_attention", "linear_attention"],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8,
-        "linear_conv_kernel_dim": 4,
-        "max_position_embeddings": 1024,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10_000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
-        "pad_token_id": PAD,
-        "eos_token_id": EOS,
-    }
+    rope = QWEN3_5_HF_ROPE | {"mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    text = QWEN3_5_HF_TEXT | {"vocab_size": vocab, "rope_parameters": rope}
     vision = {
         key: value for key, value in VISION_CONFIG.items() if key != "deepstack_visual_indexes"
     }
@@ -273,16 +372,22 @@ def tiny_hf_qwen3_5(seed: int = 2, *, vocab: int = VOCAB, ids: dict | None = Non
         "vision_end_token_id": VISION_END,
     }
     config = Qwen3_5Config(text_config=text, vision_config=vision, **ids)
-    torch.manual_seed(seed)
-    model = randomize(Qwen3_5ForConditionalGeneration(config).to(torch.float32), seed)
-    # randomize draws norm weights from [0.5, 1.5]; the text stack's norms are zero-centred
-    # (x * (1 + w)), so shift theirs to give the same effective scales.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            zero_centred = "language_model" in name and "linear_attn.norm" not in name
-            if zero_centred and "norm" in name:
-                param.sub_(1.0)
-    return model
+    return randomize_qwen3_5(Qwen3_5ForConditionalGeneration(config), seed)
+
+
+def tiny_hf_qwen3_5_text(seed: int = 2, *, vocab: int = VOCAB, tied: bool = False):
+    """A random ``Qwen3_5ForCausalLM`` (``qwen3_5_text``): the text stack of
+    :data:`QWEN3_5_HF_TEXT`, with the rotary settings transformers writes for it (no M-RoPE
+    section)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        **QWEN3_5_HF_TEXT,
+        vocab_size=vocab,
+        rope_parameters=dict(QWEN3_5_HF_ROPE),
+        tie_word_embeddings=tied,
+    )
+    return randomize_qwen3_5(Qwen3_5ForCausalLM(config), seed)
 
 
 # Qwen's special tokens after the 256 byte symbols of :func:`qwen3_5_byte_tokenizer`.
@@ -319,8 +424,8 @@ def qwen3_5_byte_tokenizer():
 def write_qwen3_5_dir(directory: Path, seed: int = 0) -> Path:
     """A tiny random Qwen3.5 directory as the Hub carries one: weights and ``config.json`` by
     transformers' ``save_pretrained`` (a vocabulary of 320: the byte tokenizer's ids),
-    :func:`qwen3_5_byte_tokenizer`, :data:`QWEN3_CHAT_TEMPLATE` in ``chat_template.json`` and
-    :data:`QWEN3_PREPROCESSOR` in ``preprocessor_config.json``."""
+    :func:`qwen3_5_byte_tokenizer`, :data:`QWEN3_5_CHAT_TEMPLATE` in ``chat_template.jinja``
+    and :data:`QWEN3_PREPROCESSOR` in ``preprocessor_config.json``."""
     directory.mkdir(parents=True, exist_ok=True)
     ids = {
         f"{name}_token_id": QWEN3_5_SPECIAL_IDS[f"<|{name}|>"]
@@ -330,7 +435,45 @@ def write_qwen3_5_dir(directory: Path, seed: int = 0) -> Path:
     ids["video_token_id"] = ids.pop("video_pad_token_id")
     tiny_hf_qwen3_5(seed, vocab=320, ids=ids).save_pretrained(directory)
     qwen3_5_byte_tokenizer().save_pretrained(directory)
-    template = {"chat_template": QWEN3_CHAT_TEMPLATE}
-    (directory / "chat_template.json").write_text(json.dumps(template, indent=2))
+    (directory / "chat_template.jinja").write_text(QWEN3_5_CHAT_TEMPLATE)
     (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_PREPROCESSOR, indent=2))
     return directory
+
+
+def write_qwen3_5_text_dir(directory: Path, seed: int = 0) -> Path:
+    """A tiny random text-only Qwen3.5 directory (``Qwen3_5ForCausalLM``, a vocabulary of 320:
+    the byte tokenizer's ids) with :func:`qwen3_5_byte_tokenizer` and
+    :data:`QWEN3_5_CHAT_TEMPLATE` in ``chat_template.jinja``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tiny_hf_qwen3_5_text(seed, vocab=320).save_pretrained(directory)
+    qwen3_5_byte_tokenizer().save_pretrained(directory)
+    (directory / "chat_template.jinja").write_text(QWEN3_5_CHAT_TEMPLATE)
+    return directory
+
+
+def with_config(source: Path, target: Path, edit) -> Path:
+    """``target``: ``source``'s weights (linked) and its config.json edited by ``edit``."""
+    target.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    edit(config)
+    (target / "config.json").write_text(json.dumps(config))
+    for weights in source.glob("*.safetensors*"):
+        (target / weights.name).symlink_to(weights)
+    return target
+
+
+def check_refused_unbuilt(directory: Path, key: str, message: str) -> None:
+    """``load_hf_model(directory)`` raises a ``CheckpointError`` matching ``message`` that
+    names ``directory``'s config.json and ``key``, before any module is built."""
+    from unittest import mock
+
+    import pytest
+
+    from fusion.checkpoint import CheckpointError, load_hf_model
+
+    with mock.patch.object(torch.nn.Module, "__init__", side_effect=AssertionError("built")):
+        with pytest.raises(CheckpointError, match=message) as error:
+            load_hf_model(directory)
+    assert error.value.key == key
+    assert error.value.file == directory / "config.json"
+    assert key.rsplit(".", 1)[-1] in str(error.value)

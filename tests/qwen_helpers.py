@@ -262,10 +262,13 @@ def fusion_inputs(directory, messages, images, *, add_generation_prompt: bool = 
     return inputs.tokens(PAD), inputs.encoder_input()
 
 
-def transformers_first_loss(hf, processor, directory, data) -> float:
+def transformers_first_loss(hf, processor, directory, data, *, thinking: bool = False) -> float:
     """transformers' mean cross-entropy over the assistant tokens of ``data``'s
     conversations, checking on the way that our samples hold transformers' ids, patches and
-    grids, and that their targets are each answer and its ``<|im_end|>``, nothing else."""
+    grids, and that their targets are each answer and its ``<|im_end|>``, nothing else;
+    ``thinking``: a template that opens a thinking block for the answers after the last user
+    message (Qwen3.5's, the generation prompt ending in ``<think>\n``), whose targets then
+    begin with the empty block's end ``\n</think>\n\n``."""
     from fusion.data import IGNORE_INDEX, ConversationEncoder, read_conversations
 
     encoder = ConversationEncoder.from_directory(directory)
@@ -277,8 +280,14 @@ def transformers_first_loss(hf, processor, directory, data) -> float:
         if conversation.images:
             assert torch.equal(inputs["pixel_values"], sample.pixel_values)
             assert torch.equal(inputs["image_grid_thw"], sample.image_grid_thw)
-        answers = [m["content"] for m in conversation.messages if m["role"] == "assistant"]
-        answers = [a if isinstance(a, str) else a[0]["text"] for a in answers]
+        roles = [m["role"] for m in conversation.messages]
+        last_query = len(roles) - 1 - roles[::-1].index("user")
+        answers = [
+            ("\n</think>\n\n" if thinking and i > last_query else "")
+            + (m["content"] if isinstance(m["content"], str) else m["content"][0]["text"])
+            for i, m in enumerate(conversation.messages)
+            if m["role"] == "assistant"
+        ]
         end = encoder.tokenizer.token_to_id("<|im_end|>")
         expected_targets = [
             t

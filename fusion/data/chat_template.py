@@ -46,6 +46,8 @@ SPECIAL_TOKEN_KEYS = (
 # Private-use characters wrap what a {% generation %} block renders; messages holding them
 # are refused, so the markers found in the output are the template's.
 GENERATION_START, GENERATION_END = "\ue000", "\ue001"
+# What replaces an assistant message's content to find where a template renders it.
+_PROBES = ("0", "1")
 
 
 class ChatTemplateError(FusionError, ValueError):
@@ -246,13 +248,18 @@ class ChatTemplate:
         message ``k``, from the end of ``render(messages[:k], add_generation_prompt=True)``
         to the end of ``render(messages[:k + 1])``, trailing whitespace left out: the
         assistant's text and what the template closes its turn with (the end-of-turn token),
-        never the header the prompt already ends with. Both renders must be prefixes of the
-        whole conversation's; templates that rewrite earlier turns need generation tags.
+        never the header the prompt already ends with. Where those renders are not prefixes
+        of the whole conversation's (a template that rewrites earlier turns: Qwen3's and
+        Qwen3.5's drop the reasoning of assistant turns before the last user message), the
+        turn's content as the whole conversation renders it (:meth:`_content_span`) and the
+        text the template closes it with in ``render(messages[:k + 1])``, where the whole
+        conversation has that text next.
 
         Raises:
             ChatTemplateError: as :meth:`render`; a template without generation tags whose
-                partial renders are not prefixes of the whole; no span (the template renders
-                no assistant turn).
+                partial renders are not prefixes of the whole and that renders a turn's
+                content elsewhere too, or changed; no span (the template renders no
+                assistant turn).
         """
         text, spans = self._render(messages, False, variables)
         if not self.has_generation_tags:
@@ -264,22 +271,79 @@ class ChatTemplate:
                 # default system prompt) is prompt too.
                 before = self._render(messages[:k], True, variables)[0]
                 through = self._render(messages[: k + 1], False, variables)[0]
-                if not (text.startswith(before) and text.startswith(through)):
-                    raise ChatTemplateError(
-                        f"chat template: rendering the conversation up to assistant message {k} "
-                        "does not give a prefix of the whole conversation, so the assistant's "
-                        "tokens cannot be found; add {% generation %} tags around the "
-                        "assistant's text in the template"
-                    )
-                end = len(through.rstrip())
-                if end > len(before):
-                    spans.append((len(before), end))
+                if text.startswith(before) and text.startswith(through):
+                    start, end = len(before), len(through.rstrip())
+                else:  # a rewritten turn: its content, then how the template closes it
+                    start, end = self._content_span(messages, k, variables, text)
+                    closing = self._closing(messages[: k + 1], variables)
+                    if text.startswith(closing, end):
+                        end += len(closing)
+                if end > start:
+                    spans.append((start, end))
         if not spans:
             raise ChatTemplateError(
                 "chat template: renders no assistant turn for this conversation, so there is "
                 "nothing to train on"
             )
         return RenderedChat(text, spans)
+
+    def _probed(
+        self, messages: Sequence[Mapping[str, Any]], k: int, variables: Mapping[str, Any]
+    ) -> list[str]:
+        """Renders of ``messages`` with message ``k``'s content replaced by each of
+        :data:`_PROBES` (in its form: a string, or one text part)."""
+        content = messages[k].get("content")
+        renders = []
+        for probe in _PROBES:
+            value = [{"type": "text", "text": probe}] if isinstance(content, list) else probe
+            swapped = [*messages[:k], {**messages[k], "content": value}, *messages[k + 1 :]]
+            renders.append(self._render(swapped, False, variables)[0])
+        return renders
+
+    def _content_span(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        k: int,
+        variables: Mapping[str, Any],
+        text: str,
+    ) -> tuple[int, int]:
+        """Where ``text``, the render of ``messages``, holds message ``k``'s content: what
+        differs from the renders with that content replaced by each of :data:`_PROBES`
+        (which differ in their first and last characters, so that the content's own edges
+        never pass for the text around it), each of which must hold its probe exactly there.
+
+        Raises:
+            ChatTemplateError: the template renders the content elsewhere too, or changed.
+        """
+        renders = self._probed(messages, k, variables)
+        start = min(_common_prefix(text, other) for other in renders)
+        tail = min(_common_prefix(text[start:][::-1], other[start:][::-1]) for other in renders)
+        if any(
+            other[start : len(other) - tail] != probe
+            for other, probe in zip(renders, _PROBES, strict=True)
+        ):
+            raise ChatTemplateError(
+                f"chat template: rendering the conversation up to assistant message {k} "
+                "does not give a prefix of the whole conversation, and the template renders "
+                "that message's content elsewhere too or changes it, so the assistant's tokens "
+                "cannot be found; add {% generation %} tags around the assistant's text in "
+                "the template"
+            )
+        return start, len(text) - tail
+
+    def _closing(self, messages: Sequence[Mapping[str, Any]], variables: Mapping[str, Any]) -> str:
+        """What the template writes after the content of the last message, an assistant's
+        (its end-of-turn token), trailing whitespace left out: where the renders with that
+        content replaced by each of :data:`_PROBES` end alike; empty if a probe is not just
+        before it."""
+        renders = self._probed(messages, len(messages) - 1, variables)
+        tail = _common_prefix(renders[0][::-1], renders[1][::-1])
+        if not all(
+            other[: len(other) - tail].endswith(probe)
+            for other, probe in zip(renders, _PROBES, strict=True)
+        ):
+            return ""
+        return renders[0][len(renders[0]) - tail :].rstrip()
 
     def _render(
         self,
@@ -349,6 +413,12 @@ def _take_spans(marked: str) -> tuple[str, list[tuple[int, int]]]:
     if start is not None:
         raise ChatTemplateError("chat template: unbalanced {% generation %} blocks")
     return "".join(out), spans
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _plain(value: Any, where: str) -> Any:

@@ -18,14 +18,22 @@ from fusion.families.base import Family, ModelSpec
 from fusion.families.idefics3 import IDEFICS3
 from fusion.families.llama import LLAMA
 from fusion.families.llava import LLAVA
-from fusion.families.qwen3_5 import QWEN3_5
+from fusion.families.qwen3_5 import QWEN3_5, QWEN3_5_TEXT
 from fusion.families.qwen_vl import QWEN2_VL, QWEN3_VL
 from fusion.hf.config import CONFIG_NAME
 from fusion.hf.errors import CheckpointError, short_repr
 
 #: Every family, in the order errors list their model types (a family whose tower subclasses
 #: another's comes first: Qwen3.5's is Qwen3-VL's without DeepStack).
-FAMILIES: tuple[Family, ...] = (LLAMA, LLAVA, IDEFICS3, QWEN2_VL, QWEN3_5, QWEN3_VL)
+FAMILIES: tuple[Family, ...] = (
+    LLAMA,
+    LLAVA,
+    IDEFICS3,
+    QWEN2_VL,
+    QWEN3_5,
+    QWEN3_5_TEXT,
+    QWEN3_VL,
+)
 
 __all__ = ["FAMILIES", "Family", "ModelSpec", "family_named", "family_of"]
 
@@ -50,9 +58,9 @@ def family_of(
 ) -> Family:
     """The family of a parsed ``config.json`` (by its ``model_type``; a config without one is
     a Llama's, as transformers' ``LlamaConfig`` writes none in old files) or of a model of
-    this library (a ``TransformerDecoder`` or an ``EarlyFusion`` without encoders is a
-    Llama; otherwise its one ``"image"`` encoder's class tells), through ``torch.compile`` and
-    DDP wrappers.
+    this library (a ``TransformerDecoder`` or an ``EarlyFusion`` without encoders is the
+    text-only family's that :meth:`~Family.owns` its decoder, else a Llama; otherwise its one
+    ``"image"`` encoder's class tells), through ``torch.compile`` and DDP wrappers.
 
     Args:
         target: the config mapping, or the model.
@@ -94,11 +102,12 @@ def family_of(
 
 def _model_family(model: nn.Module, among: tuple[Family, ...]) -> Family | None:
     inner = unwrap(model)
-    text_only = isinstance(inner, TransformerDecoder) or (
-        isinstance(inner, EarlyFusion) and not inner.encoders
-    )
-    if text_only:
-        return LLAMA if LLAMA in among else None
+    decoder = inner if isinstance(inner, TransformerDecoder) else None
+    if isinstance(inner, EarlyFusion) and not inner.encoders:
+        decoder = inner.decoder
+    if decoder is not None:
+        owner = next((f for f in among if not f.encoder_types and f.owns(decoder)), None)
+        return owner or (LLAMA if LLAMA in among else None)
     if not isinstance(inner, EarlyFusion) or set(inner.encoders) != {"image"}:
         return None
     encoder = inner.encoders["image"]

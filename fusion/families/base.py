@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fusion._validation import is_int
+from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
 from fusion.hf.config import CONFIG_NAME, ConfigReader
 from fusion.hf.errors import short_repr
@@ -117,6 +118,11 @@ class Family:
                 whole number of rows.
         """
         raise NotImplementedError
+
+    def owns(self, decoder: TransformerDecoder) -> bool:
+        """(text-only families) Whether a bare decoder is one of this family's models (the
+        Llama family, the registry's fallback, describes or refuses any other)."""
+        return False
 
     @property
     def model_types(self) -> tuple[str, ...]:

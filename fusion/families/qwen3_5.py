@@ -21,7 +21,12 @@ from typing import Any, cast
 
 from torch import nn
 
-from fusion.decoder import GatedDeltaNet, TransformerDecoder, TransformerSelfAttentionLayer
+from fusion.decoder import (
+    GatedDeltaNet,
+    TransformerDecoder,
+    TransformerSelfAttentionLayer,
+    ZeroCenteredRMSNorm,
+)
 from fusion.early_fusion import EarlyFusion
 from fusion.encoders.qwen_vision import Qwen35VisionTransformer
 from fusion.families.base import (
@@ -35,7 +40,7 @@ from fusion.families.qwen_vl import QWEN3_VL_SETTINGS, VISION_DEFAULTS, qwen_vis
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import short_repr
 from fusion.hf.layout import KeyLayout
-from fusion.models.qwen3_5 import LAYER_TYPES, default_layer_types, qwen3_5
+from fusion.models.qwen3_5 import LAYER_TYPES, default_layer_types, qwen3_5, qwen3_5_text
 
 MODEL_TYPE = "qwen3_5"
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
@@ -101,14 +106,18 @@ _VISION_DEFAULTS = {
 }
 
 
-def qwen3_5_text_kwargs(config: ConfigReader) -> tuple[dict[str, Any], str]:
-    """The :func:`fusion.models.qwen3_5_text` arguments of a Qwen3.5 config, and where its
-    text keys are (``"text_config."``), every value checked before anything is built.
+def qwen3_5_text_kwargs(text: ConfigReader, *, mrope: bool = True) -> dict[str, Any]:
+    """The :func:`fusion.models.qwen3_5_text` arguments of Qwen3.5's text settings (a
+    ``qwen3_5`` config's ``text_config``, or a ``qwen3_5_text`` config itself, over
+    transformers' defaults), every value checked before anything is built.
+
+    ``mrope``: read ``mrope_section`` for interleaved M-RoPE; False: plain 1-D RoPE, as
+    ``Qwen3_5ForCausalLM`` rotates (its t, h and w rows being the same text positions, any
+    ``mrope_section`` there changes nothing, and is not read).
 
     Raises:
         CheckpointError: naming the file and key.
     """
-    text = config.section("text_config", "Qwen3.5", _TEXT_DEFAULTS)
     values = text.values
     if values.get("model_type", "qwen3_5_text") != "qwen3_5_text":
         raise text.fail(
@@ -145,12 +154,11 @@ def qwen3_5_text_kwargs(config: ConfigReader) -> tuple[dict[str, Any], str]:
             f"expected at most {_MAX_CONV_KERNEL}, got {kwargs['linear_conv_kernel']}",
         )
     kwargs["layer_types"] = _layer_types(text, kwargs["num_layers"])
-    kwargs |= _rope_kwargs(text, kwargs["head_dim"])
+    kwargs |= _rope_kwargs(text, kwargs["head_dim"], mrope)
     kwargs["norm_eps"] = text.number("rms_norm_eps", None, 0.0)
     kwargs["attn_dropout"] = text.number("attention_dropout", None, 0.0, closed=True, high=1.0)
-    tied = config.flag("tie_word_embeddings") or text.flag("tie_word_embeddings")
-    kwargs["tie_word_embeddings"] = tied
-    return kwargs, text.prefix
+    kwargs["tie_word_embeddings"] = text.flag("tie_word_embeddings")
+    return kwargs
 
 
 def _layer_types(text: ConfigReader, num_layers: int) -> list[str]:
@@ -165,7 +173,7 @@ def _layer_types(text: ConfigReader, num_layers: int) -> list[str]:
     )
 
 
-def _rope_kwargs(text: ConfigReader, head_dim: int) -> dict[str, Any]:
+def _rope_kwargs(text: ConfigReader, head_dim: int, mrope: bool) -> dict[str, Any]:
     values = text.values
     rope_key = "rope_parameters" if values.get("rope_parameters") else "rope_scaling"
     rope_values = text.get(
@@ -187,17 +195,19 @@ def _rope_kwargs(text: ConfigReader, head_dim: int) -> dict[str, Any]:
             f"{factor:g} of head_dim={head_dim} gives {rotary_dim} rotary channels; expected a "
             "positive even number",
         )
-    section = rope.get(
-        "mrope_section",
-        [11, 11, 10],
-        lambda v: (
-            isinstance(v, list)
-            and len(v) == 3
-            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v)
-            and sum(v) == rotary_dim // 2
-        ),
-        f"three non-negative integers summing to the rotary channels / 2 = {rotary_dim // 2}",
-    )
+    section = None
+    if mrope:
+        section = rope.get(
+            "mrope_section",
+            [11, 11, 10],
+            lambda v: (
+                isinstance(v, list)
+                and len(v) == 3
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v)
+                and sum(v) == rotary_dim // 2
+            ),
+            f"three non-negative integers summing to the rotary channels / 2 = {rotary_dim // 2}",
+        )
     return {
         "rope_base": rope.number("rope_theta", None, 0.0),
         "rotary_dim": rotary_dim,
@@ -235,10 +245,13 @@ def hf_text_config(decoder: TransformerDecoder) -> dict[str, Any]:
             "rope_type": "default",
             "rope_theta": rope.base,
             "partial_rotary_factor": rope.dim / attention.head_dim,
-            "mrope_section": list(cast(list[int], rope.mrope_section)),
-            "mrope_interleaved": True,
         },
     }
+    if rope.mrope_section is not None:
+        config["rope_parameters"] |= {
+            "mrope_section": list(rope.mrope_section),
+            "mrope_interleaved": True,
+        }
     if mixers:
         mixer = mixers[0]
         config |= {
@@ -281,7 +294,9 @@ class Qwen35Family(Family):
     }
 
     def read(self, config: ConfigReader) -> ModelSpec:
-        text, prefix = qwen3_5_text_kwargs(config)
+        text_config = config.section("text_config", "Qwen3.5", _TEXT_DEFAULTS)
+        text = qwen3_5_text_kwargs(text_config)
+        text["tie_word_embeddings"] |= config.flag("tie_word_embeddings")
         vision_config: dict[str, Any] = dict(config.values.get("vision_config") or {})
         if vision_config.get("deepstack_visual_indexes"):
             raise config.fail(
@@ -300,7 +315,7 @@ class Qwen35Family(Family):
         )
         del vision["deepstack_visual_indexes"]
         token_id = read_token_id(config, ("image_token_id",), _IDS["image_token_id"])
-        return ModelSpec(self, MODEL_TYPE, text, vision, token_id, {}, prefix)
+        return ModelSpec(self, MODEL_TYPE, text, vision, token_id, {}, text_config.prefix)
 
     def build(self, spec: ModelSpec) -> nn.Module:
         return qwen3_5(
@@ -328,3 +343,47 @@ class Qwen35Family(Family):
 
 
 QWEN3_5 = Qwen35Family()
+
+
+class Qwen35TextFamily(Family):
+    """Qwen3.5's text stack alone: ``Qwen3_5ForCausalLM`` directories (``qwen3_5_text``, the
+    text settings at the top of ``config.json``, weights under ``model.`` and ``lm_head``)
+    <-> a bare :func:`~fusion.models.qwen3_5_text` decoder with plain 1-D RoPE, as
+    transformers' text model rotates (text positions on every M-RoPE row)."""
+
+    name = "qwen3_5_text"
+    what = "Qwen3.5 (text only)"
+    architectures = {"qwen3_5_text": "Qwen3_5ForCausalLM"}
+    layout = KeyLayout(ignored=r"mtp\.", permute_rope=False)
+    peft_text = "model."
+    refused_model_types = {
+        "qwen3_5_moe_text": "Qwen3.5's mixture-of-experts models are not supported (the dense "
+        "qwen3_5_text models are)"
+    }
+
+    def owns(self, decoder: TransformerDecoder) -> bool:
+        return isinstance(decoder.norm, ZeroCenteredRMSNorm)
+
+    def read(self, config: ConfigReader) -> ModelSpec:
+        text = ConfigReader(
+            {**_TEXT_DEFAULTS, **config.values}, config.source, config.prefix, error=config.error
+        )
+        kwargs = qwen3_5_text_kwargs(text, mrope=False)
+        return ModelSpec(self, "qwen3_5_text", kwargs, text_prefix=config.prefix)
+
+    def build(self, spec: ModelSpec) -> nn.Module:
+        return qwen3_5_text(**spec.text)
+
+    def hf_config(self, model: nn.Module) -> dict[str, Any]:
+        if not isinstance(model, TransformerDecoder):
+            raise TypeError(f"model: expected a TransformerDecoder, got {type(model).__name__}")
+        config = {"architectures": ["Qwen3_5ForCausalLM"], **hf_text_config(model)}
+        config["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+        check_rebuilds(model, config, self)
+        return config
+
+    def transformers_module(self, model_type: str) -> str:
+        return "transformers.models.qwen3_5.modeling_qwen3_5"
+
+
+QWEN3_5_TEXT = Qwen35TextFamily()

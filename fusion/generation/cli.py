@@ -197,9 +197,10 @@ def _run(
 ) -> None:
     directory: Path = args.checkpoint
     _check_directory(directory)
-    kind = detect_model_kind(directory)  # "llama", or a vision-language model's kind
-    if args.image and kind == "llama":
-        parser.error(f"--image: {directory} holds a text-only Llama, which takes no images")
+    kind = detect_model_kind(directory)  # a processor's kind, or a text-only family's name
+    text_only = kind not in KINDS
+    if args.image and text_only:
+        parser.error(f"--image: {directory} holds a text-only model, which takes no images")
     if args.image and args.prompt is None:
         parser.error("--image: images go where <image> markers are in a --prompt text")
     config = _generation_config(directory)
@@ -207,14 +208,14 @@ def _run(
     encoder_input, tokenizer = None, None
     if args.prompt is not None:
         tokenizer, reason = _load_tokenizer(directory)
-        if tokenizer is None and kind != "llama":
+        if tokenizer is None and not text_only:
             parser.error(f"--prompt: no tokenizer could be loaded from {directory} ({reason})")
         if tokenizer is None:
             parser.error(
                 f"--prompt: text needs a tokenizer, and none could be loaded from {directory} "
                 f"({reason}); pass --prompt-ids instead"
             )
-    if tokenizer is not None and kind != "llama":
+    if tokenizer is not None and not text_only:
         images = [_load_image(path, args.max_pixels) for path in args.image or []]
         with _warnings_on_one_line():  # e.g. the image processor defaults
             inputs = prepare_inputs(

@@ -52,7 +52,7 @@ def qwen3_5_text(
     linear_conv_kernel: int = 4,
     rope_base: float = 10_000_000.0,
     rotary_dim: int | None = None,
-    mrope_section: Sequence[int] = (11, 11, 10),
+    mrope_section: Sequence[int] | None = (11, 11, 10),
     norm_eps: float = 1e-6,
     tie_word_embeddings: bool = False,
     attn_dropout: float = 0.0,
@@ -69,7 +69,8 @@ def qwen3_5_text(
     - ``"linear_attention"``: :class:`~fusion.decoder.GatedDeltaNet`.
 
     The rotary is interleaved M-RoPE (``mrope_section`` frequencies for t, h, w), 1-D
-    positions being text.
+    positions being text; ``mrope_section=None``: plain 1-D RoPE, as transformers'
+    ``Qwen3_5ForCausalLM`` rotates (its t, h and w rows are the same text positions).
 
     Raises:
         ValueError: ``layer_types`` of another length or with another kind, no full-attention
@@ -109,7 +110,7 @@ def qwen3_5_text(
         max_seq_len,
         base=rope_base,
         mrope_section=mrope_section,
-        mrope_interleaved=True,
+        mrope_interleaved=mrope_section is not None,
         rotate_half=True,
     )
 

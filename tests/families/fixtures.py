@@ -16,7 +16,7 @@ from torch import nn
 import qwen_helpers
 from helpers import HF_VOCAB, tiny_hf_llama
 from qwen3_helpers import PATCH_WIDTH as QWEN3_PATCH_WIDTH
-from qwen3_helpers import tiny_hf_qwen3, tiny_hf_qwen3_5
+from qwen3_helpers import tiny_hf_qwen3, tiny_hf_qwen3_5, tiny_hf_qwen3_5_text
 from qwen_helpers import image_prompt, left_pad, mm_token_type_ids, tiny_hf_qwen
 from vlm_helpers import (
     IDEFICS3_TOKENS,
@@ -100,16 +100,26 @@ class FamilyFixture:
 # ---------------------------------------------------------------------- Llama
 
 
-def llama_text() -> Batch:
-    generator = torch.Generator().manual_seed(0)
-    return Batch(torch.randint(4, HF_VOCAB, (2, 12), generator=generator))
+def text_case(vocab: int, length: int = 12) -> Callable[[], Batch]:
+    """Two rows of random ids in [4, vocab) (no special id)."""
+
+    def case() -> Batch:
+        generator = torch.Generator().manual_seed(0)
+        return Batch(torch.randint(4, vocab, (2, length), generator=generator))
+
+    return case
 
 
-def llama_prompts() -> Batch:
-    generator = torch.Generator().manual_seed(1)
-    short, long = (torch.randint(4, HF_VOCAB, (n,), generator=generator).tolist() for n in (4, 7))
-    ids = torch.tensor([[PAD] * (len(long) - len(short)) + short, long])
-    return Batch(ids, attention_mask=(ids != PAD).long())
+def text_prompts(vocab: int) -> Callable[[], Batch]:
+    """Two prompts of 4 and 7 random ids, the first left-padded."""
+
+    def prompts() -> Batch:
+        generator = torch.Generator().manual_seed(1)
+        short, long = (torch.randint(4, vocab, (n,), generator=generator).tolist() for n in (4, 7))
+        ids = torch.tensor([[PAD] * (len(long) - len(short)) + short, long])
+        return Batch(ids, attention_mask=(ids != PAD).long())
+
+    return prompts
 
 
 # ---------------------------------------------------------------------- LLaVA
@@ -239,8 +249,8 @@ FIXTURES: dict[str, FamilyFixture] = {
     "llama": FamilyFixture(
         "llama",
         lambda: tiny_hf_llama(tied=False),
-        {"text": llama_text},
-        llama_prompts,
+        {"text": text_case(HF_VOCAB)},
+        text_prompts(HF_VOCAB),
         causal_lm=True,
     ),
     "llava": FamilyFixture(
@@ -284,5 +294,13 @@ FIXTURES: dict[str, FamilyFixture] = {
         qwen_cases(QWEN3_PATCH_WIDTH),
         qwen_prompts(QWEN3_PATCH_WIDTH),
         pad_id=qwen_helpers.PAD,
+    ),
+    # 70 tokens: the DeltaNet's chunked delta rule runs over more than one 64-token chunk.
+    "qwen3_5_text": FamilyFixture(
+        "qwen3_5_text",
+        tiny_hf_qwen3_5_text,
+        {"text": text_case(qwen_helpers.VOCAB, 70)},
+        text_prompts(qwen_helpers.VOCAB),
+        causal_lm=True,
     ),
 }

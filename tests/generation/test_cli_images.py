@@ -2,6 +2,7 @@
 what generating from the loaded model in Python gives."""
 
 import io
+import json
 
 import pytest
 import torch
@@ -71,4 +72,27 @@ def test_a_llama_takes_no_images(tmp_path, capsys):
     save_hf_llama(llama3_2(64, 1, 2, 1, 16, 32), tmp_path)
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(tmp_path), "--image", "x.png", "--prompt", "hi"])
-    assert "holds a text-only Llama, which takes no images" in capsys.readouterr().err
+    assert "holds a text-only model, which takes no images" in capsys.readouterr().err
+
+
+def test_a_text_only_qwen3_5_takes_text_prompts_and_no_images(tmp_path, capsys):
+    """A ``qwen3_5_text`` directory is text only too: its prompt is tokenized as text, and the
+    tokens are transformers' greedy ones."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from qwen3_helpers import write_qwen3_5_text_dir
+
+    directory = write_qwen3_5_text_dir(tmp_path / "qwen3_5_text")
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(directory), "--image", "x.png", "--prompt", "hi"])
+    assert "holds a text-only model, which takes no images" in capsys.readouterr().err
+    out = io.StringIO()
+    argv = ["--checkpoint", str(directory), "--prompt", "Hello", "--print-ids"]
+    argv += ["--max-new-tokens", "5", "--temperature", "0", "--ignore-eos"]
+    assert main(argv, out=out) == 0
+    printed = json.loads(out.getvalue())
+    ids = torch.tensor([printed["prompt_ids"]])
+    hf = Qwen3_5ForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        theirs = hf.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    assert printed["new_ids"] == theirs[0, ids.size(1) :].tolist()

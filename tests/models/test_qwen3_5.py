@@ -14,9 +14,7 @@ property (``tests/data/test_packing_mrope.py``, random conversations):
 """
 
 import copy
-import json
 import warnings
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -28,13 +26,19 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from families.fixtures import FIXTURES, qwen_sample
 from fusion import EarlyFusion, generate, masked_token_loss
-from fusion.checkpoint import CheckpointError, load_hf_model
+from fusion.checkpoint import load_hf_model
 from fusion.data import IGNORE_INDEX, Sample, collate_packed, pack_samples
 from fusion.decoder import GatedDeltaNet, PackedSegments
 from fusion.decoder.delta_rule import SampleRegions
 from fusion.models import qwen3_5_text
 from fusion.padding import leading_pad_counts, prefill_mask, prompt_positions
-from qwen3_helpers import PATCH_WIDTH, QWEN3_5_TEXT, tiny_qwen3_5
+from qwen3_helpers import (
+    PATCH_WIDTH,
+    QWEN3_5_TEXT,
+    check_refused_unbuilt,
+    tiny_qwen3_5,
+    with_config,
+)
 from qwen_helpers import IMAGE_PAD, MERGE, PAD, VISION_END, VISION_START
 
 KERNEL, CHUNK = QWEN3_5_TEXT["linear_conv_kernel"], 64
@@ -492,17 +496,6 @@ def test_state_cache_shapes_dtypes_reset_teardown_and_caches_disabled(model):
 # ---------------------------------------------------------------------- checkpoints
 
 
-def with_config(source: Path, target: Path, edit) -> Path:
-    """``target``: ``source``'s weights (linked) and its config.json edited by ``edit``."""
-    target.mkdir()
-    config = json.loads((source / "config.json").read_text())
-    edit(config)
-    (target / "config.json").write_text(json.dumps(config))
-    for weights in source.glob("*.safetensors*"):
-        (target / weights.name).symlink_to(weights)
-    return target
-
-
 def text(**values):
     return lambda config: config["text_config"].update(values)
 
@@ -566,13 +559,7 @@ HOSTILE = {
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_configs_are_refused_before_anything_is_built(pair, tmp_path, case):
     edit, key, message = HOSTILE[case]
-    directory = with_config(pair[1], tmp_path / case, edit)
-    with mock.patch.object(torch.nn.Module, "__init__", side_effect=AssertionError("built")):
-        with pytest.raises(CheckpointError, match=message) as error:
-            load_hf_model(directory)
-    assert error.value.key == key
-    assert error.value.file == directory / "config.json"
-    assert key.rsplit(".", 1)[-1] in str(error.value)
+    check_refused_unbuilt(with_config(pair[1], tmp_path / case, edit), key, message)
 
 
 def test_the_unedited_directory_loads_under_the_same_watch(pair):

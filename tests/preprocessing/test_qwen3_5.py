@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from fusion.preprocessing import detect_model_kind, prepare_inputs
@@ -99,3 +101,133 @@ def test_a_prompt_with_more_images_than_given_is_refused(tmp_path):
     directory = write_directory(tmp_path)
     with pytest.raises(ValueError, match="image"):
         prepare_inputs(directory, [MARKER * 2], [Image.fromarray(make_image(8, 8, 0, 3))])
+
+
+# ---------------------------------------------------------------------- the chat template
+
+THINK_END = "\n</think>\n\n"  # what closes a thinking block before the answer
+
+
+def conversations() -> dict[str, list[dict]]:
+    """Conversations in the forms Qwen3.5's template reads: reasoning inline or in
+    ``reasoning_content``, several turns (earlier ones lose their reasoning), a system
+    prompt, an image in a list of parts."""
+    return {
+        "inline": [
+            {"role": "user", "content": "Why?"},
+            {"role": "assistant", "content": "<think>\nsky\n</think>\n\nblue"},
+        ],
+        "field": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "It?"}]},
+            {"role": "assistant", "content": "a fox", "reasoning_content": " red, small "},
+        ],
+        "turns": [
+            {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": "<think>greet</think>hello"},
+            {"role": "user", "content": "And?"},
+            {"role": "assistant", "content": "", "reasoning_content": "old"},
+            {"role": "user", "content": "Bye."},
+            {"role": "assistant", "content": "bye", "reasoning_content": "end"},
+        ],
+        "no-reasoning": [
+            {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": "hello"},
+        ],
+    }
+
+
+# case -> each assistant turn's targets as text (with its <|im_end|>): the last turn its
+# reasoning, the block's end and its answer (the prompt ends in "<think>\n"), earlier turns
+# their answer alone.
+TARGETS = {
+    "inline": ["sky" + THINK_END + "blue<|im_end|>"],
+    "field": ["red, small" + THINK_END + "a fox<|im_end|>"],
+    "turns": ["hello<|im_end|>", "<|im_end|>", "end" + THINK_END + "bye<|im_end|>"],
+    "no-reasoning": [THINK_END + "hello<|im_end|>"],
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_dir(tmp_path_factory):
+    from qwen3_helpers import write_qwen3_5_dir
+
+    return write_qwen3_5_dir(tmp_path_factory.mktemp("qwen3_5") / "model")
+
+
+@pytest.mark.parametrize("case", list(TARGETS))
+def test_the_chat_template_renders_as_transformers(qwen3_5_dir, case):
+    from fusion.data import ChatTemplate
+
+    template = ChatTemplate.from_directory(qwen3_5_dir)
+    hf = hf_processor(qwen3_5_dir)
+    messages = conversations()[case]
+    assert template.render(messages) == hf.apply_chat_template(messages, tokenize=False)
+    prompt = messages[:-1]
+    for variables in ({}, {"enable_thinking": False}):
+        ours = template.render(prompt, add_generation_prompt=True, **variables)
+        theirs = hf.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True, **variables
+        )
+        assert ours == theirs
+        assert ours.endswith("<think>\n" + ("\n</think>\n\n" if variables else ""))
+
+
+@pytest.mark.parametrize("case", list(TARGETS))
+def test_conversation_labels_are_each_turns_answer_as_rendered(qwen3_5_dir, case):
+    from fusion.data import IGNORE_INDEX, ConversationEncoder
+
+    encoder = ConversationEncoder.from_directory(qwen3_5_dir)
+    messages = conversations()[case]
+    images = [Image.fromarray(make_image(40, 60, 0, 3))] if case == "field" else []
+    sample = encoder.encode(messages, images)
+    hf = hf_processor(qwen3_5_dir)
+    text = hf.apply_chat_template(messages, tokenize=False)
+    assert sample.tokens.tolist() == hf(text=[text], images=images or None)["input_ids"][0]
+    tokenizer = encoder.tokenizer
+    expected = [t for text in TARGETS[case] for t in tokenizer.encode(text).ids]
+    assert sample.labels[sample.labels != IGNORE_INDEX].tolist() == expected
+    # each target is the next token, and the prompt's "<think>\n" is never one
+    targets = (sample.labels != IGNORE_INDEX).nonzero().flatten()
+    assert torch.equal(sample.labels[targets], sample.tokens[targets + 1])
+    if case == "turns":  # earlier turns lost their reasoning, as the template writes them
+        assert "greet" not in text and "old" not in text
+
+
+WORDS = st.text(alphabet="ab01 ", max_size=6).map(str.strip)  # probe-like edges: 0 and 1
+
+
+@st.composite
+def turns(draw) -> tuple[list[dict], list[str]]:
+    """A conversation of 1 to 4 user / assistant turns, each answer's reasoning inline, in
+    ``reasoning_content`` or absent, and each answer's targets as Qwen3.5's template
+    renders them (the last with its thinking block, the earlier without reasoning)."""
+    messages: list[dict] = [{"role": "system", "content": "S"}] if draw(st.booleans()) else []
+    targets = []
+    count = draw(st.integers(1, 4))
+    for i in range(count):
+        messages.append({"role": "user", "content": draw(WORDS) or "q"})
+        answer, reasoning = draw(WORDS), draw(WORDS)
+        form = draw(st.sampled_from(["none", "inline", "field"]))
+        message = {"role": "assistant", "content": answer}
+        if form == "inline":
+            message["content"] = f"<think>\n{reasoning}\n</think>\n\n{answer}"
+        elif form == "field":
+            message["reasoning_content"] = reasoning
+        else:
+            reasoning = ""
+        messages.append(message)
+        last = i == count - 1
+        targets.append((reasoning + THINK_END if last else "") + answer + "<|im_end|>")
+    return messages, targets
+
+
+@settings(max_examples=60, deadline=None)
+@given(conversation=turns())
+def test_spans_of_random_conversations_are_each_answer_as_rendered(conversation):
+    from fusion.data import ChatTemplate
+    from qwen3_helpers import QWEN3_5_CHAT_TEMPLATE
+
+    messages, targets = conversation
+    rendered = ChatTemplate(QWEN3_5_CHAT_TEMPLATE).render_with_spans(messages)
+    assert [rendered.text[a:b] for a, b in rendered.spans] == targets
