@@ -85,16 +85,7 @@ def chunk_gated_delta_rule(
     batch, seq_len = q.shape[:2]
     heads, dk, dv = v.shape[2], q.shape[3], v.shape[3]
     n_chunks = -(-seq_len // chunk_size)
-    if resets is not None and (
-        not isinstance(resets, torch.Tensor)
-        or resets.dtype != torch.bool
-        or resets.shape != (batch, n_chunks)
-        or resets.device != q.device
-    ):
-        raise ValueError(
-            f"resets: expected bool [{batch}, {n_chunks}] (one per chunk of {chunk_size}) on "
-            f"{q.device}, got {_what(resets)}"
-        )
+    _check_resets(resets, (batch, n_chunks), chunk_size, q.device)
     _check_state(initial_state, "initial_state", (batch, heads, dk, dv), q.device)
 
     out_dtype, dtype = v.dtype, _compute_dtype(v.dtype)
@@ -148,11 +139,37 @@ def chunk_gated_delta_rule(
         chunk_decay = chunk_decay * keep_next
         k_write = k_write * keep_next[..., None, None]
 
-    # The scan carries only the state: per chunk c, u_c = fresh_c - reads_c S_c (the writes)
-    # and S_{c+1} = decay_c S_c + k_write_c^T u_c, three ops on [b * h] matrices. The outputs
-    # (q_read_c S_c + intra_c u_c) are computed after it, for every chunk at once. Chunk-major
-    # operands are unbound once: indexing one chunk at a time would make the backward write
-    # each chunk's gradient into a zeroed tensor of the whole input (quadratic in the chunks).
+    s0, u, state = _scan_chunks(fresh, reads, k_write, chunk_decay, state)
+    if s0 is not None and u is not None:
+        out = (q_read @ s0 + intra @ u).reshape(batch, heads, n_chunks * chunk_size, dv)
+    else:
+        out = v.new_zeros(batch, heads, 0, dv)
+    out = out[:, :, :seq_len].transpose(1, 2).contiguous().to(out_dtype)
+    return out, state if output_final_state else None
+
+
+def _scan_chunks(
+    fresh: torch.Tensor,
+    reads: torch.Tensor,
+    k_write: torch.Tensor,
+    chunk_decay: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """The loop over the chunks of :func:`chunk_gated_delta_rule`: from the chunks' ``fresh``
+    and ``reads`` [b, h, n, C, dv / dk], ``k_write`` [b, h, n, C, dk], ``chunk_decay``
+    [b, h, n] and the first chunk's start ``state`` [b, h, dk, dv], each chunk's start state
+    and writes ([b, h, n, dk, dv] and [b, h, n, C, dv]; None without chunks) and the final
+    state.
+
+    The scan carries only the state: per chunk c, u_c = fresh_c - reads_c S_c (the writes)
+    and S_{c+1} = decay_c S_c + k_write_c^T u_c, three ops on [b * h] matrices; the outputs
+    (q_read_c S_c + intra_c u_c) are computed after it, for every chunk at once. Chunk-major
+    operands are unbound once: indexing one chunk at a time would make the backward write
+    each chunk's gradient into a zeroed tensor of the whole input (quadratic in the chunks).
+    """
+    batch, heads, n_chunks = fresh.shape[:3]
+    dk, dv = state.shape[-2:]
+
     def chunk_major(x: torch.Tensor) -> torch.Tensor:  # [b, h, n, ...] -> [n, b * h, ...]
         return x.movedim(2, 0).reshape(n_chunks, batch * heads, *x.shape[3:])
 
@@ -168,19 +185,30 @@ def chunk_gated_delta_rule(
         u = torch.baddbmm(fresh_i, reads_i, state, alpha=-1)  # [b * h, C, dv]
         writes.append(u)
         state = torch.baddbmm(state * decay_i, writes_i, u)
-    state = state.reshape(batch, heads, dk, dv)
+    final = state.reshape(batch, heads, dk, dv)
+    if not starts:
+        return None, None, final
+    # [n, b * h, ...] -> [b, h, n, ...], the layout of q_read and intra
+    s0, u = (
+        torch.stack(x).reshape(n_chunks, batch, heads, *x[0].shape[1:]).movedim(0, 2)
+        for x in (starts, writes)
+    )
+    return s0, u, final
 
-    if starts:
-        # [n, b * h, ...] -> [b, h, n, ...], the layout of q_read and intra
-        s0, u = (
-            torch.stack(x).reshape(n_chunks, batch, heads, *x[0].shape[1:]).movedim(0, 2)
-            for x in (starts, writes)
+
+def _check_resets(
+    resets: torch.Tensor | None, shape: tuple[int, int], chunk_size: int, device: torch.device
+) -> None:
+    if resets is not None and (
+        not isinstance(resets, torch.Tensor)
+        or resets.dtype != torch.bool
+        or resets.shape != shape
+        or resets.device != device
+    ):
+        raise ValueError(
+            f"resets: expected bool [{shape[0]}, {shape[1]}] (one per chunk of {chunk_size}) "
+            f"on {device}, got {_what(resets)}"
         )
-        out = (q_read @ s0 + intra @ u).reshape(batch, heads, n_chunks * chunk_size, dv)
-    else:
-        out = v.new_zeros(batch, heads, 0, dv)
-    out = out[:, :, :seq_len].transpose(1, 2).contiguous().to(out_dtype)
-    return out, state if output_final_state else None
 
 
 def recurrent_gated_delta_rule(
