@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from fusion.families import FAMILIES
 from fusion.generation.cli import main
 from qwen3_helpers import write_qwen3_5_dir, write_qwen3_dir
 from qwen_helpers import PAD, write_qwen_dir
@@ -106,4 +107,7 @@ def test_the_help_names_qwen_s_image_marker(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert QWEN_IMAGE_MARKER in help_text and "Qwen2-VL and Qwen2.5-VL" in help_text
+    assert f"{QWEN_IMAGE_MARKER} for qwen2_vl, qwen2_5_vl, " in help_text
+    assert "<image> for llava, idefics3, smolvlm;" in help_text
+    for family in FAMILIES:  # the registry's model types, text-only ones too
+        assert all(model_type in help_text for model_type in family.model_types)
