@@ -15,6 +15,9 @@ compute (their Pillow backend), bit for bit.
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL mark each image as their chat template does,
 ``"<|vision_start|><|image_pad|><|vision_end|>"``, and their ``encoder_input`` also holds the
 images' ``image_grid_thw``.
+
+Clips are read by :func:`load_video` (PyAV, the ``video`` extra): a file, frame images or
+decoded frames, sampled and bounded before decoding.
 """
 
 from fusion.preprocessing.clip import ClipImageProcessor
@@ -42,6 +45,14 @@ from fusion.preprocessing.qwen2_vl import (
     smart_resize,
 )
 from fusion.preprocessing.resize import resize
+from fusion.preprocessing.video import (
+    Video,
+    VideoBounds,
+    VideoError,
+    VideoMetadata,
+    default_sample_indices,
+    load_video,
+)
 
 __all__ = [
     "ClipImageProcessor",
@@ -49,15 +60,21 @@ __all__ = [
     "PatchedImages",
     "Qwen2VLImageProcessor",
     "TiledImage",
+    "Video",
+    "VideoBounds",
+    "VideoError",
+    "VideoMetadata",
     "VisionInputs",
     "VisionLanguageProcessor",
     "as_uint8_image",
     "default_max_pixels",
+    "default_sample_indices",
     "detect_model_kind",
     "expand_markers",
     "from_pil",
     "idefics3_image_text",
     "load_image",
+    "load_video",
     "normalize",
     "prepare_inputs",
     "qwen2_vl_image_text",

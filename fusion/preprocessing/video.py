@@ -1,0 +1,539 @@
+"""Video in: a clip file decoded with PyAV (the ``video`` extra), a list or directory of frame
+images, or frames already decoded, sampled as transformers 5.24's video processors sample
+them, and checked against caller-set bounds before anything is decoded.
+
+PyAV is the decoder because its wheels carry their own FFmpeg build (nothing to install on the
+system, the same codecs everywhere) and it installs on any torch: torchcodec is built against
+one torch release and loads FFmpeg from the system. PyAV is imported only when a clip file is
+read, here only.
+
+A clip file is opened, its container header read (size, frame count, frame rate, duration)
+and checked against :class:`VideoBounds`, then its packets are listed (demuxed, not decoded)
+to map frame indices to presentation times; only the frames kept by the sampler are decoded,
+seeking to the key frame before each one when it is not reached by decoding on. A truncated
+file, a file that is not a video, absurd dimensions or a claimed frame count past the bounds
+raise :class:`VideoError` naming the file. Reading never runs code from a file: FFmpeg parses
+its bytes, nothing is unpickled or imported.
+
+    video = load_video("clip.mp4", sampler=processor.sample_frames)
+    video.frames                  # uint8 [t, 3, h, w], the kept frames
+    video.metadata.frames_indices # which frames of the clip they are
+"""
+
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusion._io import NotRegularFile, open_regular
+from fusion._validation import check_int, is_int
+from fusion.errors import FusionError
+from fusion.preprocessing.images import is_pil_image, load_image
+
+EXTRA = "pip install 'torch-early-fusion[video]'"
+# The frame files a directory of frames is read for (LLaVA-Video-style data sets store JPEGs).
+FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+# The frame rate transformers assumes for a clip without one (VideoMetadata.sampled_fps).
+DEFAULT_FPS = 24.0
+
+
+class VideoError(FusionError, ValueError):
+    """A clip that cannot be taken: not a video, truncated or corrupt, or past the
+    :class:`VideoBounds`. The message names the file (or the argument).
+
+    Attributes:
+        file: the clip's path, or the argument's name for frames given in memory.
+    """
+
+    def __init__(self, file: str, message: str) -> None:
+        self.file = file
+        super().__init__(f"{file}: {message}")
+
+
+@dataclass(frozen=True)
+class VideoBounds:
+    """The largest clip read, checked from the container header before any frame is decoded.
+
+    Attributes:
+        max_width, max_height: the largest frame sides in pixels (default 8192: 8K video).
+        max_frames: the most frames a clip may hold (default 100,000: about an hour at 30 fps);
+            a clip claiming more is refused before its packets are listed.
+        max_duration: the longest clip in seconds (default 4 hours).
+        max_file_bytes: the largest clip file (default 8 GiB).
+    """
+
+    max_width: int = 8192
+    max_height: int = 8192
+    max_frames: int = 100_000
+    max_duration: float = 4 * 3600.0
+    max_file_bytes: int = 8 * 2**30
+
+    def __post_init__(self) -> None:
+        for name in ("max_width", "max_height", "max_frames", "max_file_bytes"):
+            check_int(getattr(self, name), name, low=1)
+        duration = self.max_duration
+        if isinstance(duration, bool) or not isinstance(duration, int | float) or not (
+            0 < duration < math.inf
+        ):  # fmt: skip
+            raise ValueError(
+                f"max_duration: expected a positive number of seconds, got {duration!r}"
+            )
+
+    def check(self, where: str, width: int, height: int, frames: int, duration: float) -> None:
+        """Raise :class:`VideoError` naming ``where`` when a clip's size is past the bounds."""
+        if not (0 < width <= self.max_width and 0 < height <= self.max_height):
+            raise VideoError(
+                where,
+                f"frames of {width} x {height} pixels: expected sides in [1, {self.max_width}] x "
+                f"[1, {self.max_height}] (VideoBounds max_width, max_height)",
+            )
+        if frames > self.max_frames:
+            raise VideoError(
+                where,
+                f"claims {frames} frames, more than max_frames={self.max_frames} (VideoBounds): "
+                "refused before decoding",
+            )
+        if not duration <= self.max_duration:  # NaN too
+            raise VideoError(
+                where,
+                f"lasts {duration} seconds, more than max_duration={self.max_duration} "
+                "(VideoBounds): refused before decoding",
+            )
+
+
+@dataclass(frozen=True)
+class VideoMetadata:
+    """What is known of a clip, as transformers' ``VideoMetadata`` keeps it.
+
+    Attributes:
+        total_num_frames: the clip's frames (before sampling).
+        fps: its frame rate (the stream's average rate), None when unknown (frames given
+            without one).
+        width, height: its frame size.
+        duration: seconds, ``total_num_frames / fps`` (None without a frame rate).
+        frames_indices: the indices of the frames kept, in order.
+        video_backend: ``"pyav"`` for a decoded file, ``"frames"`` otherwise.
+    """
+
+    total_num_frames: int
+    fps: float | None
+    width: int
+    height: int
+    duration: float | None
+    frames_indices: tuple[int, ...]
+    video_backend: str = "frames"
+
+    @property
+    def timestamps(self) -> list[float]:
+        """Each kept frame's time in seconds (``index / fps``), as transformers computes it.
+
+        Raises:
+            ValueError: the clip has no frame rate.
+        """
+        if self.fps is None:
+            raise ValueError("timestamps: the clip has no frame rate (pass fps= with its frames)")
+        return [index / self.fps for index in self.frames_indices]
+
+    @property
+    def sampled_fps(self) -> float:
+        """The frame rate of the kept frames, ``len(kept) / total * fps`` (transformers' rule:
+        :data:`DEFAULT_FPS`, 24, for a clip without a frame rate)."""
+        if self.fps is None:
+            return DEFAULT_FPS
+        return len(self.frames_indices) / self.total_num_frames * self.fps
+
+    def as_transformers(self) -> dict[str, Any]:
+        """These fields as the dict transformers' ``VideoMetadata(**...)`` takes."""
+        return {
+            "total_num_frames": self.total_num_frames,
+            "fps": self.fps,
+            "width": self.width,
+            "height": self.height,
+            "duration": self.duration,
+            "video_backend": None if self.video_backend == "frames" else self.video_backend,
+            "frames_indices": list(self.frames_indices),
+        }
+
+
+@dataclass(frozen=True)
+class Video:
+    """Decoded frames and their clip's metadata.
+
+    Attributes:
+        frames: uint8 [t, 3, h, w], RGB, the kept frames in order.
+        metadata: :class:`VideoMetadata`; ``frames_indices`` has ``t`` entries.
+    """
+
+    frames: torch.Tensor
+    metadata: VideoMetadata = field(repr=False)
+
+
+# A sampler: the clip's metadata (frames_indices unset: every frame) -> the indices to keep.
+Sampler = Callable[[VideoMetadata], Sequence[int]]
+
+
+def default_sample_indices(
+    metadata: VideoMetadata, num_frames: int | None = None, fps: float | None = None
+) -> list[int]:
+    """transformers' ``default_sample_indices_fn``: ``num_frames`` evenly spaced frames
+    (``i * total // num_frames``), or ``fps`` frames a second of the clip (at least one), or
+    every frame.
+
+    Raises:
+        ValueError: both ``num_frames`` and ``fps``; ``fps`` for a clip without a frame rate;
+            more frames asked for than the clip holds.
+    """
+    total = metadata.total_num_frames
+    if num_frames is not None and fps is not None:
+        raise ValueError(f"num_frames, fps: give one, got num_frames={num_frames}, fps={fps}")
+    if num_frames is None and fps is not None:
+        _check_fps(fps, "fps")
+        num_frames = max(1, int(total / _clip_fps(metadata) * fps))
+    if num_frames is None:
+        return list(range(total))
+    check_int(num_frames, "num_frames", low=1)
+    _check_not_more(num_frames, total)
+    return [i * total // num_frames for i in range(num_frames)]
+
+
+def _check_fps(fps: object, name: str) -> float:
+    if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < math.inf:
+        raise ValueError(f"{name}: expected a positive number of frames a second, got {fps!r}")
+    return float(fps)
+
+
+def _clip_fps(metadata: VideoMetadata) -> float:
+    if metadata.fps is None:
+        raise ValueError(
+            "fps: sampling a number of frames a second needs the clip's own frame rate; these "
+            "frames came without one (pass fps= with them, or sample num_frames)"
+        )
+    return metadata.fps
+
+
+def _check_not_more(num_frames: int, total: int) -> None:
+    if num_frames > total:
+        raise ValueError(
+            f"num_frames: {num_frames} frames asked for, but the clip holds {total} (ask for "
+            "fewer, or a lower fps)"
+        )
+
+
+def load_video(
+    source: object,
+    *,
+    sampler: Sampler | None = None,
+    fps: float | None = None,
+    bounds: VideoBounds | None = None,
+) -> Video:
+    """A clip's kept frames and metadata.
+
+    Args:
+        source: a clip file (a path to any container FFmpeg reads: MP4, MKV, WebM, AVI, ...);
+            a directory of frame images (files ending in :data:`FRAME_SUFFIXES`, in natural
+            order: ``frame_2`` before ``frame_10``); a list of frame image paths; a uint8
+            tensor [t, 3, h, w]; or a list of Pillow images.
+        sampler: which frames to keep, from the clip's metadata (e.g. a video processor's
+            ``sample_frames``); None keeps every frame.
+        fps: the frame rate of frames given as images or tensors (a file's is read from it).
+        bounds: :class:`VideoBounds` (default: its defaults), checked before decoding.
+
+    Returns:
+        :class:`Video`: only the kept frames are decoded (frame files outside the sample are
+        never opened).
+
+    Raises:
+        ImportError: a clip file without PyAV installed (one line naming the extra).
+        TypeError: ``source`` of another kind.
+        VideoError: naming the file: past the bounds, not a video, truncated or corrupt,
+            frames of different sizes; a sampler's indices out of order or range.
+        ValueError: ``fps`` or ``bounds`` not valid (named).
+    """
+    bounds = VideoBounds() if bounds is None else bounds
+    if not isinstance(bounds, VideoBounds):
+        raise TypeError(f"bounds: expected a VideoBounds, got {type(bounds).__name__}")
+    if fps is not None:
+        fps = _check_fps(fps, "fps")
+    if isinstance(source, str | os.PathLike):
+        path = Path(os.fsdecode(source))
+        if path.is_dir():
+            return _from_frame_files(_frame_files(path), str(path), sampler, fps, bounds)
+        if fps is not None:
+            raise ValueError(f"fps: a clip file's frame rate is read from it, got fps={fps}")
+        return _read_clip(path, sampler, bounds)
+    if isinstance(source, torch.Tensor):
+        return _from_tensor(source, sampler, fps, bounds)
+    if isinstance(source, Sequence) and not isinstance(source, bytes | bytearray) and source:
+        if all(isinstance(item, str | os.PathLike) for item in source):
+            return _from_frame_files(list(source), "frames", sampler, fps, bounds)
+        if all(is_pil_image(item) for item in source):
+            return _from_pil_frames(source, sampler, fps, bounds)
+    raise TypeError(
+        "source: expected a clip file, a directory or non-empty list of frame images, a uint8 "
+        f"tensor [t, 3, h, w] or a non-empty list of Pillow images, got {_kind(source)}"
+    )
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return f"a {type(value).__name__} of {len(value)} items" if value else "an empty list"
+    return type(value).__name__
+
+
+def _sample(metadata: VideoMetadata, sampler: Sampler | None, where: str) -> VideoMetadata:
+    """``metadata`` with the sampler's indices, checked: in order (a frame may repeat, as
+    transformers' indexing repeats it), within the clip."""
+    total = metadata.total_num_frames
+    if sampler is None:
+        return replace(metadata, frames_indices=tuple(range(total)))
+    indices = [int(i) if isinstance(i, torch.Tensor) else i for i in sampler(metadata)]
+    if not indices or not all(is_int(i, 0, total - 1) for i in indices):
+        raise VideoError(
+            where,
+            f"the sampler gave frame indices {_short(indices)}: expected at least one, each in "
+            f"[0, {total - 1}]",
+        )
+    if any(b < a for a, b in pairwise(indices)):
+        raise VideoError(where, f"the sampler gave frame indices {_short(indices)}: not in order")
+    return replace(metadata, frames_indices=tuple(indices))
+
+
+def _short(values: Sequence[object]) -> str:
+    return repr(list(values)) if len(values) <= 8 else f"[{values[0]!r}, ..., {values[-1]!r}]"
+
+
+def _metadata(frames: int, fps: float | None, width: int, height: int) -> VideoMetadata:
+    duration = None if fps is None else frames / fps
+    return VideoMetadata(frames, fps, width, height, duration, ())
+
+
+def _from_tensor(
+    frames: torch.Tensor, sampler: Sampler | None, fps: float | None, bounds: VideoBounds
+) -> Video:
+    if frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[1] != 3:
+        raise VideoError(
+            "frames",
+            f"expected a uint8 tensor [t, 3, h, w] (RGB), got {frames.dtype} {list(frames.shape)}",
+        )
+    t, _, height, width = frames.shape
+    if t == 0:
+        raise VideoError("frames", "no frames (t = 0)")
+    metadata = _metadata(t, fps, width, height)
+    bounds.check("frames", width, height, t, metadata.duration or 0.0)
+    metadata = _sample(metadata, sampler, "frames")
+    kept = frames[list(metadata.frames_indices)] if sampler is not None else frames
+    return Video(kept, metadata)
+
+
+def _from_pil_frames(
+    images: Sequence[Any], sampler: Sampler | None, fps: float | None, bounds: VideoBounds
+) -> Video:
+    sizes = {image.size for image in images}
+    if len(sizes) > 1:
+        raise VideoError("frames", f"frames of different sizes (width, height): {sorted(sizes)}")
+    (width, height) = sizes.pop()
+    metadata = _metadata(len(images), fps, width, height)
+    bounds.check("frames", width, height, len(images), metadata.duration or 0.0)
+    metadata = _sample(metadata, sampler, "frames")
+    kept = [_rgb(images[i], f"frames[{i}]") for i in metadata.frames_indices]
+    return Video(torch.stack(kept), metadata)
+
+
+def _rgb(image: Any, name: str) -> torch.Tensor:
+    """A frame image as uint8 [3, h, w]: palette, grey, CMYK, ... converted to RGB by Pillow;
+    a frame with transparency refused (a clip has none; flatten it first)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        raise VideoError(name, f"a frame with transparency (mode {image.mode!r}): flatten it first")
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    return data.view(image.height, image.width, 3).permute(2, 0, 1)
+
+
+def _natural_key(name: str) -> list[object]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _frame_files(directory: Path) -> list[Path]:
+    files = [
+        entry
+        for entry in directory.iterdir()
+        if entry.suffix.lower() in FRAME_SUFFIXES and entry.is_file()
+    ]
+    if not files:
+        raise VideoError(
+            str(directory), f"a directory without frame images (files ending {FRAME_SUFFIXES})"
+        )
+    return sorted(files, key=lambda entry: _natural_key(entry.name))
+
+
+def _from_frame_files(
+    files: Sequence[str | os.PathLike],
+    where: str,
+    sampler: Sampler | None,
+    fps: float | None,
+    bounds: VideoBounds,
+) -> Video:
+    from PIL import Image  # the vision extra; load_image says so when it is missing
+
+    if len(files) > bounds.max_frames:
+        raise VideoError(
+            where,
+            f"{len(files)} frame files, more than max_frames={bounds.max_frames} (VideoBounds)",
+        )
+    # Every frame's size from its header (nothing decoded): the sampler needs the count and
+    # the frames must share one size.
+    sizes = []
+    for file in files:
+        name = os.fsdecode(file)
+        try:
+            with open_regular(name) as handle, Image.open(handle) as opened:
+                sizes.append(opened.size)
+        except (OSError, Image.DecompressionBombError) as error:  # not an image, a bomb
+            raise VideoError(name, f"not a readable frame image ({error})") from None
+    if len(set(sizes)) > 1:
+        first = sizes[0]
+        other = next(i for i, size in enumerate(sizes) if size != first)
+        raise VideoError(
+            os.fsdecode(files[other]),
+            f"a frame of {sizes[other][0]} x {sizes[other][1]} pixels, but the first frame "
+            f"({os.fsdecode(files[0])}) is {first[0]} x {first[1]}: a clip's frames share one size",
+        )
+    width, height = sizes[0]
+    metadata = _metadata(len(files), fps, width, height)
+    bounds.check(where, width, height, len(files), metadata.duration or 0.0)
+    metadata = _sample(metadata, sampler, where)
+    kept = []
+    for i in metadata.frames_indices:
+        name = os.fsdecode(files[i])
+        pixels = load_image(name, max_pixels=width * height)  # its EXIF orientation applied
+        if pixels.shape[0] == 4:
+            raise VideoError(name, "a frame with transparency: flatten it first")
+        kept.append(pixels.expand(3, -1, -1) if pixels.shape[0] == 1 else pixels)
+    return Video(torch.stack(kept), metadata)
+
+
+def _av() -> Any:
+    try:
+        import av
+    except ImportError:
+        raise ImportError(f"reading video files needs PyAV: {EXTRA}") from None
+    return av
+
+
+def _read_clip(path: Path, sampler: Sampler | None, bounds: VideoBounds) -> Video:
+    av = _av()  # ImportError before the file is opened
+    where = str(path)
+    try:
+        handle = open_regular(path)  # a FIFO or device would block or never end
+    except NotRegularFile:
+        raise VideoError(where, "not a regular file (a FIFO, device or socket)") from None
+    except FileNotFoundError:
+        raise VideoError(where, "no such file") from None
+    except OSError as error:
+        raise VideoError(where, f"cannot be read: {error.strerror or error}") from None
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > bounds.max_file_bytes:
+            raise VideoError(
+                where,
+                f"{size} bytes, more than max_file_bytes={bounds.max_file_bytes} (VideoBounds)",
+            )
+        if size == 0:
+            raise VideoError(where, "an empty file")
+        try:
+            with av.open(handle, mode="r") as container:
+                return _decode_clip(container, where, sampler, bounds)
+        except av.FFmpegError as error:
+            raise VideoError(where, f"not a readable video (FFmpeg: {error})") from None
+
+
+def _decode_clip(container: Any, where: str, sampler: Sampler | None, bounds: VideoBounds) -> Video:
+    if not container.streams.video:
+        raise VideoError(where, f"no video stream (format {container.format.name!r})")
+    stream = container.streams.video[0]
+    width, height = stream.codec_context.width, stream.codec_context.height
+    claimed = stream.frames  # the header's count (0: not recorded), transformers' total
+    rate = stream.average_rate
+    fps = float(rate) if rate else None
+    if stream.duration is not None and stream.time_base:
+        seconds = float(stream.duration * stream.time_base)
+    elif container.duration is not None:
+        seconds = container.duration / 1_000_000  # AV_TIME_BASE
+    else:
+        seconds = 0.0
+    if claimed and fps:
+        seconds = max(seconds, claimed / fps)
+    bounds.check(where, width, height, claimed, seconds)
+    # The frames' presentation times, from the packets (read, not decoded), bounded: a
+    # container that under-claims its frames is stopped at max_frames all the same.
+    times: list[int] = []
+    keys: list[int] = []  # the frame indices of key frames (where a seek lands)
+    for packet in container.demux(stream):
+        if packet.pts is None or packet.size == 0:
+            continue  # the flush packet
+        if packet.is_keyframe:
+            keys.append(packet.pts)
+        times.append(packet.pts)
+        if len(times) > bounds.max_frames:
+            raise VideoError(
+                where, f"holds more than max_frames={bounds.max_frames} frames (VideoBounds)"
+            )
+    times.sort()
+    if not times:
+        raise VideoError(where, "no video frames")
+    if claimed and claimed != len(times):
+        raise VideoError(
+            where,
+            f"the header claims {claimed} frames but the file holds {len(times)}: truncated or "
+            "corrupt",
+        )
+    index_of = {pts: i for i, pts in enumerate(times)}
+    key_indices = sorted(index_of[pts] for pts in keys if pts in index_of)
+    total = len(times)
+    duration = total / fps if fps else 0.0
+    metadata = VideoMetadata(total, fps, width, height, duration, (), "pyav")
+    metadata = _sample(metadata, sampler, where)
+    frames = torch.empty(len(metadata.frames_indices), 3, height, width, dtype=torch.uint8)
+    decoder = None
+    position = -1  # the index of the last frame decoded
+    for slot, target in enumerate(metadata.frames_indices):
+        if slot and target == position:
+            frames[slot] = frames[slot - 1]  # a repeated index
+            continue
+        key = max((k for k in key_indices if k <= target), default=0)
+        if decoder is None or not key <= position < target:
+            # Seek to the key frame before the target, unless decoding on from where we are
+            # reaches it without passing a key frame.
+            container.seek(times[key], stream=stream, backward=True, any_frame=False)
+            decoder = container.decode(stream)
+            position = -1
+        for frame in decoder:
+            if frame.pts is None or frame.pts not in index_of:
+                continue
+            position = index_of[frame.pts]
+            if position >= target:
+                break
+        if position != target:
+            raise VideoError(where, f"frame {target} could not be decoded: truncated or corrupt")
+        frames[slot] = _frame_pixels(frame, width, height, where)
+    return Video(frames, metadata)
+
+
+def _frame_pixels(frame: Any, width: int, height: int, where: str) -> torch.Tensor:
+    """A decoded frame as uint8 [3, h, w], converted to RGB by FFmpeg as PyAV's
+    ``to_ndarray(format="rgb24")`` converts it (what transformers' PyAV reader calls)."""
+    if (frame.width, frame.height) != (width, height):
+        raise VideoError(
+            where,
+            f"a frame of {frame.width} x {frame.height} pixels in a {width} x {height} stream",
+        )
+    plane = frame.reformat(format="rgb24").planes[0]
+    rows = torch.frombuffer(bytearray(bytes(plane)), dtype=torch.uint8).view(height, -1)
+    return rows[:, : width * 3].reshape(height, width, 3).permute(2, 0, 1)
