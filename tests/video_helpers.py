@@ -71,12 +71,16 @@ def write_clip(
 
 
 def hf_video_outputs(cases: list[dict], tmp_path: Path) -> list[dict]:
-    """transformers' video processor on each case, in a child process with torchvision.
+    """transformers' video processors on each case, in one child process with torchvision.
 
-    Each case: ``"class"`` (``Qwen2VLVideoProcessor`` or ``Qwen3VLVideoProcessor``),
-    ``"settings"`` (its constructor's), ``"frames"`` (uint8 [t, 3, h, w]), ``"metadata"``
-    (transformers' VideoMetadata fields or None) and ``"kwargs"`` (the call's). Returns, per
-    case, ``pixel_values_videos``, ``video_grid_thw`` and the metadata's ``frames_indices``.
+    Each case names its processor by ``"class"`` (``Qwen2VLVideoProcessor``,
+    ``Qwen3VLVideoProcessor``) and ``"settings"`` (the constructor's), or by ``"directory"``
+    (``AutoVideoProcessor.from_pretrained``). Then either ``"sample"``: a list of
+    transformers ``VideoMetadata`` fields, each given to ``sample_frames`` as ``preprocess``
+    calls it (returns
+    ``"indices"``, a list, an entry None where transformers raised); or ``"frames"`` (uint8
+    [t, 3, h, w]), ``"metadata"`` (fields or None) and ``"kwargs"`` (the call's): returns
+    ``pixel_values_videos``, ``video_grid_thw``, ``frames_indices`` and ``sampled_fps``.
     """
     if not (REFERENCE / "torchvision").is_dir():
         message = f"torchvision for the reference is not installed in {REFERENCE} (make)"
@@ -110,15 +114,37 @@ transformers.logging.set_verbosity_error()
 cases = torch.load(sys.argv[1])
 results = []
 for case in cases:
-    processor = getattr(transformers, case["class"])(**case["settings"])
+    if "directory" in case:
+        processor = transformers.AutoVideoProcessor.from_pretrained(case["directory"])
+    else:
+        processor = getattr(transformers, case["class"])(**case["settings"])
+    if "sample" in case:
+        # sample_frames with the arguments preprocess() gives it: every setting of the class
+        kwargs = {k: getattr(processor, k, None) for k in processor.valid_kwargs.__annotations__}
+        for k in ("input_data_format", "do_convert_rgb", "do_sample_frames", "device"):
+            kwargs.pop(k, None)
+        kwargs.pop("video_metadata", None)
+        indices = []
+        for fields in case["sample"]:
+            try:
+                metadata = transformers.video_utils.VideoMetadata(**fields)
+                chosen = processor.sample_frames(metadata=metadata, **kwargs)
+                indices.append([int(i) for i in chosen])
+            except (ValueError, ZeroDivisionError, TypeError):
+                indices.append(None)
+        results.append({"indices": indices})
+        continue
     kwargs = dict(case["kwargs"])
     if case["metadata"] is not None:
         kwargs["video_metadata"] = [case["metadata"]]
     out = processor(videos=[case["frames"]], return_metadata=True, return_tensors="pt", **kwargs)
+    metadata = out["video_metadata"][0]
     results.append({
         "pixel_values_videos": out["pixel_values_videos"],
         "video_grid_thw": out["video_grid_thw"],
-        "frames_indices": [int(i) for i in out["video_metadata"][0].frames_indices],
+        "frames_indices": [int(i) for i in metadata.frames_indices],
+        "sampled_fps": metadata.sampled_fps,
+        "type": type(processor).__name__,
     })
 torch.save(results, sys.argv[2])
 """
