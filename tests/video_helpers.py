@@ -80,7 +80,10 @@ def hf_video_outputs(cases: list[dict], tmp_path: Path) -> list[dict]:
     calls it (returns
     ``"indices"``, a list, an entry None where transformers raised); or ``"frames"`` (uint8
     [t, 3, h, w]), ``"metadata"`` (fields or None) and ``"kwargs"`` (the call's): returns
-    ``pixel_values_videos``, ``video_grid_thw``, ``frames_indices`` and ``sampled_fps``.
+    ``pixel_values_videos``, ``video_grid_thw``, ``frames_indices`` and ``sampled_fps``. Or a
+    whole ``"processor"`` (``Qwen2VLProcessor``, ...) with that video processor, the tokenizer
+    saved in ``"tokenizer"``, on ``"prompts"`` and ``"videos"`` (with ``"kwargs"``): returns
+    ``input_ids``, ``video_grid_thw``, ``pixel_values_videos`` and ``second_per_grid_ts``.
     """
     if not (REFERENCE / "torchvision").is_dir():
         message = f"torchvision for the reference is not installed in {REFERENCE} (make)"
@@ -114,6 +117,21 @@ transformers.logging.set_verbosity_error()
 cases = torch.load(sys.argv[1])
 results = []
 for case in cases:
+    if "processor" in case:  # a whole processor: its tokenizer saved in case["tokenizer"]
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(case["tokenizer"])
+        processor = getattr(transformers, case["processor"])(
+            image_processor=transformers.Qwen2VLImageProcessorPil(),
+            tokenizer=tokenizer,
+            video_processor=getattr(transformers, case["class"])(**case["settings"]),
+        )
+        out = processor(text=case["prompts"], videos=case["videos"], **case["kwargs"])
+        results.append({
+            "input_ids": out["input_ids"],
+            "video_grid_thw": torch.as_tensor(out["video_grid_thw"]),
+            "pixel_values_videos": torch.as_tensor(out["pixel_values_videos"]),
+            "second_per_grid_ts": out.get("second_per_grid_ts"),
+        })
+        continue
     if "directory" in case:
         processor = transformers.AutoVideoProcessor.from_pretrained(case["directory"])
     else:

@@ -28,11 +28,15 @@ from fusion.hf.config import ConfigReader, read_hf_config
 from fusion.hf.errors import CheckpointError
 from fusion.preprocessing.images import CLIP_MEAN, CLIP_STD, STANDARD_MEAN, STANDARD_STD
 from fusion.preprocessing.processor import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG
+from fusion.preprocessing.prompts import expand_markers
 from fusion.preprocessing.qwen2_vl import (
     MAX_IMAGE_PIXELS,
     MAX_MERGE_SIZE,
     MAX_PATCH_SIZE,
     MAX_TEMPORAL_PATCH_SIZE,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
     read_patch_settings,
     smart_resize,
     write_patches,
@@ -41,6 +45,9 @@ from fusion.preprocessing.resize import BICUBIC, BILINEAR, NEAREST
 from fusion.preprocessing.video import Sampler, Video, VideoMetadata
 
 VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
+# What Qwen's chat templates write for each video; transformers' processors replace its
+# <|video_pad|> by the video's text (video_text).
+QWEN2_VL_VIDEO_MARKER = VISION_START + VIDEO_PAD + VISION_END
 # torch's interpolation modes for the filters transformers maps to torchvision's
 # (pil_torch_interpolation_mapping): nearest is torchvision's NEAREST_EXACT.
 _MODES = {NEAREST: "nearest-exact", BILINEAR: "bilinear", BICUBIC: "bicubic"}
@@ -319,6 +326,13 @@ class Qwen2VLVideoProcessor:
         t, h, w = self.grid(num_frames, height, width)
         return t * h * w // self.merge_size**2
 
+    def video_text(self, grid_thw: Sequence[int], metadata: VideoMetadata) -> str:
+        """What a video's ``<|video_pad|>`` becomes in the prompt, as transformers'
+        ``Qwen2VLProcessor`` and ``Qwen2_5_VLProcessor`` write it: one ``<|video_pad|>`` per
+        row, ``t * h * w / merge_size**2`` (``metadata`` is Qwen3-VL's concern)."""
+        t, h, w = _grid(grid_thw)
+        return VIDEO_PAD * (t * h * w // self.merge_size**2)
+
     # -- pixels -----------------------------------------------------------------------------
 
     def __call__(self, videos: Sequence[Video | torch.Tensor]) -> PatchedVideos:
@@ -383,6 +397,25 @@ class Qwen2VLVideoProcessor:
         if self.do_rescale:
             return frames * self.rescale_factor
         return frames.to(torch.float32)
+
+
+def _grid(grid_thw: Sequence[int]) -> tuple[int, int, int]:
+    values = [int(v) for v in grid_thw]
+    if len(values) != 3 or min(values) < 1:
+        raise ValueError(f"grid_thw: expected 3 positive integers (t, h, w), got {values}")
+    return values[0], values[1], values[2]
+
+
+def expand_video_pads(prompts: Sequence[str], texts: Sequence[str]) -> list[str]:
+    """Each ``<|video_pad|>`` of ``prompts``, in order across them, replaced by the next of
+    ``texts`` (:meth:`Qwen2VLVideoProcessor.video_text`), as transformers' processors replace
+    it: one per video.
+
+    Raises:
+        ValueError: a number of ``<|video_pad|>`` other than the number of videos (both
+            counts given).
+    """
+    return expand_markers(prompts, texts, VIDEO_PAD, "video")
 
 
 def _as_video(video: object, name: str) -> Video:
@@ -462,6 +495,39 @@ class Qwen3VLVideoProcessor(Qwen2VLVideoProcessor):
         # numpy's linspace (i * step, the last one exact), rounded half to even as numpy does.
         step = (total - 1) / (num_frames - 1) if num_frames > 1 else 0.0
         return [round(i * step) for i in range(num_frames - 1)] + [total - 1]
+
+    def timestamps(self, metadata: VideoMetadata) -> list[float]:
+        """Each temporal patch's time in seconds, as transformers' ``Qwen3VLProcessor``
+        computes it from the frames actually kept: the kept indices padded to a multiple of
+        the temporal patch by repeating the last, each over the clip's frame rate (24 for
+        frames without one, as transformers assumes), the first and last of each patch
+        averaged."""
+        tps = self.temporal_patch_size
+        fps = 24.0 if metadata.fps is None else metadata.fps
+        indices = list(metadata.frames_indices)
+        indices += indices[-1:] * (-len(indices) % tps)
+        seconds = [index / fps for index in indices]
+        return [(seconds[i] + seconds[i + tps - 1]) / 2 for i in range(0, len(seconds), tps)]
+
+    def video_text(self, grid_thw: Sequence[int], metadata: VideoMetadata) -> str:
+        """What a video's ``<|video_pad|>`` becomes, as transformers 5.24's
+        ``Qwen3VLProcessor`` writes it: per temporal patch, its time ``<{t:.1f} seconds>``
+        (:meth:`timestamps`), then ``<|vision_start|>``, one ``<|video_pad|>`` per row of
+        that frame (``h * w / merge_size**2``), ``<|vision_end|>``.
+
+        Raises:
+            ValueError: ``metadata`` keeps fewer frames than ``grid_thw`` has temporal
+                patches.
+        """
+        t, h, w = _grid(grid_thw)
+        times = self.timestamps(metadata)
+        if len(times) < t:
+            raise ValueError(
+                f"metadata: {len(metadata.frames_indices)} frames kept, fewer than the "
+                f"{t} temporal patches of grid_thw {list(grid_thw)}"
+            )
+        frame = VISION_START + VIDEO_PAD * (h * w // self.merge_size**2) + VISION_END
+        return "".join(f"<{times[i]:.1f} seconds>" + frame for i in range(t))
 
     def output_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
         """transformers' Qwen3-VL ``smart_resize``: frames smaller than one
