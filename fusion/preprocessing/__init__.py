@@ -17,7 +17,8 @@ Qwen2-VL, Qwen2.5-VL and Qwen3-VL mark each image as their chat template does,
 images' ``image_grid_thw``.
 
 Clips are read by :func:`load_video` (PyAV, the ``video`` extra): a file, frame images or
-decoded frames, sampled and bounded before decoding.
+decoded frames, sampled and bounded before decoding; :class:`Qwen2VLVideoProcessor` and
+:class:`Qwen3VLVideoProcessor` make their patches and prompt text.
 """
 
 from fusion.preprocessing.clip import ClipImageProcessor
@@ -44,6 +45,12 @@ from fusion.preprocessing.qwen2_vl import (
     qwen2_vl_image_text,
     smart_resize,
 )
+from fusion.preprocessing.qwen2_vl_video import (
+    PatchedVideos,
+    Qwen2VLVideoProcessor,
+    Qwen3VLVideoProcessor,
+    expand_video_pads,
+)
 from fusion.preprocessing.resize import resize
 from fusion.preprocessing.video import (
     Video,
@@ -58,7 +65,10 @@ __all__ = [
     "ClipImageProcessor",
     "Idefics3ImageProcessor",
     "PatchedImages",
+    "PatchedVideos",
     "Qwen2VLImageProcessor",
+    "Qwen2VLVideoProcessor",
+    "Qwen3VLVideoProcessor",
     "TiledImage",
     "Video",
     "VideoBounds",
@@ -71,6 +81,7 @@ __all__ = [
     "default_sample_indices",
     "detect_model_kind",
     "expand_markers",
+    "expand_video_pads",
     "from_pil",
     "idefics3_image_text",
     "load_image",
