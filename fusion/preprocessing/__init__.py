@@ -59,6 +59,7 @@ from fusion.preprocessing.video import (
     VideoMetadata,
     default_sample_indices,
     load_video,
+    probe_video,
 )
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "load_video",
     "normalize",
     "prepare_inputs",
+    "probe_video",
     "qwen2_vl_image_text",
     "rescale",
     "resize",

@@ -23,7 +23,8 @@ its bytes, nothing is unpickled or imported.
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
@@ -240,21 +241,54 @@ def load_video(
             order: ``frame_2`` before ``frame_10``); a list of frame image paths; a uint8
             tensor [t, 3, h, w]; or a list of Pillow images.
         sampler: which frames to keep, from the clip's metadata (e.g. a video processor's
-            ``sample_frames``); None keeps every frame.
+            ``sampler``); None keeps every frame. Indices in order; one may repeat.
         fps: the frame rate of frames given as images or tensors (a file's is read from it).
         bounds: :class:`VideoBounds` (default: its defaults), checked before decoding.
 
     Returns:
         :class:`Video`: only the kept frames are decoded (frame files outside the sample are
-        never opened).
+        never decoded, only their headers read).
 
     Raises:
         ImportError: a clip file without PyAV installed (one line naming the extra).
-        TypeError: ``source`` of another kind.
+        TypeError: ``source`` or ``bounds`` of another kind.
         VideoError: naming the file: past the bounds, not a video, truncated or corrupt,
-            frames of different sizes; a sampler's indices out of order or range.
-        ValueError: ``fps`` or ``bounds`` not valid (named).
+            frames of different sizes or with transparency; a sampler's indices out of order
+            or range.
+        ValueError: ``fps`` not valid; a sampler's own refusal (e.g. more frames asked for
+            than the clip holds).
     """
+    with _opened(source, fps, bounds) as (metadata, decode, where):
+        metadata = _sample(metadata, sampler, where)
+        return Video(decode(metadata.frames_indices), metadata)
+
+
+def probe_video(
+    source: object, *, fps: float | None = None, bounds: VideoBounds | None = None
+) -> VideoMetadata:
+    """A clip's metadata (``frames_indices``: every frame), read and checked as
+    :func:`load_video` reads it, without decoding a frame: what a caller needs to know the
+    rows a video brings (e.g. ``processor.rows(len(processor.sample_frames(metadata)),
+    metadata.height, metadata.width)``) before deciding to decode it.
+
+    Raises:
+        As :func:`load_video`.
+    """
+    with _opened(source, fps, bounds) as (metadata, _, where):
+        return _sample(metadata, None, where)
+
+
+# What _opened gives: the clip's metadata (frames_indices empty), a function decoding the
+# frames at the given indices to uint8 [n, 3, h, w], and the name errors give the clip.
+Decode = Callable[[Sequence[int]], torch.Tensor]
+
+
+@contextmanager
+def _opened(
+    source: object, fps: float | None, bounds: VideoBounds | None
+) -> Iterator[tuple[VideoMetadata, Decode, str]]:
+    """The clip ``source`` opened, its size checked against ``bounds``; a file stays open
+    for decoding until the block ends."""
     bounds = VideoBounds() if bounds is None else bounds
     if not isinstance(bounds, VideoBounds):
         raise TypeError(f"bounds: expected a VideoBounds, got {type(bounds).__name__}")
@@ -263,17 +297,23 @@ def load_video(
     if isinstance(source, str | os.PathLike):
         path = Path(os.fsdecode(source))
         if path.is_dir():
-            return _from_frame_files(_frame_files(path), str(path), sampler, fps, bounds)
+            yield (*_frame_files_opened(_frame_files(path), str(path), fps, bounds), str(path))
+            return
         if fps is not None:
             raise ValueError(f"fps: a clip file's frame rate is read from it, got fps={fps}")
-        return _read_clip(path, sampler, bounds)
+        with _clip_opened(path, bounds) as opened:
+            yield (*opened, str(path))
+        return
     if isinstance(source, torch.Tensor):
-        return _from_tensor(source, sampler, fps, bounds)
+        yield (*_tensor_opened(source, fps, bounds), "frames")
+        return
     if isinstance(source, Sequence) and not isinstance(source, bytes | bytearray) and source:
         if all(isinstance(item, str | os.PathLike) for item in source):
-            return _from_frame_files(list(source), "frames", sampler, fps, bounds)
+            yield (*_frame_files_opened(list(source), "frames", fps, bounds), "frames")
+            return
         if all(is_pil_image(item) for item in source):
-            return _from_pil_frames(source, sampler, fps, bounds)
+            yield (*_pil_opened(source, fps, bounds), "frames")
+            return
     raise TypeError(
         "source: expected a clip file, a directory or non-empty list of frame images, a uint8 "
         f"tensor [t, 3, h, w] or a non-empty list of Pillow images, got {_kind(source)}"
@@ -308,14 +348,18 @@ def _short(values: Sequence[object]) -> str:
     return repr(list(values)) if len(values) <= 8 else f"[{values[0]!r}, ..., {values[-1]!r}]"
 
 
-def _metadata(frames: int, fps: float | None, width: int, height: int) -> VideoMetadata:
+def _checked_metadata(
+    where: str, frames: int, fps: float | None, width: int, height: int, bounds: VideoBounds
+) -> VideoMetadata:
+    """The metadata of ``frames`` frames given as images or tensors, within ``bounds``."""
     duration = None if fps is None else frames / fps
+    bounds.check(where, width, height, frames, duration or 0.0)
     return VideoMetadata(frames, fps, width, height, duration, ())
 
 
-def _from_tensor(
-    frames: torch.Tensor, sampler: Sampler | None, fps: float | None, bounds: VideoBounds
-) -> Video:
+def _tensor_opened(
+    frames: torch.Tensor, fps: float | None, bounds: VideoBounds
+) -> tuple[VideoMetadata, Decode]:
     if frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[1] != 3:
         raise VideoError(
             "frames",
@@ -324,25 +368,23 @@ def _from_tensor(
     t, _, height, width = frames.shape
     if t == 0:
         raise VideoError("frames", "no frames (t = 0)")
-    metadata = _metadata(t, fps, width, height)
-    bounds.check("frames", width, height, t, metadata.duration or 0.0)
-    metadata = _sample(metadata, sampler, "frames")
-    kept = frames[list(metadata.frames_indices)] if sampler is not None else frames
-    return Video(kept, metadata)
+    metadata = _checked_metadata("frames", t, fps, width, height, bounds)
+    return metadata, lambda indices: frames[list(indices)]
 
 
-def _from_pil_frames(
-    images: Sequence[Any], sampler: Sampler | None, fps: float | None, bounds: VideoBounds
-) -> Video:
+def _pil_opened(
+    images: Sequence[Any], fps: float | None, bounds: VideoBounds
+) -> tuple[VideoMetadata, Decode]:
     sizes = {image.size for image in images}
     if len(sizes) > 1:
         raise VideoError("frames", f"frames of different sizes (width, height): {sorted(sizes)}")
     (width, height) = sizes.pop()
-    metadata = _metadata(len(images), fps, width, height)
-    bounds.check("frames", width, height, len(images), metadata.duration or 0.0)
-    metadata = _sample(metadata, sampler, "frames")
-    kept = [_rgb(images[i], f"frames[{i}]") for i in metadata.frames_indices]
-    return Video(torch.stack(kept), metadata)
+    metadata = _checked_metadata("frames", len(images), fps, width, height, bounds)
+
+    def decode(indices: Sequence[int]) -> torch.Tensor:
+        return torch.stack([_rgb(images[i], f"frames[{i}]") for i in indices])
+
+    return metadata, decode
 
 
 def _rgb(image: Any, name: str) -> torch.Tensor:
@@ -373,13 +415,9 @@ def _frame_files(directory: Path) -> list[Path]:
     return sorted(files, key=lambda entry: _natural_key(entry.name))
 
 
-def _from_frame_files(
-    files: Sequence[str | os.PathLike],
-    where: str,
-    sampler: Sampler | None,
-    fps: float | None,
-    bounds: VideoBounds,
-) -> Video:
+def _frame_files_opened(
+    files: Sequence[str | os.PathLike], where: str, fps: float | None, bounds: VideoBounds
+) -> tuple[VideoMetadata, Decode]:
     from PIL import Image  # the vision extra; load_image says so when it is missing
 
     if len(files) > bounds.max_frames:
@@ -406,17 +444,19 @@ def _from_frame_files(
             f"({os.fsdecode(files[0])}) is {first[0]} x {first[1]}: a clip's frames share one size",
         )
     width, height = sizes[0]
-    metadata = _metadata(len(files), fps, width, height)
-    bounds.check(where, width, height, len(files), metadata.duration or 0.0)
-    metadata = _sample(metadata, sampler, where)
-    kept = []
-    for i in metadata.frames_indices:
-        name = os.fsdecode(files[i])
-        pixels = load_image(name, max_pixels=width * height)  # its EXIF orientation applied
-        if pixels.shape[0] == 4:
-            raise VideoError(name, "a frame with transparency: flatten it first")
-        kept.append(pixels.expand(3, -1, -1) if pixels.shape[0] == 1 else pixels)
-    return Video(torch.stack(kept), metadata)
+    metadata = _checked_metadata(where, len(files), fps, width, height, bounds)
+
+    def decode(indices: Sequence[int]) -> torch.Tensor:
+        kept = []
+        for i in indices:
+            name = os.fsdecode(files[i])
+            pixels = load_image(name, max_pixels=width * height)  # its EXIF orientation applied
+            if pixels.shape[0] == 4:
+                raise VideoError(name, "a frame with transparency: flatten it first")
+            kept.append(pixels.expand(3, -1, -1) if pixels.shape[0] == 1 else pixels)
+        return torch.stack(kept)
+
+    return metadata, decode
 
 
 def _av() -> Any:
@@ -427,7 +467,8 @@ def _av() -> Any:
     return av
 
 
-def _read_clip(path: Path, sampler: Sampler | None, bounds: VideoBounds) -> Video:
+@contextmanager
+def _clip_opened(path: Path, bounds: VideoBounds) -> Iterator[tuple[VideoMetadata, Decode]]:
     av = _av()  # ImportError before the file is opened
     where = str(path)
     try:
@@ -449,81 +490,106 @@ def _read_clip(path: Path, sampler: Sampler | None, bounds: VideoBounds) -> Vide
             raise VideoError(where, "an empty file")
         try:
             with av.open(handle, mode="r") as container:
-                return _decode_clip(container, where, sampler, bounds)
+                index = _ClipIndex.read(container, where, bounds)
+                yield index.metadata, index.decode
         except av.FFmpegError as error:
             raise VideoError(where, f"not a readable video (FFmpeg: {error})") from None
 
 
-def _decode_clip(container: Any, where: str, sampler: Sampler | None, bounds: VideoBounds) -> Video:
-    if not container.streams.video:
-        raise VideoError(where, f"no video stream (format {container.format.name!r})")
-    stream = container.streams.video[0]
-    width, height = stream.codec_context.width, stream.codec_context.height
-    claimed = stream.frames  # the header's count (0: not recorded), transformers' total
-    rate = stream.average_rate
-    fps = float(rate) if rate else None
-    if stream.duration is not None and stream.time_base:
-        seconds = float(stream.duration * stream.time_base)
-    elif container.duration is not None:
-        seconds = container.duration / 1_000_000  # AV_TIME_BASE
-    else:
-        seconds = 0.0
-    if claimed and fps:
-        seconds = max(seconds, claimed / fps)
-    bounds.check(where, width, height, claimed, seconds)
-    # The frames' presentation times, from the packets (read, not decoded), bounded: a
-    # container that under-claims its frames is stopped at max_frames all the same.
-    times: list[int] = []
-    keys: list[int] = []  # the frame indices of key frames (where a seek lands)
-    for packet in container.demux(stream):
-        if packet.pts is None or packet.size == 0:
-            continue  # the flush packet
-        if packet.is_keyframe:
-            keys.append(packet.pts)
-        times.append(packet.pts)
-        if len(times) > bounds.max_frames:
+@dataclass
+class _ClipIndex:
+    """An open clip's frames: presentation times in order, which are key frames, and the
+    metadata; decodes the frames asked for by seeking."""
+
+    container: Any
+    stream: Any
+    where: str
+    times: list[int]
+    key_indices: list[int]
+    metadata: VideoMetadata
+
+    @classmethod
+    def read(cls, container: Any, where: str, bounds: VideoBounds) -> "_ClipIndex":
+        """The clip's header checked against ``bounds``, then its packets listed (read, not
+        decoded), at most ``max_frames`` of them."""
+        if not container.streams.video:
+            raise VideoError(where, f"no video stream (format {container.format.name!r})")
+        stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        claimed = stream.frames  # the header's count (0: not recorded), transformers' total
+        rate = stream.average_rate
+        fps = float(rate) if rate else None
+        if stream.duration is not None and stream.time_base:
+            seconds = float(stream.duration * stream.time_base)
+        elif container.duration is not None:
+            seconds = container.duration / 1_000_000  # AV_TIME_BASE
+        else:
+            seconds = 0.0
+        if claimed and fps:
+            seconds = max(seconds, claimed / fps)
+        bounds.check(where, width, height, claimed, seconds)
+        # The frames' presentation times from the packets: a container that under-claims its
+        # frames is stopped at max_frames all the same.
+        times: list[int] = []
+        keys: list[int] = []
+        for packet in container.demux(stream):
+            if packet.pts is None or packet.size == 0:
+                continue  # the flush packet
+            if packet.is_keyframe:
+                keys.append(packet.pts)
+            times.append(packet.pts)
+            if len(times) > bounds.max_frames:
+                raise VideoError(
+                    where, f"holds more than max_frames={bounds.max_frames} frames (VideoBounds)"
+                )
+        times.sort()
+        if not times:
+            raise VideoError(where, "no video frames")
+        if claimed and claimed != len(times):
             raise VideoError(
-                where, f"holds more than max_frames={bounds.max_frames} frames (VideoBounds)"
+                where,
+                f"the header claims {claimed} frames but the file holds {len(times)}: "
+                "truncated or corrupt",
             )
-    times.sort()
-    if not times:
-        raise VideoError(where, "no video frames")
-    if claimed and claimed != len(times):
-        raise VideoError(
-            where,
-            f"the header claims {claimed} frames but the file holds {len(times)}: truncated or "
-            "corrupt",
-        )
-    index_of = {pts: i for i, pts in enumerate(times)}
-    key_indices = sorted(index_of[pts] for pts in keys if pts in index_of)
-    total = len(times)
-    duration = total / fps if fps else 0.0
-    metadata = VideoMetadata(total, fps, width, height, duration, (), "pyav")
-    metadata = _sample(metadata, sampler, where)
-    frames = torch.empty(len(metadata.frames_indices), 3, height, width, dtype=torch.uint8)
-    decoder = None
-    position = -1  # the index of the last frame decoded
-    for slot, target in enumerate(metadata.frames_indices):
-        if slot and target == position:
-            frames[slot] = frames[slot - 1]  # a repeated index
-            continue
-        key = max((k for k in key_indices if k <= target), default=0)
-        if decoder is None or not key <= position < target:
-            # Seek to the key frame before the target, unless decoding on from where we are
-            # reaches it without passing a key frame.
-            container.seek(times[key], stream=stream, backward=True, any_frame=False)
-            decoder = container.decode(stream)
-            position = -1
-        for frame in decoder:
-            if frame.pts is None or frame.pts not in index_of:
+        position = {pts: i for i, pts in enumerate(times)}
+        key_indices = sorted(position[pts] for pts in keys if pts in position)
+        duration = len(times) / fps if fps else 0.0
+        metadata = VideoMetadata(len(times), fps, width, height, duration, (), "pyav")
+        return cls(container, stream, where, times, key_indices, metadata)
+
+    def decode(self, indices: Sequence[int]) -> torch.Tensor:
+        """The frames at ``indices`` (in order) as uint8 [n, 3, h, w]: each reached by
+        decoding on from the last one decoded when the key frame before it is no further than
+        the next frame, else by seeking to that key frame."""
+        width, height = self.metadata.width, self.metadata.height
+        index_of = {pts: i for i, pts in enumerate(self.times)}
+        frames = torch.empty(len(indices), 3, height, width, dtype=torch.uint8)
+        decoder = None
+        position = -1  # the index of the last frame decoded
+        frame = None
+        for slot, target in enumerate(indices):
+            if slot and target == position:
+                frames[slot] = frames[slot - 1]  # a repeated index
                 continue
-            position = index_of[frame.pts]
-            if position >= target:
-                break
-        if position != target:
-            raise VideoError(where, f"frame {target} could not be decoded: truncated or corrupt")
-        frames[slot] = _frame_pixels(frame, width, height, where)
-    return Video(frames, metadata)
+            key = max((k for k in self.key_indices if k <= target), default=0)
+            if decoder is None or not (position < target and key <= position + 1):
+                self.container.seek(
+                    self.times[key], stream=self.stream, backward=True, any_frame=False
+                )
+                decoder = self.container.decode(self.stream)
+                position = -1
+            for frame in decoder:
+                if frame.pts is None or frame.pts not in index_of:
+                    continue
+                position = index_of[frame.pts]
+                if position >= target:
+                    break
+            if position != target:
+                raise VideoError(
+                    self.where, f"frame {target} could not be decoded: truncated or corrupt"
+                )
+            frames[slot] = _frame_pixels(frame, width, height, self.where)
+        return frames
 
 
 def _frame_pixels(frame: Any, width: int, height: int, where: str) -> torch.Tensor:

@@ -6,6 +6,7 @@ before decoding with one error naming the file."""
 import os
 import struct
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +17,14 @@ from hypothesis import strategies as st
 from PIL import Image
 from video_helpers import drawn_frames, write_clip
 
+import fusion.preprocessing.video as video_module
 from fusion.preprocessing.video import (
     VideoBounds,
     VideoError,
     VideoMetadata,
     default_sample_indices,
     load_video,
+    probe_video,
 )
 
 
@@ -70,6 +73,53 @@ def test_a_clip_decodes_to_transformers_frames_for_each_sample(clips, name):
             continue  # MKV records no frame count, and transformers' PyAV reader counts none
         for key in ("total_num_frames", "fps", "width", "height", "duration"):
             assert getattr(video.metadata, key) == pytest.approx(hf_metadata[key]), key
+
+
+class CountingContainer:
+    """A PyAV container whose decoded frames and seeks are counted."""
+
+    def __init__(self, container, counts):
+        self.container, self.counts = container, counts
+
+    def seek(self, *args, **kwargs):
+        self.counts["seeks"] += 1
+        return self.container.seek(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        for frame in self.container.decode(*args, **kwargs):
+            self.counts["frames"] += 1
+            yield frame
+
+
+def test_only_the_frames_kept_are_decoded(clips, monkeypatch):
+    """Frames far into the clip are reached by seeking to the key frame before them (every
+    5th frame here), not by decoding from the start."""
+    path, drawn = clips["h264.mp4"]
+    counts = {"frames": 0, "seeks": 0}
+    read = video_module._ClipIndex.read.__func__
+
+    def counting_read(cls, container, where, bounds):
+        index = read(cls, container, where, bounds)
+        index.container = CountingContainer(index.container, counts)
+        return index
+
+    last = drawn.shape[0] - 1
+    everything = load_video(path).frames
+    monkeypatch.setattr(video_module._ClipIndex, "read", classmethod(counting_read))
+    video = load_video(path, sampler=lambda metadata: [2, 3, last])
+    assert torch.equal(video.frames, everything[[2, 3, last]])
+    # 2 and 3 share a key frame: decoded on, no second seek; the last one: one seek
+    assert counts["seeks"] == 2
+    assert counts["frames"] < 4 + 5 + 3  # up to 3, then one key-frame interval (and lookahead)
+    counts.update(frames=0, seeks=0)
+    assert torch.equal(load_video(path).frames, everything)
+    assert counts == {"frames": drawn.shape[0], "seeks": 1}  # every frame: decoded on
+    counts.update(frames=0, seeks=0)
+    metadata = probe_video(path)
+    assert counts == {"frames": 0, "seeks": 0}  # nothing decoded
+    assert metadata == replace(
+        load_video(path, sampler=lambda m: [0]).metadata, frames_indices=tuple(range(last + 1))
+    )
 
 
 def test_the_sampler_is_given_the_clips_metadata(clips):
@@ -136,6 +186,9 @@ def test_frame_images_as_a_directory_a_list_tensors_and_pillow(tmp_path):
     assert torch.equal(load_video(folder, sampler=lambda metadata: keep).frames, drawn[keep])
     with pytest.raises(ValueError, match=r"frame_3\.png"):
         load_video(folder, sampler=lambda metadata: [3])
+    probed = probe_video(folder, fps=3.0)  # from the headers: nothing decoded
+    assert (probed.total_num_frames, probed.width, probed.height) == (12, 21, 15)
+    assert probed.frames_indices == tuple(range(12))
 
 
 def test_frames_of_different_sizes_or_with_transparency_are_refused(tmp_path):
