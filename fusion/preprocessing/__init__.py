@@ -50,6 +50,7 @@ from fusion.preprocessing.qwen2_vl_video import (
     Qwen2VLVideoProcessor,
     Qwen3VLVideoProcessor,
     expand_video_pads,
+    read_video_processor,
 )
 from fusion.preprocessing.resize import resize
 from fusion.preprocessing.video import (
@@ -91,6 +92,7 @@ __all__ = [
     "prepare_inputs",
     "probe_video",
     "qwen2_vl_image_text",
+    "read_video_processor",
     "rescale",
     "resize",
     "smart_resize",

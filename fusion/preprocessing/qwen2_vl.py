@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -430,7 +430,7 @@ def write_patches(
 
     Args:
         frames: float32 [t, 3, H, W], ``t`` a multiple of the temporal patch (``out``'s
-            ``patch_dim / (3 * patch_size**2)``), ``H`` and ``W`` of ``patch_size *
+            ``patch_dim / (3 * patch_size**2)``), ``H`` and ``W`` multiples of ``patch_size *
             merge_size``.
         out: [t / temporal_patch * H / patch_size * W / patch_size, patch_dim], per temporal
             patch, row-major over the merge_size x merge_size blocks of patches, and within a
@@ -470,6 +470,7 @@ class Qwen2VLLayout:
     temporal_patch_size: int
     settings: Mapping[str, Any] = field(default_factory=dict)  # without a settings file
     settings_name: str = "transformers' Qwen2-VL defaults"  # named in the warning then
+    video_processor: str = "Qwen2VLVideoProcessor"  # transformers' class for the model type
 
 
 def _processor_defaults(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
@@ -555,6 +556,7 @@ def read_qwen2_vl_layout(path: str | bytes | os.PathLike | HfDirectory) -> Qwen2
         **sizes,
         settings=defaults["settings"],
         settings_name=defaults["settings_name"],
+        video_processor=defaults.get("video_processor", "Qwen2VLVideoProcessor"),
     )
 
 
@@ -571,11 +573,20 @@ def default_image_processor(layout: Qwen2VLLayout) -> Qwen2VLImageProcessor:
     )
 
 
-def check_against_tower(
-    processor: Qwen2VLImageProcessor, layout: Qwen2VLLayout, where: str
-) -> None:
-    """Settings whose patches the vision tower cannot take are refused before any image is
-    processed (naming the file and key, and ``config.json``'s).
+class PatchSizes(Protocol):
+    """What :func:`check_against_tower` reads of an image or video processor."""
+
+    @property
+    def patch_size(self) -> int: ...
+    @property
+    def merge_size(self) -> int: ...
+    @property
+    def temporal_patch_size(self) -> int: ...
+
+
+def check_against_tower(processor: PatchSizes, layout: Qwen2VLLayout, where: str) -> None:
+    """Settings whose patches the vision tower cannot take are refused before any image or
+    video is processed (naming the file and key, and ``config.json``'s).
 
     Raises:
         ValueError: ``patch_size``, ``merge_size`` or ``temporal_patch_size`` other than the

@@ -15,6 +15,7 @@ factor)``. Frames are padded to a multiple of the temporal patch by repeating th
 """
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,9 @@ from fusion.preprocessing.qwen2_vl import (
     VIDEO_PAD,
     VISION_END,
     VISION_START,
+    check_against_tower,
     read_patch_settings,
+    read_qwen2_vl_layout,
     smart_resize,
     write_patches,
 )
@@ -228,19 +231,8 @@ class Qwen2VLVideoProcessor:
         Raises:
             CheckpointError, ValueError: a file that cannot be read, or its settings (named).
         """
-        directory = Path(directory)
-        file = directory / PROCESSOR_CONFIG
-        if file.exists():
-            nested = read_hf_config(file).get("video_processor")
-            if nested is not None:
-                if not isinstance(nested, dict):
-                    raise CheckpointError(file, "video_processor", "expected an object")
-                return cls.from_config(nested, f"{file}: video_processor")
-        for name in (VIDEO_PREPROCESSOR_CONFIG, PREPROCESSOR_CONFIG):
-            file = directory / name
-            if file.exists():
-                return cls.from_config(read_hf_config(file), str(file))
-        return cls()
+        found = _video_settings(Path(directory))
+        return cls() if found is None else cls.from_config(*found)
 
     # -- sampling ---------------------------------------------------------------------------
 
@@ -567,3 +559,56 @@ class Qwen3VLVideoProcessor(Qwen2VLVideoProcessor):
             new_height = math.ceil(height * beta / factor) * factor
             new_width = math.ceil(width * beta / factor) * factor
         return new_height, new_width
+
+
+def read_video_processor(directory: str | Path) -> Qwen2VLVideoProcessor:
+    """The video processor of a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 model directory:
+    transformers' class for its ``config.json`` model type (the family says which:
+    :class:`Qwen2VLVideoProcessor`, or :class:`Qwen3VLVideoProcessor` for Qwen3-VL and
+    Qwen3.5), its settings found as :meth:`Qwen2VLVideoProcessor.from_directory` finds them,
+    and its patch sizes checked against the vision tower's.
+
+    Raises:
+        CheckpointError: ``config.json`` missing, unreadable or of another family (named).
+        ValueError: settings that cannot be read, or patch sizes other than the tower's
+            (naming the file and key).
+    """
+    path = Path(directory)
+    layout = read_qwen2_vl_layout(path)
+    classes = {c.hf_class: c for c in (Qwen2VLVideoProcessor, Qwen3VLVideoProcessor)}
+    cls = classes[layout.video_processor]
+    found = _video_settings(path)
+    if found is None:  # transformers' class defaults, with the tower's patch sizes
+        processor = cls(
+            patch_size=layout.patch_size,
+            merge_size=layout.spatial_merge_size,
+            temporal_patch_size=layout.temporal_patch_size,
+        )
+        warnings.warn(
+            f"{path}: no video processor settings (no 'video_processor' in "
+            f"{PROCESSOR_CONFIG}, no {VIDEO_PREPROCESSOR_CONFIG}, no {PREPROCESSOR_CONFIG}); "
+            f"using transformers' {cls.hf_class} defaults with the tower's patch sizes: "
+            f"{processor}",
+            stacklevel=2,
+        )
+    else:
+        processor = cls.from_config(*found)
+        check_against_tower(processor, layout, found[1])
+    return processor
+
+
+def _video_settings(directory: Path) -> tuple[Mapping[str, Any], str] | None:
+    """The video processor's settings and where they were found, as transformers looks for
+    them (see :meth:`Qwen2VLVideoProcessor.from_directory`); None when no file holds them."""
+    file = directory / PROCESSOR_CONFIG
+    if file.exists():
+        nested = read_hf_config(file).get("video_processor")
+        if nested is not None:
+            if not isinstance(nested, dict):
+                raise CheckpointError(file, "video_processor", "expected an object")
+            return nested, f"{file}: video_processor"
+    for name in (VIDEO_PREPROCESSOR_CONFIG, PREPROCESSOR_CONFIG):
+        file = directory / name
+        if file.exists():
+            return read_hf_config(file), str(file)
+    return None

@@ -16,6 +16,7 @@ from fusion.preprocessing.qwen2_vl_video import (
     PatchedVideos,
     Qwen2VLVideoProcessor,
     Qwen3VLVideoProcessor,
+    read_video_processor,
 )
 from fusion.preprocessing.video import VideoMetadata, load_video
 
@@ -222,7 +223,8 @@ def test_sampling_is_transformers_on_clips_of_every_length(reference, index):
 def test_a_directory_without_video_settings_takes_the_image_processors(reference):
     """transformers falls back to preprocessor_config.json (published Qwen2-VL directories
     have no video_preprocessor_config.json): its pixel range applies to videos."""
-    processor = Qwen2VLVideoProcessor.from_directory(reference["directory"])
+    processor = read_video_processor(reference["directory"])
+    assert type(processor) is Qwen2VLVideoProcessor
     assert (processor.min_pixels, processor.max_pixels) == (3136, 12845056)
     hf = reference["outputs"][-1]
     assert hf["type"] == "Qwen2VLVideoProcessor"
@@ -257,6 +259,34 @@ def test_video_settings_files_are_found_as_transformers_finds_them(tmp_path):
     }
     qwen3 = Qwen3VLVideoProcessor.from_config(published3)
     assert (qwen3.max_pixels, qwen3.image_mean, qwen3.fps) == (25165824, (0.5, 0.5, 0.5), 2.0)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [
+        ("qwen2_vl", Qwen2VLVideoProcessor),
+        ("qwen2_5_vl", Qwen2VLVideoProcessor),
+        ("qwen3_vl", Qwen3VLVideoProcessor),
+        ("qwen3_5", Qwen3VLVideoProcessor),
+    ],
+)
+def test_the_model_type_chooses_the_class_and_the_tower_checks_the_sizes(
+    tmp_path, model_type, expected
+):
+    vision = {"patch_size": 7, "temporal_patch_size": 2, "spatial_merge_size": 2}
+    config = {"model_type": model_type, "vision_config": vision}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=f"no video processor settings.*{expected.__name__}"):
+        found = read_video_processor(tmp_path)
+    assert type(found) is expected and found.patch_size == 7  # the tower's patch
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"patch_size": 7}))
+    assert read_video_processor(tmp_path) == expected(patch_size=7)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"patch_size": 14}))
+    with pytest.raises(ValueError, match=r"video_preprocessor_config\.json: patch_size: 14, but"):
+        read_video_processor(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    with pytest.raises(ValueError, match=r"config\.json, key 'model_type': expected one of"):
+        read_video_processor(tmp_path)
 
 
 @pytest.mark.parametrize(
