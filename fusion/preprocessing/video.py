@@ -13,7 +13,8 @@ to map frame indices to presentation times; only the frames kept by the sampler 
 seeking to the key frame before each one when it is not reached by decoding on. A truncated
 file, a file that is not a video, absurd dimensions or a claimed frame count past the bounds
 raise :class:`VideoError` naming the file. Reading never runs code from a file: FFmpeg parses
-its bytes, nothing is unpickled or imported.
+its bytes, nothing is unpickled or imported; FFmpeg is handed the open file, not its name, so
+a playlist (HLS, ffconcat) naming other files or URLs cannot make it open them.
 
     video = load_video("clip.mp4", sampler=processor.sample_frames)
     video.frames                  # uint8 [t, 3, h, w], the kept frames

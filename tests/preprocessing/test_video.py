@@ -244,6 +244,11 @@ def test_broken_and_hostile_clips_are_refused_naming_the_file(clips, tmp_path):
     avi, _ = clips["mjpeg.avi"]
     million = avi_header_patched(avi, tmp_path / "million.avi", frames=1_000_000)
     huge = avi_header_patched(avi, tmp_path / "huge.avi", size=(12000, 9000))
+    # playlists naming other files: FFmpeg reads only the bytes given it, opens nothing else
+    playlist = tmp_path / "playlist.mp4"
+    playlist.write_text(f"#EXTM3U\n#EXT-X-TARGETDURATION:4\n#EXTINF:3.0,\n{path}\n#EXT-X-ENDLIST\n")
+    concat = tmp_path / "concat.mp4"
+    concat.write_text(f"ffconcat version 1.0\nfile '{path}'\n")
     for file, why in (
         (truncated, "truncated|not a readable video"),
         (text, "not a readable video"),
@@ -251,6 +256,8 @@ def test_broken_and_hostile_clips_are_refused_naming_the_file(clips, tmp_path):
         (million, "claims 1000000 frames, more than max_frames=100000"),
         (huge, "frames of .* pixels: expected sides in"),
         (tmp_path / "missing.mp4", "no such file"),
+        (playlist, "not a readable video"),
+        (concat, "not a readable video"),
     ):
         with pytest.raises(VideoError, match=why) as caught:
             load_video(file)
