@@ -45,7 +45,14 @@ from fusion.preprocessing.qwen2_vl import (
     write_patches,
 )
 from fusion.preprocessing.resize import BICUBIC, BILINEAR, NEAREST
-from fusion.preprocessing.video import Sampler, Video, VideoMetadata
+from fusion.preprocessing.video import (
+    Sampler,
+    Video,
+    VideoMetadata,
+    check_fps,
+    check_sample_count,
+    clip_fps,
+)
 
 VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
 # What Qwen's chat templates write for each video; transformers' processors replace its
@@ -143,12 +150,10 @@ class Qwen2VLVideoProcessor:
         if self.num_frames is not None:
             check_int(self.num_frames, "num_frames", low=1)
         if self.fps is not None:
-            fps = self.fps
-            if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < math.inf:
-                raise ValueError(f"fps: expected a positive number or None, got {fps!r}")
+            check_fps(self.fps, "fps")
             if self.num_frames is not None:
                 raise ValueError(
-                    f"num_frames, fps: give one, got num_frames={self.num_frames}, fps={fps}"
+                    f"num_frames, fps: give one, got num_frames={self.num_frames}, fps={self.fps}"
                 )
         if isinstance(self.resample, bool) or self.resample not in _MODES:
             names = ", ".join(f"{n} ({_MODES[n]})" for n in sorted(_MODES))
@@ -248,19 +253,14 @@ class Qwen2VLVideoProcessor:
                 shorter than the temporal patch); more frames than the clip holds.
         """
         total, tps = metadata.total_num_frames, self.temporal_patch_size
-        num_frames: float | int | None = None
+        num_frames: int | None = None
         if self.num_frames is not None:
             num_frames = round(self.num_frames / tps) * tps
         elif self.fps is not None:
-            if metadata.fps is None:
-                raise ValueError(
-                    "fps: sampling frames a second needs the clip's frame rate; these frames "
-                    "came without one (pass fps= to load_video)"
-                )
             max_frames = math.floor(min(self.max_frames, total) / tps) * tps
-            num_frames = total / metadata.fps * self.fps
-            num_frames = min(max(num_frames, self.min_frames), max_frames, total)
-            num_frames = math.floor(num_frames / tps) * tps
+            wanted = total / clip_fps(metadata) * self.fps
+            wanted = min(max(wanted, self.min_frames), max_frames, total)
+            num_frames = math.floor(wanted / tps) * tps
         if num_frames is None:
             return list(range(total))
         if num_frames == 0:
@@ -268,11 +268,7 @@ class Qwen2VLVideoProcessor:
                 f"num_frames: no frame is kept of a clip of {total} frames (at least one "
                 f"temporal patch, {tps} frames, is sampled)"
             )
-        if num_frames > total:
-            raise ValueError(
-                f"num_frames: {num_frames} frames asked for, but the clip holds {total} (ask for "
-                "fewer, or a lower fps)"
-            )
+        check_sample_count(num_frames, total)
         # torch's float arange, as transformers calls it: its length and values are its.
         return torch.arange(0, total, total / num_frames).int().tolist()
 

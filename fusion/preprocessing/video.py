@@ -16,7 +16,7 @@ raise :class:`VideoError` naming the file. Reading never runs code from a file: 
 its bytes, nothing is unpickled or imported; FFmpeg is handed the open file, not its name, so
 a playlist (HLS, ffconcat) naming other files or URLs cannot make it open them.
 
-    video = load_video("clip.mp4", sampler=processor.sample_frames)
+    video = load_video("clip.mp4", sampler=processor.sampler)
     video.frames                  # uint8 [t, 3, h, w], the kept frames
     video.metadata.frames_indices # which frames of the clip they are
 """
@@ -195,22 +195,24 @@ def default_sample_indices(
     if num_frames is not None and fps is not None:
         raise ValueError(f"num_frames, fps: give one, got num_frames={num_frames}, fps={fps}")
     if num_frames is None and fps is not None:
-        _check_fps(fps, "fps")
-        num_frames = max(1, int(total / _clip_fps(metadata) * fps))
+        check_fps(fps, "fps")
+        num_frames = max(1, int(total / clip_fps(metadata) * fps))
     if num_frames is None:
         return list(range(total))
     check_int(num_frames, "num_frames", low=1)
-    _check_not_more(num_frames, total)
+    check_sample_count(num_frames, total)
     return [i * total // num_frames for i in range(num_frames)]
 
 
-def _check_fps(fps: object, name: str) -> float:
+def check_fps(fps: object, name: str) -> float:
+    """``fps`` as a float if a positive finite number; else ``ValueError`` naming ``name``."""
     if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < math.inf:
         raise ValueError(f"{name}: expected a positive number of frames a second, got {fps!r}")
     return float(fps)
 
 
-def _clip_fps(metadata: VideoMetadata) -> float:
+def clip_fps(metadata: VideoMetadata) -> float:
+    """The clip's frame rate, which sampling a number of frames a second needs."""
     if metadata.fps is None:
         raise ValueError(
             "fps: sampling a number of frames a second needs the clip's own frame rate; these "
@@ -219,7 +221,8 @@ def _clip_fps(metadata: VideoMetadata) -> float:
     return metadata.fps
 
 
-def _check_not_more(num_frames: int, total: int) -> None:
+def check_sample_count(num_frames: int, total: int) -> None:
+    """Refuse sampling more frames than the clip holds, as transformers refuses it."""
     if num_frames > total:
         raise ValueError(
             f"num_frames: {num_frames} frames asked for, but the clip holds {total} (ask for "
@@ -294,7 +297,7 @@ def _opened(
     if not isinstance(bounds, VideoBounds):
         raise TypeError(f"bounds: expected a VideoBounds, got {type(bounds).__name__}")
     if fps is not None:
-        fps = _check_fps(fps, "fps")
+        fps = check_fps(fps, "fps")
     if isinstance(source, str | os.PathLike):
         path = Path(os.fsdecode(source))
         if path.is_dir():
