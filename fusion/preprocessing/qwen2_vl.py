@@ -117,6 +117,35 @@ def smart_resize(
     return new_height, new_width
 
 
+def check_patch_settings(processor: Any, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    """The checks Qwen2-VL's image and video processors share: the patch sizes within their
+    bounds, the pixel range within [1, ``max_pixels``] and in order, and ``max_pixels`` at
+    least one ``patch_size * merge_size`` square (``smart_resize`` never goes below one, so a
+    smaller ``max_pixels`` could not be kept for any image or frame).
+
+    Raises:
+        ValueError: naming the setting, what was expected and what was given.
+    """
+    check_int(processor.patch_size, "patch_size", low=1, high=MAX_PATCH_SIZE)
+    check_int(processor.merge_size, "merge_size", low=1, high=MAX_MERGE_SIZE)
+    check_int(
+        processor.temporal_patch_size, "temporal_patch_size", low=1, high=MAX_TEMPORAL_PATCH_SIZE
+    )
+    check_int(processor.max_pixels, "max_pixels", low=1, high=max_pixels)
+    check_int(processor.min_pixels, "min_pixels", low=1, high=max_pixels)
+    if processor.min_pixels > processor.max_pixels:
+        raise ValueError(
+            f"min_pixels: expected at most max_pixels={processor.max_pixels}, got "
+            f"{processor.min_pixels}"
+        )
+    factor = processor.patch_size * processor.merge_size
+    if factor**2 > processor.max_pixels:
+        raise ValueError(
+            f"max_pixels: expected at least (patch_size * merge_size)**2 = {factor**2}, "
+            f"got {processor.max_pixels}"
+        )
+
+
 def read_patch_settings(
     read: ConfigReader, defaults: Any, max_pixels: int = MAX_IMAGE_PIXELS
 ) -> dict[str, Any]:
@@ -249,24 +278,7 @@ class Qwen2VLImageProcessor:
     pixel_limit: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        check_int(self.patch_size, "patch_size", low=1, high=MAX_PATCH_SIZE)
-        check_int(self.merge_size, "merge_size", low=1, high=MAX_MERGE_SIZE)
-        check_int(
-            self.temporal_patch_size, "temporal_patch_size", low=1, high=MAX_TEMPORAL_PATCH_SIZE
-        )
-        check_int(self.max_pixels, "max_pixels", low=1, high=MAX_IMAGE_PIXELS)
-        check_int(self.min_pixels, "min_pixels", low=1, high=MAX_IMAGE_PIXELS)
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(
-                f"min_pixels: expected at most max_pixels={self.max_pixels}, got {self.min_pixels}"
-            )
-        if self.factor**2 > self.max_pixels:
-            # smart_resize never goes below one factor x factor square: max_pixels could not
-            # be kept for any image.
-            raise ValueError(
-                f"max_pixels: expected at least (patch_size * merge_size)**2 = {self.factor**2}, "
-                f"got {self.max_pixels}"
-            )
+        check_patch_settings(self)
         if isinstance(self.resample, bool) or self.resample not in FILTER_NAMES:
             names = ", ".join(f"{n} ({FILTER_NAMES[n]})" for n in sorted(FILTER_NAMES))
             raise ValueError(f"resample: expected one of {names}, got {self.resample!r}")

@@ -32,13 +32,11 @@ from fusion.preprocessing.processor import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG
 from fusion.preprocessing.prompts import expand_markers
 from fusion.preprocessing.qwen2_vl import (
     MAX_IMAGE_PIXELS,
-    MAX_MERGE_SIZE,
-    MAX_PATCH_SIZE,
-    MAX_TEMPORAL_PATCH_SIZE,
     VIDEO_PAD,
     VISION_END,
     VISION_START,
     check_against_tower,
+    check_patch_settings,
     read_patch_settings,
     read_qwen2_vl_layout,
     smart_resize,
@@ -120,7 +118,7 @@ class Qwen2VLVideoProcessor:
     do_normalize: bool = True
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
-    do_convert_rgb: bool = True
+    do_convert_rgb: bool = True  # a setting read and kept: decoded frames are RGB already
     do_sample_frames: bool = False
     fps: float | None = None
     num_frames: int | None = None
@@ -136,13 +134,7 @@ class Qwen2VLVideoProcessor:
     max_pixels_bound: ClassVar[int] = MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
-        check_int(self.patch_size, "patch_size", low=1, high=MAX_PATCH_SIZE)
-        check_int(self.merge_size, "merge_size", low=1, high=MAX_MERGE_SIZE)
-        check_int(
-            self.temporal_patch_size, "temporal_patch_size", low=1, high=MAX_TEMPORAL_PATCH_SIZE
-        )
-        check_int(self.max_pixels, "max_pixels", low=1, high=self.max_pixels_bound)
-        check_int(self.min_pixels, "min_pixels", low=1, high=self.max_pixels)
+        check_patch_settings(self, self.max_pixels_bound)
         check_int(self.min_frames, "min_frames", low=1)
         check_int(self.max_frames, "max_frames", low=self.min_frames)
         check_int(self.max_video_tokens, "max_video_tokens", low=1)
@@ -160,11 +152,6 @@ class Qwen2VLVideoProcessor:
             raise ValueError(
                 f"resample: expected one of {names} (torchvision's filters that transformers' "
                 f"video processors use), got {self.resample!r}"
-            )
-        if self.factor**2 > self.max_pixels:
-            raise ValueError(
-                f"max_pixels: expected at least (patch_size * merge_size)**2 = {self.factor**2}, "
-                f"got {self.max_pixels}"
             )
 
     @property
