@@ -301,6 +301,18 @@ class Qwen2VLVideoProcessor:
         t, h, w = self.grid(num_frames, height, width)
         return t * h * w // self.merge_size**2
 
+    def plan(self, metadata: VideoMetadata) -> tuple[list[int], tuple[int, int, int]]:
+        """The frames this processor keeps of a clip and the grid they give, from the clip's
+        metadata alone (:func:`~fusion.preprocessing.probe_video`): a video's rows
+        (``t * h * w / merge_size**2``) are known before any frame is decoded.
+
+        Raises:
+            ValueError: as :meth:`sample_frames` and :meth:`output_size`.
+        """
+        total = metadata.total_num_frames
+        indices = self.sample_frames(metadata) if self.do_sample_frames else list(range(total))
+        return indices, self.grid(len(indices), metadata.height, metadata.width)
+
     def video_text(self, grid_thw: Sequence[int], metadata: VideoMetadata) -> str:
         """What a video's ``<|video_pad|>`` becomes in the prompt, as transformers'
         ``Qwen2VLProcessor`` and ``Qwen2_5_VLProcessor`` write it: one ``<|video_pad|>`` per

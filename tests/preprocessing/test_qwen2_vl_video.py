@@ -18,7 +18,7 @@ from fusion.preprocessing.qwen2_vl_video import (
     Qwen3VLVideoProcessor,
     read_video_processor,
 )
-from fusion.preprocessing.video import VideoMetadata, load_video
+from fusion.preprocessing.video import VideoMetadata, load_video, probe_video
 
 SMALL = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 20}
 SMALL3 = {"min_pixels": 32 * 32 * 4, "max_pixels": 32 * 32 * 60}
@@ -200,6 +200,9 @@ def test_a_clip_sampled_and_processed_is_transformers(reference, clip, index):
     assert list(video.metadata.frames_indices) == hf["frames_indices"]
     ours = processor([video])
     assert_equal_to(ours, hf)
+    # planned from the header and packets alone, before decoding: the same frames and grid
+    indices, grid = processor.plan(probe_video(path))
+    assert indices == hf["frames_indices"] and [list(grid)] == hf["video_grid_thw"].tolist()
     # Qwen2.5-VL's second_per_grid_ts: the temporal patch over the kept frames' rate
     assert ours.second_per_grid_ts == (processor.temporal_patch_size / hf["sampled_fps"],)
 
