@@ -424,6 +424,8 @@ def _as_video(video: object, name: str) -> Video:
             f"{name}: expected uint8 frames [t, 3, h, w] (t >= 1, RGB), got {frames.dtype} "
             f"{list(frames.shape)}"
         )
+    if frames.device.type != "cpu":  # torchvision resizes other devices' frames otherwise
+        raise ValueError(f"{name}: expected frames on the CPU, got {frames.device}")
     return video
 
 
@@ -445,10 +447,10 @@ def _resize(frames: torch.Tensor, size: tuple[int, int], resample: int) -> torch
 
 @dataclass(frozen=True)
 class Qwen3VLVideoProcessor(Qwen2VLVideoProcessor):
-    """transformers' ``Qwen3VLVideoProcessor``: patch 16, mean and std 0.5, 131,072 to
-    786,432 pixels a frame budgeted over the whole clip (its ``smart_resize`` counts the
-    frames), and 2 frames a second kept by default, evenly spaced from the first frame to
-    the last (:meth:`sample_frames`)."""
+    """transformers' ``Qwen3VLVideoProcessor``: patch 16, mean and std 0.5, a pixel range of
+    131,072 to 786,432 for the whole clip (its ``smart_resize`` counts frames times pixels),
+    and 2 frames a second kept by default, evenly spaced from the first frame to the last
+    (:meth:`sample_frames`)."""
 
     min_pixels: int = 128 * 32 * 32
     max_pixels: int = 32 * 32 * 768
