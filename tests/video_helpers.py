@@ -70,6 +70,20 @@ def write_clip(
     return path
 
 
+def hf_video_settings(settings: dict, sample: bool) -> dict:
+    """Our video processor's settings as transformers' constructor takes them: the pixel
+    range as ``size``, the per-frame cap off (transformers 5.24 warns without it), frames
+    sampled there or not."""
+    hf = {k: v for k, v in settings.items() if k not in ("min_pixels", "max_pixels")}
+    if "min_pixels" in settings:
+        hf["size"] = {
+            "shortest_edge": settings["min_pixels"],
+            "longest_edge": settings["max_pixels"],
+        }
+    hf.setdefault("cap_pixels_per_frame", False)
+    return {**hf, "do_sample_frames": sample}
+
+
 def hf_video_outputs(cases: list[dict], tmp_path: Path) -> list[dict]:
     """transformers' video processors on each case, in one child process with torchvision.
 

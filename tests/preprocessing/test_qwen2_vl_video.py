@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from video_helpers import drawn_frames, hf_video_outputs, write_clip
+from video_helpers import drawn_frames, hf_video_outputs, hf_video_settings, write_clip
 
 from fusion.preprocessing.qwen2_vl_video import (
     PatchedVideos,
@@ -93,19 +93,6 @@ FRAME_CASES = [
 ]
 
 
-def hf_settings(settings: dict) -> dict:
-    """Our settings as transformers' constructor takes them (frames are given already kept:
-    no sampling there)."""
-    hf = {k: v for k, v in settings.items() if k not in ("min_pixels", "max_pixels")}
-    if "min_pixels" in settings:
-        hf["size"] = {
-            "shortest_edge": settings["min_pixels"],
-            "longest_edge": settings["max_pixels"],
-        }
-    hf.setdefault("cap_pixels_per_frame", False)
-    return {**hf, "do_sample_frames": False}
-
-
 @pytest.fixture(scope="module")
 def reference(clip, tmp_path_factory):
     """Every case's transformers output, from one child process."""
@@ -114,13 +101,15 @@ def reference(clip, tmp_path_factory):
     cases = []
     for i, (_, kind, settings, shape, kwargs) in enumerate(FRAME_CASES):
         frames = drawn_frames(*shape, seed=i)
-        cases.append(case(kind, hf_settings(settings), frames, **kwargs))
+        cases.append(case(kind, hf_video_settings(settings, False), frames, **kwargs))
     # Sampled from a clip: transformers samples the whole clip's frames with its metadata.
     for kind, settings in SAMPLED:
-        hf = {**hf_settings(settings), "do_sample_frames": True}
+        hf = hf_video_settings(settings, True)
         cases.append(case(kind, hf, full.frames, full.metadata.as_transformers()))
     for kind, settings in SAMPLING:
-        cases.append({"class": kind, "settings": hf_settings(settings), "sample": SAMPLE_CLIPS})
+        cases.append(
+            {"class": kind, "settings": hf_video_settings(settings, False), "sample": SAMPLE_CLIPS}
+        )
     directory = tmp_path_factory.mktemp("qwen2_vl_dir")
     (directory / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     (directory / "preprocessor_config.json").write_text(json.dumps(PUBLISHED_QWEN2_VL))

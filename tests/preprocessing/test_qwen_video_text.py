@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from video_helpers import drawn_frames, hf_video_outputs, write_clip
+from video_helpers import drawn_frames, hf_video_outputs, hf_video_settings, write_clip
 
 from fusion.preprocessing.qwen2_vl_video import (
     QWEN2_VL_VIDEO_MARKER,
@@ -71,12 +71,6 @@ def clips(tmp_path_factory) -> list[Path]:
     ]
 
 
-def hf_settings(settings: dict) -> dict:
-    hf = {k: v for k, v in settings.items() if k not in ("min_pixels", "max_pixels")}
-    size = {"shortest_edge": settings["min_pixels"], "longest_edge": settings["max_pixels"]}
-    return {**hf, "size": size, "cap_pixels_per_frame": False, "do_sample_frames": True}
-
-
 @pytest.fixture(scope="module")
 def reference(clips, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tokenizer")
@@ -88,7 +82,7 @@ def reference(clips, tmp_path_factory):
             {
                 "processor": processor,
                 "class": ours.hf_class,
-                "settings": hf_settings(settings),
+                "settings": hf_video_settings(settings, True),
                 "tokenizer": str(folder),
                 "prompts": PROMPTS,
                 "videos": [video.frames for video in full],  # the whole clips, sampled there
@@ -100,7 +94,7 @@ def reference(clips, tmp_path_factory):
         {
             "processor": "Qwen3VLProcessor",
             "class": "Qwen3VLVideoProcessor",
-            "settings": {**hf_settings(CASES[2][2]), "do_sample_frames": False},
+            "settings": hf_video_settings(CASES[2][2], False),
             "tokenizer": str(folder),
             "prompts": PROMPTS[:1],
             "videos": [drawn_frames(5, 20, 30)],
