@@ -28,13 +28,13 @@ PROCESSORS = {
 }
 
 
-def case(kind: str, settings: dict, frames: torch.Tensor, metadata=None, **kwargs) -> dict:
+def case(kind: str, settings: dict, frames: torch.Tensor, metadata=None) -> dict:
     return {
         "class": kind,
         "settings": settings,
         "frames": frames,
         "metadata": metadata,
-        "kwargs": kwargs,
+        "kwargs": {},
     }
 
 
@@ -46,49 +46,34 @@ def clip(tmp_path_factory) -> tuple[Path, torch.Tensor]:
     return write_clip(folder / "clip.mp4", frames, 7.0, options={"g": "5", "bf": "2"}), frames
 
 
-# (name, our processor's settings, frames given, transformers' call kwargs)
+# (name, processor, our settings, the frames' (t, h, w))
 FRAME_CASES = [
-    ("qwen2 defaults, odd frame count padded", "Qwen2VLVideoProcessor", {}, (5, 45, 61), {}),
-    ("qwen2 small budget, downscaled", "Qwen2VLVideoProcessor", SMALL, (7, 97, 131), {}),
-    ("qwen2 bilinear", "Qwen2VLVideoProcessor", {**SMALL, "resample": 2}, (4, 33, 47), {}),
-    ("qwen2 nearest", "Qwen2VLVideoProcessor", {**SMALL, "resample": 0}, (3, 33, 47), {}),
-    ("qwen2 one frame", "Qwen2VLVideoProcessor", SMALL, (1, 30, 30), {}),
+    ("qwen2 defaults, odd frame count padded", "Qwen2VLVideoProcessor", {}, (5, 45, 61)),
+    ("qwen2 small budget, downscaled", "Qwen2VLVideoProcessor", SMALL, (7, 97, 131)),
+    ("qwen2 bilinear", "Qwen2VLVideoProcessor", {**SMALL, "resample": 2}, (4, 33, 47)),
+    ("qwen2 nearest", "Qwen2VLVideoProcessor", {**SMALL, "resample": 0}, (3, 33, 47)),
+    ("qwen2 one frame", "Qwen2VLVideoProcessor", SMALL, (1, 30, 30)),
+    ("qwen2 rescale only", "Qwen2VLVideoProcessor", {**SMALL, "do_normalize": False}, (2, 28, 56)),
+    ("qwen2 normalise only", "Qwen2VLVideoProcessor", {**SMALL, "do_rescale": False}, (2, 28, 56)),
     (
-        "qwen2 rescale only",
-        "Qwen2VLVideoProcessor",
-        {**SMALL, "do_normalize": False},
-        (2, 28, 56),
-        {},
-    ),
-    (
-        "qwen2 normalise only",
-        "Qwen2VLVideoProcessor",
-        {**SMALL, "do_rescale": False},
-        (2, 28, 56),
-        {},
-    ),
-    (
-        "qwen2 no resize",
+        "qwen2 no resize, temporal patch 3",
         "Qwen2VLVideoProcessor",
         {**SMALL, "do_resize": False, "temporal_patch_size": 3},
         (4, 56, 28),
-        {},
     ),
     (
         "qwen2 capped per frame",
         "Qwen2VLVideoProcessor",
         {"cap_pixels_per_frame": True, "max_video_tokens": 40},
         (6, 64, 90),
-        {},
     ),
-    ("qwen3 defaults, 3 frames", "Qwen3VLVideoProcessor", {}, (3, 40, 52), {}),
-    ("qwen3 small, tiny frames scaled up", "Qwen3VLVideoProcessor", SMALL3, (5, 9, 23), {}),
+    ("qwen3 defaults, 3 frames", "Qwen3VLVideoProcessor", {}, (3, 40, 52)),
+    ("qwen3 small, tiny frames scaled up", "Qwen3VLVideoProcessor", SMALL3, (5, 9, 23)),
     (
         "qwen3 capped",
         "Qwen3VLVideoProcessor",
         {**SMALL3, "cap_pixels_per_frame": True, "max_video_tokens": 6},
         (8, 70, 50),
-        {},
     ),
 ]
 
@@ -99,9 +84,8 @@ def reference(clip, tmp_path_factory):
     path, _ = clip
     full = load_video(path)
     cases = []
-    for i, (_, kind, settings, shape, kwargs) in enumerate(FRAME_CASES):
-        frames = drawn_frames(*shape, seed=i)
-        cases.append(case(kind, hf_video_settings(settings, False), frames, **kwargs))
+    for i, (_, kind, settings, shape) in enumerate(FRAME_CASES):
+        cases.append(case(kind, hf_video_settings(settings, False), drawn_frames(*shape, seed=i)))
     # Sampled from a clip: transformers samples the whole clip's frames with its metadata.
     for kind, settings in SAMPLED:
         hf = hf_video_settings(settings, True)
@@ -169,7 +153,7 @@ def assert_equal_to(ours: PatchedVideos, hf: dict) -> None:
 
 @pytest.mark.parametrize("index", range(len(FRAME_CASES)), ids=[c[0] for c in FRAME_CASES])
 def test_frames_give_transformers_pixels_and_grids(reference, index):
-    _, kind, settings, shape, _ = FRAME_CASES[index]
+    _, kind, settings, shape = FRAME_CASES[index]
     processor = PROCESSORS[kind](**settings)
     frames = drawn_frames(*shape, seed=index)
     ours = processor([frames])
