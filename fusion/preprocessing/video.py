@@ -68,6 +68,9 @@ class VideoBounds:
             a clip claiming more is refused before its packets are listed.
         max_duration: the longest clip in seconds (default 4 hours).
         max_file_bytes: the largest clip file (default 8 GiB).
+        max_decoded_bytes: the most bytes the kept frames may take decoded (``t * 3 * h *
+            w``; default 4 GiB: 690 frames of 1080p), checked after sampling, before the
+            frames are allocated.
     """
 
     max_width: int = 8192
@@ -75,9 +78,16 @@ class VideoBounds:
     max_frames: int = 100_000
     max_duration: float = 4 * 3600.0
     max_file_bytes: int = 8 * 2**30
+    max_decoded_bytes: int = 4 * 2**30
 
     def __post_init__(self) -> None:
-        for name in ("max_width", "max_height", "max_frames", "max_file_bytes"):
+        for name in (
+            "max_width",
+            "max_height",
+            "max_frames",
+            "max_file_bytes",
+            "max_decoded_bytes",
+        ):
             check_int(getattr(self, name), name, low=1)
         duration = self.max_duration
         if isinstance(duration, bool) or not isinstance(duration, int | float) or not (
@@ -262,8 +272,17 @@ def load_video(
         ValueError: ``fps`` not valid; a sampler's own refusal (e.g. more frames asked for
             than the clip holds).
     """
+    bounds = VideoBounds() if bounds is None else bounds
     with _opened(source, fps, bounds) as (metadata, decode, where):
         metadata = _sample(metadata, sampler, where)
+        size = len(metadata.frames_indices) * 3 * metadata.height * metadata.width
+        if size > bounds.max_decoded_bytes:
+            raise VideoError(
+                where,
+                f"{len(metadata.frames_indices)} frames of {metadata.width} x {metadata.height} "
+                f"kept would take {size} bytes decoded, more than max_decoded_bytes="
+                f"{bounds.max_decoded_bytes} (VideoBounds): sample fewer frames",
+            )
         return Video(decode(metadata.frames_indices), metadata)
 
 

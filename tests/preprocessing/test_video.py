@@ -287,11 +287,18 @@ def test_the_bounds_are_the_callers(clips):
         (VideoBounds(max_frames=t - 1), f"claims {t} frames, more than max_frames={t - 1}"),
         (VideoBounds(max_duration=1.0), "more than max_duration=1.0"),
         (VideoBounds(max_file_bytes=size - 1), f"{size} bytes, more than max_file_bytes"),
+        (
+            VideoBounds(max_decoded_bytes=t * 3 * h * w - 1),
+            f"{t} frames of {w} x {h} kept would take {t * 3 * h * w} bytes decoded, more",
+        ),
     ):
         with pytest.raises(VideoError, match=why):
             load_video(path, bounds=bounds)
-    exact = VideoBounds(max_width=w, max_height=h, max_frames=t, max_file_bytes=size)
+    decoded = t * 3 * h * w
+    exact = VideoBounds(w, h, t, max_file_bytes=size, max_decoded_bytes=decoded)
     assert load_video(path, bounds=exact).frames.shape == drawn.shape
+    half = VideoBounds(max_decoded_bytes=decoded // 2)  # fewer frames kept: taken
+    assert load_video(path, sampler=lambda m: [0, 1], bounds=half).frames.shape[0] == 2
     with pytest.raises(VideoError, match="frames: claims 3 frames, more than max_frames=2"):
         load_video(drawn[:3], bounds=VideoBounds(max_frames=2))
     for bad in ({"max_width": 0}, {"max_frames": 1.5}, {"max_duration": float("nan")}):
