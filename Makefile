@@ -28,7 +28,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/torchvision-ref $(TORCHVISION_PIN)
+	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VENV)/torchvision-ref $(TORCHVISION_PIN)
 	touch $(STAMP)
 
 clean:
