@@ -195,13 +195,14 @@ class Qwen2VLVideoProcessor:
         defaults = cls()
         settings = read_patch_settings(read, defaults, cls.max_pixels_bound)
 
-        def optional(key: str) -> Any:  # None unless set (null reads as unset)
-            return config.get(key)
-
+        # fps and num_frames: an explicit null is None (no sampling by it), as transformers'
+        # constructor takes it; absent, the class's default (Qwen3-VL's fps is 2).
+        fps = config.get("fps", defaults.fps)
+        num_frames = config.get("num_frames")
         settings.update(
             do_sample_frames=read.flag("do_sample_frames", defaults.do_sample_frames),
-            fps=defaults.fps if optional("fps") is None else read.number("fps", None, 0.0),
-            num_frames=None if optional("num_frames") is None else read.integer("num_frames"),
+            fps=None if fps is None else read.number("fps", None, 0.0),
+            num_frames=None if num_frames is None else read.integer("num_frames"),
             min_frames=read.integer("min_frames", defaults.min_frames),
             max_frames=read.integer("max_frames", defaults.max_frames),
             cap_pixels_per_frame=read.flag("cap_pixels_per_frame", False),

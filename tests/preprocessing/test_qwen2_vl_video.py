@@ -235,6 +235,9 @@ def test_video_settings_files_are_found_as_transformers_finds_them(tmp_path):
     }
     qwen3 = Qwen3VLVideoProcessor.from_config(published3)
     assert (qwen3.max_pixels, qwen3.image_mean, qwen3.fps) == (25165824, (0.5, 0.5, 0.5), 2.0)
+    # as transformers' constructor: fps absent is the class's 2, null is None
+    assert Qwen3VLVideoProcessor.from_config({}).fps == 2
+    assert Qwen3VLVideoProcessor.from_config({"fps": None, "num_frames": 8}).fps is None
 
 
 @pytest.mark.parametrize(
