@@ -201,7 +201,7 @@ class Qwen2VLVideoProcessor:
         num_frames = config.get("num_frames")
         settings.update(
             do_sample_frames=read.flag("do_sample_frames", defaults.do_sample_frames),
-            fps=None if fps is None else read.number("fps", None, 0.0),
+            fps=None if fps is None else read.number("fps", fps, 0.0),
             num_frames=None if num_frames is None else read.integer("num_frames"),
             min_frames=read.integer("min_frames", defaults.min_frames),
             max_frames=read.integer("max_frames", defaults.max_frames),
