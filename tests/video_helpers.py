@@ -50,13 +50,16 @@ def write_clip(
     codec: str = "libx264",
     pix_fmt: str = "yuv444p",
     options: dict[str, str] | None = None,
+    container_options: dict[str, str] | None = None,
 ) -> Path:
-    """Encode uint8 [t, 3, h, w] frames to ``path`` (container from its suffix) at ``fps``."""
+    """Encode uint8 [t, 3, h, w] frames to ``path`` (container from its suffix) at ``fps``,
+    with the encoder's ``options`` (e.g. ``{"g": "5"}``: a key frame every 5) and the
+    container's (e.g. ``{"movflags": "faststart"}``: the MP4 index first)."""
     import av
 
     rate = Fraction(fps).limit_denominator(1001)
     _, _, height, width = frames.shape
-    with av.open(str(path), mode="w") as container:
+    with av.open(str(path), mode="w", options=container_options or {}) as container:
         stream = container.add_stream(codec, rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
         if options:

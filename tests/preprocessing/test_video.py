@@ -235,8 +235,17 @@ def avi_header_patched(source: Path, target: Path, frames=None, size=None) -> Pa
 
 def test_broken_and_hostile_clips_are_refused_naming_the_file(clips, tmp_path):
     path, _ = clips["h264.mp4"]
-    truncated = tmp_path / "truncated.mp4"
+    truncated = tmp_path / "truncated.mp4"  # its index (at the end) cut off
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    # its index first, then frames cut off: the header claims frames the file lacks
+    indexed = write_clip(
+        tmp_path / "indexed.mp4",
+        drawn_frames(12, 16, 16),
+        5.0,
+        container_options={"movflags": "faststart"},
+    )
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(indexed.read_bytes()[: indexed.stat().st_size * 2 // 3])
     text = tmp_path / "notes.mp4"
     text.write_text("this is a text file renamed .mp4\n" * 20)
     empty = tmp_path / "empty.mp4"
@@ -250,7 +259,8 @@ def test_broken_and_hostile_clips_are_refused_naming_the_file(clips, tmp_path):
     concat = tmp_path / "concat.mp4"
     concat.write_text(f"ffconcat version 1.0\nfile '{path}'\n")
     for file, why in (
-        (truncated, "truncated|not a readable video"),
+        (truncated, "not a readable video"),
+        (cut, r"the header claims 12 frames but the file holds \d+: truncated"),
         (text, "not a readable video"),
         (empty, "an empty file"),
         (million, "claims 1000000 frames, more than max_frames=100000"),
