@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # CPU build for CI and fresh machines; users with a GPU install their own torch>=2.6 first.
 TORCH_PIN ?= torch==2.13.0
+# transformers' video processors (the video tests' reference) need torchvision; it goes to a
+# folder on no path, so that transformers' image processors stay the Pillow ones elsewhere.
+TORCHVISION_PIN ?= torchvision==0.28.0
 export HYPOTHESIS_PROFILE ?= ci
 
 .PHONY: run test lint clean
@@ -25,6 +28,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VENV)/torchvision-ref $(TORCHVISION_PIN)
 	touch $(STAMP)
 
 clean:

@@ -59,6 +59,7 @@ _PROCESSOR = {
     "temporal_patch_size": 2,
     "settings": QWEN3_VL_SETTINGS,
     "settings_name": "Qwen3-VL's published settings",
+    "video_processor": "Qwen3VLVideoProcessor",  # transformers' AutoVideoProcessor's
 }
 
 # transformers' Qwen3_5TextConfig defaults, for keys a config leaves out.

@@ -271,11 +271,14 @@ _QWEN2_PROCESSOR = {
     "temporal_patch_size": 2,
     "settings": {},
     "settings_name": "transformers' Qwen2-VL defaults",
+    # transformers' video processor of the model type (AutoVideoProcessor's mapping)
+    "video_processor": "Qwen2VLVideoProcessor",
 }
 _QWEN3_PROCESSOR = _QWEN2_PROCESSOR | {
     "patch_size": 16,
     "settings": QWEN3_VL_SETTINGS,
     "settings_name": "Qwen3-VL's published settings",
+    "video_processor": "Qwen3VLVideoProcessor",
 }
 
 

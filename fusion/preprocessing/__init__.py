@@ -15,6 +15,10 @@ compute (their Pillow backend), bit for bit.
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL mark each image as their chat template does,
 ``"<|vision_start|><|image_pad|><|vision_end|>"``, and their ``encoder_input`` also holds the
 images' ``image_grid_thw``.
+
+Clips are read by :func:`load_video` (PyAV, the ``video`` extra): a file, frame images or
+decoded frames, sampled and bounded before decoding; :class:`Qwen2VLVideoProcessor` and
+:class:`Qwen3VLVideoProcessor` make their patches and prompt text.
 """
 
 from fusion.preprocessing.clip import ClipImageProcessor
@@ -41,26 +45,54 @@ from fusion.preprocessing.qwen2_vl import (
     qwen2_vl_image_text,
     smart_resize,
 )
+from fusion.preprocessing.qwen2_vl_video import (
+    PatchedVideos,
+    Qwen2VLVideoProcessor,
+    Qwen3VLVideoProcessor,
+    expand_video_pads,
+    read_video_processor,
+)
 from fusion.preprocessing.resize import resize
+from fusion.preprocessing.video import (
+    Video,
+    VideoBounds,
+    VideoError,
+    VideoMetadata,
+    default_sample_indices,
+    load_video,
+    probe_video,
+)
 
 __all__ = [
     "ClipImageProcessor",
     "Idefics3ImageProcessor",
     "PatchedImages",
+    "PatchedVideos",
     "Qwen2VLImageProcessor",
+    "Qwen2VLVideoProcessor",
+    "Qwen3VLVideoProcessor",
     "TiledImage",
+    "Video",
+    "VideoBounds",
+    "VideoError",
+    "VideoMetadata",
     "VisionInputs",
     "VisionLanguageProcessor",
     "as_uint8_image",
     "default_max_pixels",
+    "default_sample_indices",
     "detect_model_kind",
     "expand_markers",
+    "expand_video_pads",
     "from_pil",
     "idefics3_image_text",
     "load_image",
+    "load_video",
     "normalize",
     "prepare_inputs",
+    "probe_video",
     "qwen2_vl_image_text",
+    "read_video_processor",
     "rescale",
     "resize",
     "smart_resize",

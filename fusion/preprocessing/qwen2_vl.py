@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -117,6 +117,93 @@ def smart_resize(
     return new_height, new_width
 
 
+def check_patch_settings(processor: Any, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    """The checks Qwen2-VL's image and video processors share: the patch sizes within their
+    bounds, the pixel range within [1, ``max_pixels``] and in order, and ``max_pixels`` at
+    least one ``patch_size * merge_size`` square (``smart_resize`` never goes below one, so a
+    smaller ``max_pixels`` could not be kept for any image or frame).
+
+    Raises:
+        ValueError: naming the setting, what was expected and what was given.
+    """
+    check_int(processor.patch_size, "patch_size", low=1, high=MAX_PATCH_SIZE)
+    check_int(processor.merge_size, "merge_size", low=1, high=MAX_MERGE_SIZE)
+    check_int(
+        processor.temporal_patch_size, "temporal_patch_size", low=1, high=MAX_TEMPORAL_PATCH_SIZE
+    )
+    check_int(processor.max_pixels, "max_pixels", low=1, high=max_pixels)
+    check_int(processor.min_pixels, "min_pixels", low=1, high=max_pixels)
+    if processor.min_pixels > processor.max_pixels:
+        raise ValueError(
+            f"min_pixels: expected at most max_pixels={processor.max_pixels}, got "
+            f"{processor.min_pixels}"
+        )
+    factor = processor.patch_size * processor.merge_size
+    if factor**2 > processor.max_pixels:
+        raise ValueError(
+            f"max_pixels: expected at least (patch_size * merge_size)**2 = {factor**2}, "
+            f"got {processor.max_pixels}"
+        )
+
+
+def read_patch_settings(
+    read: ConfigReader, defaults: Any, max_pixels: int = MAX_IMAGE_PIXELS
+) -> dict[str, Any]:
+    """The settings Qwen2-VL's image and video processors share, from their config as
+    transformers 5.24 reads it: the pixel range from ``size`` (``shortest_edge`` is the
+    minimum pixel count, ``longest_edge`` the maximum), each overridden by a top-level
+    ``min_pixels`` / ``max_pixels`` (the legacy keys, which published Qwen directories hold);
+    the patch sizes, resampling filter, flags, rescale factor, mean and std. What is absent
+    is the ``defaults`` processor's (the pixel range only when ``size`` is absent). Types are
+    checked here, naming the key, and pixel counts against ``max_pixels``; other ranges and
+    consistency by the processor's constructor.
+
+    Raises:
+        CheckpointError: naming the file and key (see ``Qwen2VLImageProcessor.from_config``).
+    """
+    config = read.values
+    size = config.get("size")
+    if size is None:
+        pixels = {"shortest_edge": defaults.min_pixels, "longest_edge": defaults.max_pixels}
+    elif isinstance(size, Mapping):
+        pixels = {k: size[k] for k in ("shortest_edge", "longest_edge") if k in size}
+    else:
+        raise read.fail("size", f"expected an object, got {short_repr(size)}")
+    for key, edge, what in (
+        ("min_pixels", "shortest_edge", "minimum"),
+        ("max_pixels", "longest_edge", "maximum"),
+    ):
+        source = f"size.{edge}"
+        if config.get(key) is not None:
+            pixels[edge], source = config[key], key  # the legacy key wins, as in transformers
+        if pixels.get(edge) is None:
+            raise read.fail(
+                source,
+                f"missing: expected the {what} pixel count as size.{edge} or as {key}, got "
+                f"size={short_repr(size)}",
+            )
+        value = pixels[edge]
+        if not is_int(value) or not 0 < value:
+            raise read.fail(source, f"expected a positive integer, got {short_repr(value)}")
+        if value > max_pixels:
+            raise read.fail(source, f"expected at most {max_pixels} pixels, got {value}")
+    sizes = {key: read.integer(key, 2, low=None) for key in ("temporal_patch_size", "merge_size")}
+    return {
+        "min_pixels": pixels["shortest_edge"],
+        "max_pixels": pixels["longest_edge"],
+        **sizes,
+        "patch_size": read.integer("patch_size", defaults.patch_size, low=None),
+        "resample": read.resample("resample", BICUBIC, FILTER_NAMES),
+        **{
+            key: read.flag(key, True)
+            for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
+        },
+        "rescale_factor": read.number("rescale_factor", 1 / 255),
+        "image_mean": read.triple("image_mean", defaults.image_mean),
+        "image_std": read.triple("image_std", defaults.image_std, positive=True),
+    }
+
+
 def qwen2_vl_image_text(rows: int) -> str:
     """The text one image marker expands to, as Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's
     processors write it (for images; Qwen3-VL's adds timestamps to videos only):
@@ -191,24 +278,7 @@ class Qwen2VLImageProcessor:
     pixel_limit: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        check_int(self.patch_size, "patch_size", low=1, high=MAX_PATCH_SIZE)
-        check_int(self.merge_size, "merge_size", low=1, high=MAX_MERGE_SIZE)
-        check_int(
-            self.temporal_patch_size, "temporal_patch_size", low=1, high=MAX_TEMPORAL_PATCH_SIZE
-        )
-        check_int(self.max_pixels, "max_pixels", low=1, high=MAX_IMAGE_PIXELS)
-        check_int(self.min_pixels, "min_pixels", low=1, high=MAX_IMAGE_PIXELS)
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(
-                f"min_pixels: expected at most max_pixels={self.max_pixels}, got {self.min_pixels}"
-            )
-        if self.factor**2 > self.max_pixels:
-            # smart_resize never goes below one factor x factor square: max_pixels could not
-            # be kept for any image.
-            raise ValueError(
-                f"max_pixels: expected at least (patch_size * merge_size)**2 = {self.factor**2}, "
-                f"got {self.max_pixels}"
-            )
+        check_patch_settings(self)
         if isinstance(self.resample, bool) or self.resample not in FILTER_NAMES:
             names = ", ".join(f"{n} ({FILTER_NAMES[n]})" for n in sorted(FILTER_NAMES))
             raise ValueError(f"resample: expected one of {names}, got {self.resample!r}")
@@ -251,64 +321,9 @@ class Qwen2VLImageProcessor:
                 "image_processor_type",
                 f"expected a Qwen2VLImageProcessor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), got {kind!r}",
             )
-        size = config.get("size")
-        if size is None:
-            pixels = {"shortest_edge": DEFAULT_MIN_PIXELS, "longest_edge": DEFAULT_MAX_PIXELS}
-        elif isinstance(size, Mapping):
-            pixels = {k: size[k] for k in ("shortest_edge", "longest_edge") if k in size}
-        else:
-            raise read.fail("size", f"expected an object, got {short_repr(size)}")
-        for key, edge, what in (
-            ("min_pixels", "shortest_edge", "minimum"),
-            ("max_pixels", "longest_edge", "maximum"),
-        ):
-            source = f"size.{edge}"
-            if config.get(key) is not None:
-                pixels[edge], source = config[key], key  # the legacy key wins, as in transformers
-            if pixels.get(edge) is None:
-                raise read.fail(
-                    source,
-                    f"missing: expected the {what} pixel count as size.{edge} or as {key}, got "
-                    f"size={short_repr(size)}",
-                )
-            value = pixels[edge]
-            if not is_int(value) or not 0 < value:
-                raise read.fail(source, f"expected a positive integer, got {short_repr(value)}")
-            if value > MAX_IMAGE_PIXELS:
-                raise read.fail(
-                    source,
-                    f"expected at most {MAX_IMAGE_PIXELS} pixels ({MAX_SIDE} x {MAX_SIDE}), got "
-                    f"{value}",
-                )
-        # Type errors named with the key first; ranges and consistency by the constructor.
-        sizes = {
-            key: read.integer(key, 2, low=None) for key in ("temporal_patch_size", "merge_size")
-        }
-        patch_size = read.integer("patch_size", 14, low=None)
-        resample = read.resample("resample", BICUBIC, FILTER_NAMES)
-        flags = {
-            key: read.flag(key, True)
-            for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
-        }
-        rescale_factor = read.number("rescale_factor", 1 / 255)
-        image_mean = read.triple("image_mean", CLIP_MEAN)
-        image_std = read.triple("image_std", CLIP_STD, positive=True)
+        settings = read_patch_settings(read, cls())
         try:
-            return cls(
-                min_pixels=pixels["shortest_edge"],
-                max_pixels=pixels["longest_edge"],
-                patch_size=patch_size,
-                temporal_patch_size=sizes["temporal_patch_size"],
-                merge_size=sizes["merge_size"],
-                resample=resample,
-                do_resize=flags["do_resize"],
-                do_rescale=flags["do_rescale"],
-                rescale_factor=rescale_factor,
-                do_normalize=flags["do_normalize"],
-                image_mean=image_mean,
-                image_std=image_std,
-                do_convert_rgb=flags["do_convert_rgb"],
-            )
+            return cls(**settings)
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
 
@@ -414,14 +429,35 @@ class Qwen2VLImageProcessor:
         # Rescaled (float64 product, rounded to float32) and normalised (float32) as
         # transformers' Pillow backend computes them, so the values are its bits.
         values = rescale_normalize(pixels, factor, mean, std)
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        _, height, width = values.shape
-        blocks_h, blocks_w = height // (p * m), width // (p * m)
-        # [3, H, W] -> [block row, block col, row in block, col in block, channel, y, x]: the
-        # merger's 2 x 2 neighbours are consecutive rows; each patch then repeated over time.
-        patches = values.view(3, blocks_h, m, p, blocks_w, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-        target = out.view(blocks_h, blocks_w, m, m, 3, t, p, p)
-        target.copy_(patches.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1))
+        # A still image is a clip of temporal_patch_size equal frames (a view, not copies).
+        frames = values.unsqueeze(0).expand(self.temporal_patch_size, -1, -1, -1)
+        write_patches(frames, self.patch_size, self.merge_size, out)
+
+
+def write_patches(
+    frames: torch.Tensor, patch_size: int, merge_size: int, out: torch.Tensor
+) -> None:
+    """Frames cut into the patches Qwen2-VL's vision tower takes, written into ``out``: the
+    layout of images and videos alike.
+
+    Args:
+        frames: float32 [t, 3, H, W], ``t`` a multiple of the temporal patch (``out``'s
+            ``patch_dim / (3 * patch_size**2)``), ``H`` and ``W`` multiples of ``patch_size *
+            merge_size``.
+        out: [t / temporal_patch * H / patch_size * W / patch_size, patch_dim], per temporal
+            patch, row-major over the merge_size x merge_size blocks of patches, and within a
+            block row-major (the merger's neighbours are consecutive rows); each row holds
+            (channel, time, y, x).
+    """
+    p, m = patch_size, merge_size
+    frame_count, _, height, width = frames.shape
+    t = out.size(1) // (3 * p * p)
+    blocks_h, blocks_w = height // (p * m), width // (p * m)
+    # [T, 3, H, W] -> [grid t, block row, block col, row in block, col in block, channel,
+    # time in patch, y, x]
+    patches = frames.reshape(frame_count // t, t, 3, blocks_h, m, p, blocks_w, m, p)
+    target = out.view(frame_count // t, blocks_h, blocks_w, m, m, 3, t, p, p)
+    target.copy_(patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8))
 
 
 def _rgb_bytes(image: Any) -> torch.Tensor:
@@ -446,6 +482,7 @@ class Qwen2VLLayout:
     temporal_patch_size: int
     settings: Mapping[str, Any] = field(default_factory=dict)  # without a settings file
     settings_name: str = "transformers' Qwen2-VL defaults"  # named in the warning then
+    video_processor: str = "Qwen2VLVideoProcessor"  # transformers' class for the model type
 
 
 def _processor_defaults(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
@@ -531,6 +568,7 @@ def read_qwen2_vl_layout(path: str | bytes | os.PathLike | HfDirectory) -> Qwen2
         **sizes,
         settings=defaults["settings"],
         settings_name=defaults["settings_name"],
+        video_processor=defaults.get("video_processor", "Qwen2VLVideoProcessor"),
     )
 
 
@@ -547,11 +585,20 @@ def default_image_processor(layout: Qwen2VLLayout) -> Qwen2VLImageProcessor:
     )
 
 
-def check_against_tower(
-    processor: Qwen2VLImageProcessor, layout: Qwen2VLLayout, where: str
-) -> None:
-    """Settings whose patches the vision tower cannot take are refused before any image is
-    processed (naming the file and key, and ``config.json``'s).
+class PatchSizes(Protocol):
+    """What :func:`check_against_tower` reads of an image or video processor."""
+
+    @property
+    def patch_size(self) -> int: ...
+    @property
+    def merge_size(self) -> int: ...
+    @property
+    def temporal_patch_size(self) -> int: ...
+
+
+def check_against_tower(processor: PatchSizes, layout: Qwen2VLLayout, where: str) -> None:
+    """Settings whose patches the vision tower cannot take are refused before any image or
+    video is processed (naming the file and key, and ``config.json``'s).
 
     Raises:
         ValueError: ``patch_size``, ``merge_size`` or ``temporal_patch_size`` other than the
