@@ -15,7 +15,7 @@ Reported per contestant: the step's median over rounds and its range, and the ra
 for-loop as the median over rounds of the ratio within a round.
 
     python benchmarks/optimizer_step.py            # 3 rounds, ~1 min on 2 cores
-    python benchmarks/optimizer_step.py --quick    # tiny, seconds, a temporary directory
+    python benchmarks/optimizer_step.py --quick    # tiny, in this process: checks the script
 
 Writes ``optimizer_step.json`` to ``--out``.
 """
@@ -63,19 +63,23 @@ def check_same_update(shapes: list[tuple[int, ...]]) -> None:
                 sys.exit(f"{name}'s AdamW differs from the loop's by {(ours - loop).abs().max()}")
 
 
-def worker(args: argparse.Namespace) -> None:
+def step_ms(args: argparse.Namespace, name: str) -> float:
+    """``name``'s median step in milliseconds, in this process."""
     torch.set_num_threads(args.threads)
-    adamw = optimizer(args.worker, parameter_shapes(args.layers, args.shrink))
+    adamw = optimizer(name, parameter_shapes(args.layers, args.shrink))
     adamw.step()
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
         adamw.step()
         times.append(time.perf_counter() - start)
-    print(json.dumps({"step_ms": 1e3 * statistics.median(times)}))
+    return 1e3 * statistics.median(times)
 
 
 def run_round(args: argparse.Namespace, order: list[str]) -> dict[str, float]:
+    """Each contestant's step, in a fresh process each (``--quick``: in this one)."""
+    if args.quick:
+        return {name: step_ms(args, name) for name in order}
     measured = {}
     for name in order:
         command = [sys.executable, __file__, "--worker", name, "--threads", str(args.threads)]
@@ -88,7 +92,9 @@ def run_round(args: argparse.Namespace, order: list[str]) -> dict[str, float]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="widths / 16, one round: checks it")
+    p.add_argument(
+        "--quick", action="store_true", help="widths / 16, one round, in this process: a check"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
@@ -105,7 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.worker:
-        worker(args)
+        print(json.dumps({"step_ms": step_ms(args, args.worker)}))
         return {}
     shapes = parameter_shapes(args.layers, args.shrink)
     check_same_update(parameter_shapes(1, 64))
