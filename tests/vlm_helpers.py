@@ -2,6 +2,7 @@
 in the tests (nothing downloaded), shared by the LLaVA / Idefics3 tests."""
 
 import string
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -251,3 +252,39 @@ def trl_features():
     return datasets.Features(
         {"messages": datasets.List(message), "images": datasets.List(datasets.Image())}
     )
+
+
+# A chat template in the characters of the tests' tokenizer: "role:" headers, images where
+# the content puts them, "<end_of_utterance>" and a newline closing every turn.
+TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+END_OF_TURN = "<end_of_utterance>"
+
+
+def write_model(kind: str, directory: Path, seed: int = 0) -> Path:
+    """A tiny random model of ``kind`` saved by transformers with its tokenizer, processor
+    and :data:`TEMPLATE`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = hf_tokenizer(char_tokenizer())
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = randomize(LlamaForCausalLM(LlamaConfig(**TEXT_CONFIG)), seed)
+        model.save_pretrained(directory)
+        tokenizer.chat_template = TEMPLATE
+        tokenizer.save_pretrained(directory)
+        return directory
+    if kind == "llava":
+        model = tiny_hf_llava(seed)
+    else:
+        model = tiny_hf_idefics3(seed, smolvlm=kind == "smolvlm")
+    processor = tiny_hf_processor(kind, tokenizer, TEMPLATE)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory

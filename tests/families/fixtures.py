@@ -9,6 +9,7 @@ else; a registered model type without one fails ``test_every_registered_model_ty
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,8 +17,15 @@ from torch import nn
 import qwen_helpers
 from helpers import HF_VOCAB, tiny_hf_llama
 from qwen3_helpers import PATCH_WIDTH as QWEN3_PATCH_WIDTH
-from qwen3_helpers import tiny_hf_qwen3, tiny_hf_qwen3_5, tiny_hf_qwen3_5_text
-from qwen_helpers import image_prompt, left_pad, mm_token_type_ids, tiny_hf_qwen
+from qwen3_helpers import (
+    tiny_hf_qwen3,
+    tiny_hf_qwen3_5,
+    tiny_hf_qwen3_5_text,
+    write_qwen3_5_dir,
+    write_qwen3_5_text_dir,
+    write_qwen3_dir,
+)
+from qwen_helpers import image_prompt, left_pad, mm_token_type_ids, tiny_hf_qwen, write_qwen_dir
 from vlm_helpers import (
     IDEFICS3_TOKENS,
     IMAGE_ID,
@@ -26,6 +34,7 @@ from vlm_helpers import (
     TEXT_VOCAB,
     tiny_hf_idefics3,
     tiny_hf_llava,
+    write_model,
 )
 
 
@@ -74,15 +83,24 @@ class FamilyFixture:
             ``AutoModelForImageTextToText``).
         saved_as: the model type ``save_hf_model`` and ``export_hf`` write for it, where not
             its own (the model does not tell which it came from).
+        recipe_dir: writes a whole directory of this model type into the given one, as the
+            fine-tuning recipe reads it (weights, tokenizer, chat template, processor
+            settings); returns it.
+        image_size: (height, width) of the images of the recipe's conversations; None: text.
+        their_images: transformers' image keyword arguments for one of our samples (its
+            ``pixel_values`` and ``image_grid_thw``) and the model's config.
     """
 
     family: str
     make: Callable[[], nn.Module]
     cases: Mapping[str, Callable[[], Batch]]
     prompts: Callable[[], Batch]
+    recipe_dir: Callable[[Path], Path]
     pad_id: int = PAD
     causal_lm: bool = False
     saved_as: str | None = None
+    image_size: tuple[int, int] | None = None
+    their_images: Callable[[Any, Any], dict] = lambda sample, config: {}
 
     def write(self, directory: Path) -> nn.Module:
         """Write the tiny random directory with transformers' ``save_pretrained``; returns the
@@ -243,6 +261,27 @@ def qwen_prompts(patch_width: int) -> Callable[[], Batch]:
     return prompts
 
 
+# ---------------------------------------------------------------------- the recipe's inputs
+
+
+def llava_their_images(sample, config) -> dict:
+    pixels = sample.pixel_values  # [images, 3, h, w]
+    return {"pixel_values": pixels} if len(pixels) else {}
+
+
+def idefics3_their_images(sample, config) -> dict:
+    pixels = sample.pixel_values[None]  # [1, tiles, 3, h, w]
+    return {"pixel_values": pixels} if len(sample.pixel_values) else {}
+
+
+def qwen_their_images(sample, config) -> dict:
+    images = {"pixel_values": sample.pixel_values, "image_grid_thw": sample.image_grid_thw}
+    is_image = sample.tokens[None] == config.image_token_id
+    return {"mm_token_type_ids": is_image.to(torch.int32)} | (
+        images if len(sample.image_grid_thw) else {}
+    )
+
+
 # ---------------------------------------------------------------------- the table
 
 FIXTURES: dict[str, FamilyFixture] = {
@@ -251,23 +290,36 @@ FIXTURES: dict[str, FamilyFixture] = {
         lambda: tiny_hf_llama(tied=False),
         {"text": text_case(HF_VOCAB)},
         text_prompts(HF_VOCAB),
+        lambda directory: write_model("llama", directory),
         causal_lm=True,
     ),
     "llava": FamilyFixture(
-        "llava", tiny_hf_llava, {"images": llava_images, "text": vlm_text}, llava_prompts
+        "llava",
+        tiny_hf_llava,
+        {"images": llava_images, "text": vlm_text},
+        llava_prompts,
+        lambda directory: write_model("llava", directory),
+        image_size=(16, 16),
+        their_images=llava_their_images,
     ),
     "idefics3": FamilyFixture(
         "idefics3",
         tiny_hf_idefics3,
         {"tiles": idefics3_tiles, "text": vlm_text},
         idefics3_prompts,
+        lambda directory: write_model("idefics3", directory),
+        image_size=(16, 16),
+        their_images=idefics3_their_images,
     ),
     "smolvlm": FamilyFixture(
         "idefics3",
         lambda: tiny_hf_idefics3(smolvlm=True),
         {"tiles": idefics3_tiles, "text": vlm_text},
         idefics3_prompts,
+        lambda directory: write_model("smolvlm", directory),
         saved_as="idefics3",
+        image_size=(16, 16),
+        their_images=idefics3_their_images,
     ),
     **{
         model_type: FamilyFixture(
@@ -277,7 +329,10 @@ FIXTURES: dict[str, FamilyFixture] = {
             lambda model_type=model_type: tiny_hf_qwen(model_type, seed=2),
             qwen_cases(qwen_helpers.PATCH_WIDTH),
             qwen_prompts(qwen_helpers.PATCH_WIDTH),
+            lambda directory, model_type=model_type: write_qwen_dir(directory, model_type),
             pad_id=qwen_helpers.PAD,
+            image_size=(40, 60),
+            their_images=qwen_their_images,
         )
         for model_type in qwen_helpers.MODEL_TYPES
     },
@@ -286,14 +341,20 @@ FIXTURES: dict[str, FamilyFixture] = {
         tiny_hf_qwen3,
         qwen_cases(QWEN3_PATCH_WIDTH),
         qwen_prompts(QWEN3_PATCH_WIDTH),
+        write_qwen3_dir,
         pad_id=qwen_helpers.PAD,
+        image_size=(40, 60),
+        their_images=qwen_their_images,
     ),
     "qwen3_5": FamilyFixture(
         "qwen3_5",
         tiny_hf_qwen3_5,
         qwen_cases(QWEN3_PATCH_WIDTH),
         qwen_prompts(QWEN3_PATCH_WIDTH),
+        write_qwen3_5_dir,
         pad_id=qwen_helpers.PAD,
+        image_size=(40, 60),
+        their_images=qwen_their_images,
     ),
     # 70 tokens: the DeltaNet's chunked delta rule runs over more than one 64-token chunk.
     "qwen3_5_text": FamilyFixture(
@@ -301,6 +362,7 @@ FIXTURES: dict[str, FamilyFixture] = {
         tiny_hf_qwen3_5_text,
         {"text": text_case(qwen_helpers.VOCAB, 70)},
         text_prompts(qwen_helpers.VOCAB),
+        write_qwen3_5_text_dir,
         causal_lm=True,
     ),
 }

@@ -4,8 +4,8 @@ transformers' own classes): the registry finds the family of a config and of a m
 loaded model's logits (fp32, 1e-4) and greedy tokens equal transformers'; ``save_hf_model``
 round-trips bit for bit and transformers loads what it writes; ``export_hf``'s output loads
 in transformers with our logits; peft adapters go both ways; hostile configs are refused by
-name. What is one family's own (M-RoPE positions, DeepStack, LLaVA's feature layers) stays in
-``tests/models``."""
+name (the recipe's first loss: ``test_recipe.py``). What is one family's own (M-RoPE
+positions, DeepStack, LLaVA's feature layers) stays in ``tests/models``."""
 
 import json
 from dataclasses import dataclass
