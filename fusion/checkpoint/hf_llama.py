@@ -53,6 +53,8 @@ class HfSpec:
     text_key: str = ""  # where config.json keeps the text model's settings
     # config key -> (pattern of our keys with the layer index, the layers it claims)
     layers: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # the config key behind a builder argument a constructor's error names (None: unknown)
+    config_key: Callable[[str], str | None] = lambda argument: None
 
 
 def load_hf_llama(
@@ -139,9 +141,10 @@ def load_hf(
     try:
         with torch.device("meta"):
             model = spec.build()
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError) as error:  # a constructor's, naming its argument first
+        key = spec.config_key(str(error).split(":", 1)[0])
         raise CheckpointError(
-            spec.config_file, None, f"describes no {spec.kind} model: {error}"
+            spec.config_file, key, f"describes no {spec.kind} model: {error}"
         ) from error
     expected = {key: tuple(t.shape) for key, t in model.state_dict().items()}
     decoder = spec.layout.decoder

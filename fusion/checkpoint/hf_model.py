@@ -211,6 +211,7 @@ def load_family(
             spec.family.layout,
             spec.text_prefix,
             spec.layer_counts(),
+            spec.config_key,
         )
 
     return load_hf(directory, read_spec, dtype=dtype, device=device, max_seq_len=max_seq_len)

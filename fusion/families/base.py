@@ -53,6 +53,12 @@ class ModelSpec:
         to build it without memory)."""
         return self.family.build(self)
 
+    def config_key(self, argument: str) -> str | None:
+        """The ``config.json`` key behind the builder argument ``argument`` (named by a
+        constructor's error): the tower's arguments are its ``vision_config`` keys; None for
+        other names."""
+        return f"vision_config.{argument}" if argument in self.vision else None
+
     def layer_counts(self) -> dict[str, tuple[str, int]]:
         """config key -> (pattern of this library's keys with the layer index in group 1, the
         layers the config claims): checked against the weights before anything is built."""

@@ -288,3 +288,19 @@ def test_more_layers_than_the_weights_hold_are_refused(built, model_type, tmp_pa
         ) as error:
             load_hf_model(directory)
         assert error.value.key == key
+
+
+@pytest.mark.parametrize(
+    "model_type", [t for t, f in FIXTURES.items() if family_named(f.family).encoder_types]
+)
+def test_a_tower_no_model_can_have_is_refused_naming_its_key(built, model_type, tmp_path):
+    """The tower's constructor finds the head count no divisor of the width; the loader names
+    the ``vision_config`` key behind the argument it names."""
+    b = built(model_type)
+    config = json.loads((b.directory / "config.json").read_text())
+    vision = config["vision_config"]
+    heads = next(key for key in ("num_heads", "num_attention_heads") if key in vision)
+    vision[heads] = vision["hidden_size"] + 1
+    directory = copy_with_config(b.directory, tmp_path / "heads", config)
+    with pytest.raises(CheckpointError, match=rf"key 'vision_config\.{heads}': describes no "):
+        load_hf_model(directory)
