@@ -85,7 +85,8 @@ class FamilyFixture:
             its own (the model does not tell which it came from).
         recipe_dir: writes a whole directory of this model type into the given one, as the
             fine-tuning recipe reads it (weights, tokenizer, chat template, processor
-            settings); returns it.
+            settings); returns it. Required where the recipe can take the model (a text-only
+            family, or one with a processor).
         image_size: (height, width) of the images of the recipe's conversations; None: text.
         their_images: transformers' image keyword arguments for one of our samples (its
             ``pixel_values`` and ``image_grid_thw``) and the model's config.
@@ -95,7 +96,7 @@ class FamilyFixture:
     make: Callable[[], nn.Module]
     cases: Mapping[str, Callable[[], Batch]]
     prompts: Callable[[], Batch]
-    recipe_dir: Callable[[Path], Path]
+    recipe_dir: Callable[[Path], Path] | None = None
     pad_id: int = PAD
     causal_lm: bool = False
     saved_as: str | None = None

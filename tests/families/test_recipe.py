@@ -15,6 +15,7 @@ from PIL import Image
 
 from families.fixtures import FIXTURES
 from fusion.data import IGNORE_INDEX, ConversationEncoder, read_conversations
+from fusion.families import family_named
 from recipes.finetune import main
 
 ANSWERS = ("red fox", "blue cat", "old dog")
@@ -64,9 +65,17 @@ def transformers_loss(fixture, directory, data) -> float:
     return total / count
 
 
-@pytest.mark.parametrize("model_type", list(FIXTURES))
+def test_every_model_type_the_recipe_takes_has_a_directory_writer():
+    for model_type, fixture in FIXTURES.items():
+        family = family_named(fixture.family)
+        takes_conversations = not family.encoder_types or family.processor is not None
+        assert (fixture.recipe_dir is not None) == takes_conversations, model_type
+
+
+@pytest.mark.parametrize("model_type", [t for t, f in FIXTURES.items() if f.recipe_dir])
 def test_first_loss_packed_equals_padded_equals_transformers(model_type, tmp_path):
     fixture = FIXTURES[model_type]
+    assert fixture.recipe_dir is not None
     directory = fixture.recipe_dir(tmp_path / "model")
     data = write_data(tmp_path, fixture.image_size)
     expected = transformers_loss(fixture, directory, data)
