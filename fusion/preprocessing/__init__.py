@@ -22,6 +22,7 @@ decoded frames, sampled and bounded before decoding; :class:`Qwen2VLVideoProcess
 """
 
 from fusion.preprocessing.clip import ClipImageProcessor
+from fusion.preprocessing.gemma3 import Gemma3ImageProcessor, gemma3_image_text
 from fusion.preprocessing.idefics3 import Idefics3ImageProcessor, TiledImage, idefics3_image_text
 from fusion.preprocessing.images import (
     as_uint8_image,
@@ -65,6 +66,7 @@ from fusion.preprocessing.video import (
 
 __all__ = [
     "ClipImageProcessor",
+    "Gemma3ImageProcessor",
     "Idefics3ImageProcessor",
     "PatchedImages",
     "PatchedVideos",
@@ -85,6 +87,7 @@ __all__ = [
     "expand_markers",
     "expand_video_pads",
     "from_pil",
+    "gemma3_image_text",
     "idefics3_image_text",
     "load_image",
     "load_video",
