@@ -6,6 +6,9 @@ from collections.abc import Iterable
 
 import torch
 
+# The device types torch's fused AdamW runs on (torch 2.13).
+FUSED_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
     """The factor of the peak learning rate at ``step`` (counted from 0): linear warm-up over
@@ -45,11 +48,14 @@ def adamw_warmup_cosine(
     It is torch's fused AdamW: one kernel per dtype and device for all parameters, where the
     default on CPU loops over them with a dozen passes each (a step over 460M float32
     parameters on 2 CPU threads: 1.0 s fused, 4.2 s looping, ``benchmarks/optimizer_step.py``).
-    Its updates
-    differ from the loop's by rounding (about one float32 ulp). Checkpoints written with the
-    loop resume with it (:data:`~fusion.training.state.IMPLEMENTATION_FLAGS`).
+    Its updates differ from the loop's by rounding (about one float32 ulp). Parameters on a
+    device without the fused kernel (the meta device) get torch's default instead. Checkpoints
+    written with either resume with the other
+    (:data:`~fusion.training.state.IMPLEMENTATION_FLAGS`).
     """
+    parameters = list(parameters)
+    fused = all(p.device.type in FUSED_DEVICES for p in parameters)
     optimizer = torch.optim.AdamW(
-        parameters, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True
+        parameters, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused or None
     )
     return optimizer, warmup_cosine(optimizer, warmup, total)

@@ -46,6 +46,7 @@ def test_the_recipes_optimizer_is_adamw_on_the_schedule():
     assert isinstance(optimizer, torch.optim.AdamW)
     group = optimizer.param_groups[0]
     assert group["params"] == parameters and group["betas"] == (0.9, 0.95)
+    assert group["fused"] is True  # on the CPU: torch's fused kernel
     assert group["weight_decay"] == 0.1 and group["initial_lr"] == 0.5
     lrs = []
     for _ in range(6):
@@ -53,3 +54,12 @@ def test_the_recipes_optimizer_is_adamw_on_the_schedule():
         optimizer.step()
         scheduler.step()
     assert lrs == pytest.approx([0.5 * lr_factor(s, 2, 6) for s in range(6)])
+
+
+def test_parameters_without_a_fused_kernel_get_torch_s_default():
+    """A model built on the meta device (to check a checkpoint before materialising it) still
+    gets its optimizer; the step kernel is torch's default there."""
+    meta = [torch.nn.Parameter(torch.zeros(2, device="meta"))]
+    optimizer, _ = adamw_warmup_cosine(iter(meta), lr=0.1, weight_decay=0.0, warmup=1, total=2)
+    assert optimizer.param_groups[0]["params"] == meta
+    assert optimizer.param_groups[0]["fused"] is None
