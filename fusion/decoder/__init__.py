@@ -9,7 +9,8 @@ from fusion.decoder.delta_rule import (
     gated_delta_step,
     recurrent_gated_delta_rule,
 )
-from fusion.decoder.feed_forward import FeedForward
+from fusion.decoder.embedding import ScaledEmbedding
+from fusion.decoder.feed_forward import ACTIVATIONS, FeedForward
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache
 from fusion.decoder.packed import PACKED_BACKENDS, PackedSegments
@@ -19,6 +20,7 @@ from fusion.decoder.transformer import TransformerDecoder
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
 __all__ = [
+    "ACTIVATIONS",
     "PACKED_BACKENDS",
     "DeltaNetState",
     "FeedForward",
@@ -30,6 +32,7 @@ __all__ = [
     "RMSNorm",
     "RotaryPositionalEmbeddings",
     "SampleRegions",
+    "ScaledEmbedding",
     "TransformerDecoder",
     "TransformerSelfAttentionLayer",
     "ZeroCenteredRMSNorm",

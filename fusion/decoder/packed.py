@@ -50,6 +50,9 @@ class PackedSegments:
         block_mask: FlexAttention's ``BlockMask`` for these segments on their device, made once
             per decoder forward for the ``"flex"`` backend (every layer shares it); None
             otherwise. Not moved by :meth:`to`.
+        window: a token attends only to the ``window`` latest tokens of its sample, itself
+            included (a sliding-window layer's segments, :meth:`with_window`); None: to all of
+            them.
     """
 
     lengths: tuple[tuple[int, ...], ...]
@@ -59,10 +62,13 @@ class PackedSegments:
     max_length: int
     backend: str = "auto"
     block_mask: Any = field(default=None, repr=False, compare=False)
+    window: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in PACKED_BACKENDS:
             raise ValueError(f"backend: expected one of {PACKED_BACKENDS}, got {self.backend!r}")
+        if self.window is not None:
+            check_int(self.window, "window", low=1)
         _check_lengths(self.lengths, self.padding)
         batch, seq_len = len(self.lengths), sum(self.lengths[0])
         ids = self.segment_ids
@@ -187,6 +193,11 @@ class PackedSegments:
         """The same segments, attended by ``backend`` (one of :data:`PACKED_BACKENDS`)."""
         return replace(self, backend=backend, block_mask=None)
 
+    def with_window(self, window: int | None) -> "PackedSegments":
+        """The same segments, each token attending to the ``window`` latest tokens of its
+        sample only (None: all of them)."""
+        return replace(self, window=window, block_mask=None)
+
     def dense_mask(self) -> torch.Tensor:
         """The boolean block-causal mask [b, s, s] these segments stand for, True where a query
         may attend to a key (padding attends causally among itself, so no row is empty): what
@@ -194,8 +205,14 @@ class PackedSegments:
         # Padding as its own segment: every segment gets an id of its own within its row.
         ids = torch.where(self.segment_ids >= 0, self.segment_ids, self.seq_len)
         same = ids[:, :, None] == ids[:, None, :]
-        causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=self.device)
-        return same & causal.tril()
+        return same & causal_band(self.seq_len, self.window, self.device)
+
+
+def causal_band(seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean [s, s], True where query ``i`` may attend to key ``j``: ``j <= i``, and with a
+    ``window`` also ``i - j < window`` (the query and the ``window - 1`` before it)."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    return causal if window is None else causal.triu(1 - window)
 
 
 def _check_lengths(lengths: Any, padding: Any) -> None:

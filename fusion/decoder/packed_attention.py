@@ -42,7 +42,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from fusion.decoder.packed import PackedSegments
+from fusion.decoder.packed import PackedSegments, causal_band
 
 #: FlexAttention's block size: the block mask is made at this granularity.
 FLEX_BLOCK = 128
@@ -117,7 +117,9 @@ def prepare(
         _flex_function()
     elif "torch._dynamo" in sys.modules:  # compilation is possible
         _per_sample_disabled()
-    block_mask = document_block_mask(segments.segment_ids) if backend == "flex" else None
+    block_mask = (
+        document_block_mask(segments.segment_ids, segments.window) if backend == "flex" else None
+    )
     return replace(segments, backend=backend, block_mask=block_mask)
 
 
@@ -129,8 +131,10 @@ def packed_attention(
     *,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention within each sample of packed rows.
+    """Causal attention within each sample of packed rows (within the segments' ``window``
+    when they have one).
 
     Args:
         q: [b, s, h, hd] queries (rotary applied).
@@ -140,6 +144,7 @@ def packed_attention(
             :func:`prepare`).
         dropout_p: attention dropout probability (``"sdpa"`` only).
         enable_gqa: key/value heads shared by groups of query heads.
+        scale: the factor of the query-key products (None: ``hd ** -0.5``).
 
     Returns:
         [b, s, h, hd]. Each sample's outputs equal its outputs alone (to float rounding);
@@ -150,11 +155,11 @@ def packed_attention(
     if backend == "auto":
         backend = resolve_backend(backend, q.device, q.dtype, dropout=dropout_p > 0)
     if backend == "sdpa":
-        return _per_sample(q, k, v, segments, dropout_p, enable_gqa)
+        return _per_sample(q, k, v, segments, dropout_p, enable_gqa, scale)
     if backend == "flex":
-        return _flex(q, k, v, segments, enable_gqa)
+        return _flex(q, k, v, segments, enable_gqa, scale)
     if backend == "varlen":
-        return _varlen(q, k, v, segments, enable_gqa)
+        return _varlen(q, k, v, segments, enable_gqa, scale)
     raise ValueError(f"mask: unknown packed attention backend {backend!r}")
 
 
@@ -168,11 +173,12 @@ def _per_sample(
     segments: PackedSegments,
     dropout_p: float,
     enable_gqa: bool,
+    scale: float | None,
 ) -> torch.Tensor:
     """:func:`_per_sample_sdpa`, behind a graph break while compiling."""
     if torch.compiler.is_compiling():
-        return _per_sample_disabled()(q, k, v, segments, dropout_p, enable_gqa)
-    return _per_sample_sdpa(q, k, v, segments, dropout_p, enable_gqa)
+        return _per_sample_disabled()(q, k, v, segments, dropout_p, enable_gqa, scale)
+    return _per_sample_sdpa(q, k, v, segments, dropout_p, enable_gqa, scale)
 
 
 def _per_sample_sdpa(
@@ -182,8 +188,10 @@ def _per_sample_sdpa(
     segments: PackedSegments,
     dropout_p: float,
     enable_gqa: bool,
+    scale: float | None,
 ) -> torch.Tensor:
-    """One causal SDPA call per sample on [b, s, h, hd] inputs; the outputs, zeros for
+    """One causal SDPA call per sample on [b, s, h, hd] inputs (a sample longer than the
+    segments' window with its band mask, [n, n]); the outputs, zeros for
     padding, concatenated back into [b, s, h, hd] (one copy, which also makes the result
     contiguous for the output projection).
 
@@ -212,13 +220,17 @@ def _per_sample_sdpa(
         if i in padding:  # never attended by a sample, never a target
             parts.append(q.new_zeros(qi.shape))
             continue
+        n, window = qi.size(0), segments.window
+        band = None if window is None or n <= window else causal_band(n, window, q.device)
         out = F.scaled_dot_product_attention(  # [1, h, n, hd]
             qi.transpose(0, 1)[None],
             ki.transpose(0, 1)[None],
             vi.transpose(0, 1)[None],
+            attn_mask=band,
             dropout_p=dropout_p,
-            is_causal=True,
+            is_causal=band is None,
             enable_gqa=enable_gqa,
+            scale=scale,
         )
         parts.append(out[0].transpose(0, 1))  # [n, h, hd]
     return torch.cat(parts).view(b, s, h, hd)
@@ -238,10 +250,11 @@ def _per_sample_disabled() -> Any:
 # ---------------------------------------------------------------------- FlexAttention
 
 
-def document_block_mask(segment_ids: torch.Tensor) -> Any:
+def document_block_mask(segment_ids: torch.Tensor, window: int | None = None) -> Any:
     """FlexAttention's ``BlockMask`` [b, 1, s, s] for document-causal attention over
     ``segment_ids`` (int32 [b, s], -1 for padding, as in ``PackedSegments``): a query attends
-    to the keys at or before it in its own sample; padding attends to nothing.
+    to the keys at or before it in its own sample, with a ``window`` only to the ``window``
+    latest (itself included); padding attends to nothing.
 
     Made from per-block segment ranges on the device: the ids increase along a row, so with
     padding taken as one last id, a block of queries meets a block of keys at or before it
@@ -266,6 +279,12 @@ def document_block_mask(segment_ids: torch.Tensor) -> Any:
     if s % FLEX_BLOCK:  # the last query block has positions past s: never whole
         whole = whole & (blocks < n - 1)[:, None]
     full = whole & (k_low == q_high) & (q_high < s)
+    if window is not None:
+        # Block distance d: its nearest query and key are d * B - (B - 1) apart, its
+        # farthest d * B + B - 1.
+        distance = (blocks[:, None] - blocks[None, :]) * FLEX_BLOCK
+        some = some & (distance - (FLEX_BLOCK - 1) < window)
+        full = full & (distance + FLEX_BLOCK - 1 < window)
     partial = some & ~full
 
     def indices(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,7 +297,8 @@ def document_block_mask(segment_ids: torch.Tensor) -> Any:
         batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
     ) -> torch.Tensor:
         same = ids[batch, q_idx] == ids[batch, kv_idx]
-        return same & (q_idx >= kv_idx) & (ids[batch, q_idx] >= 0)
+        allowed = same & (q_idx >= kv_idx) & (ids[batch, q_idx] >= 0)
+        return allowed if window is None else allowed & (q_idx - kv_idx < window)
 
     counts, order = indices(partial)
     full_counts, full_order = indices(full)
@@ -309,20 +329,22 @@ def _flex(
     v: torch.Tensor,
     segments: PackedSegments,
     enable_gqa: bool,
+    scale: float | None,
 ) -> torch.Tensor:
     if q.size(1) == 1:
         # Rows of one position: each attends to itself alone. Compiled CPU FlexAttention
         # (torch 2.13) fails to build its kernel for them once shapes are dynamic (b > 1).
-        return _per_sample(q, k, v, segments, 0.0, enable_gqa)
+        return _per_sample(q, k, v, segments, 0.0, enable_gqa, scale)
     block_mask = segments.block_mask
     if block_mask is None:
-        block_mask = document_block_mask(segments.segment_ids)
+        block_mask = document_block_mask(segments.segment_ids, segments.window)
     out = _flex_function()(  # [b, h, s, hd]
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         block_mask=block_mask,
         enable_gqa=enable_gqa,
+        scale=scale,
     )
     return out.transpose(1, 2)
 
@@ -336,6 +358,7 @@ def _varlen(
     v: torch.Tensor,
     segments: PackedSegments,
     enable_gqa: bool,
+    scale: float | None,
 ) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
@@ -349,7 +372,9 @@ def _varlen(
         segments.cu_seqlens,
         bound,
         bound,
-        window_size=(-1, 0),  # causal
+        # causal; flash attention's left window counts the keys before the query
+        window_size=(-1 if segments.window is None else segments.window - 1, 0),
         enable_gqa=enable_gqa,
+        scale=scale,
     )
     return cast(torch.Tensor, out).view(b, s, h, hd)  # no auxiliary outputs asked for

@@ -19,7 +19,7 @@ from fusion._validation import (
 from fusion.decoder.attention import MultiHeadAttention
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache
-from fusion.decoder.packed import PackedSegments
+from fusion.decoder.packed import PackedSegments, causal_band
 from fusion.decoder.packed_attention import prepare
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
@@ -42,6 +42,12 @@ class TransformerDecoder(nn.Module):
             ``load_state_dict``, ``to()`` and wrapping).
         output_hidden_states: layer indices whose *input* hidden states are returned before the
             logits (index ``len(layers)`` is the input of the final norm), as in torchtune.
+        final_logit_softcap: logits ``c * tanh(logits / c)`` for this ``c`` (Gemma's
+            ``final_logit_softcapping``); None: the output projection's as they are.
+
+    Attention layers with a ``sliding_window`` (Gemma's sliding-attention layers) get the
+    mask of the others with the window applied, in every form the mask takes (see
+    :meth:`forward`).
     """
 
     #: M-RoPE decoders with a KV cache: per sample [b], what is added to 1-D positions (text:
@@ -59,6 +65,7 @@ class TransformerDecoder(nn.Module):
         norm: nn.Module,
         output: nn.Linear | None = None,
         output_hidden_states: Sequence[int] | None = None,
+        final_logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.tok_embeddings = tok_embeddings
@@ -66,6 +73,7 @@ class TransformerDecoder(nn.Module):
         self.norm = norm
         self.output = output
         self.max_seq_len = max_seq_len
+        self.final_logit_softcap = final_logit_softcap
         # Plain ints: wrapping or sharding the embedding later must not change them.
         self.vocab_size: int = tok_embeddings.num_embeddings
         self.embed_dim: int = tok_embeddings.embedding_dim
@@ -266,7 +274,10 @@ class TransformerDecoder(nn.Module):
                 the decoder's device, as ``fusion.data.collate_packed`` makes them): causal
                 attention within each sample, with no [b, s, s] mask; its backend is resolved
                 here once for the compute dtype (autocast's, else the embeddings') and shared
-                by every layer (see :mod:`fusion.decoder.packed_attention`).
+                by every layer (see :mod:`fusion.decoder.packed_attention`). A layer with a
+                ``sliding_window`` gets each of these with the window applied: it attends to
+                the ``sliding_window`` latest positions only (by index in the row or the
+                cache, itself included), within its sample for packed rows.
             input_pos: positions [b, s], [1, s] or [s] for the rotary embeddings (packed
                 samples, left-padded batches, decoding); [b] for a one-token step. None:
                 ``0..s-1``, or the cache fill onward. M-RoPE decoders also take
@@ -343,13 +354,16 @@ class TransformerDecoder(nn.Module):
         layout = None
         if any(recurrent):
             layout = self.recurrent_mixers()[0].token_layout(mask, slots)
-        if isinstance(mask, PackedSegments):
-            mask = prepare(mask, self._compute_dtype(h), dropout=self._dropout())
+        windows = [getattr(mixer, "sliding_window", None) for mixer in self._mixers()]
+        masks = {
+            window: self._layer_mask(mask, window, h, slots, seq_len) for window in set(windows)
+        }
         hidden = []
         for i, layer in enumerate(self.layers):
             if i in self.output_hidden_states:
                 hidden.append(h)
-            h = layer(h, mask=layout if recurrent[i] else mask, input_pos=input_pos)
+            layer_mask = layout if recurrent[i] else masks[windows[i]]
+            h = layer(h, mask=layer_mask, input_pos=input_pos)
             if after_layer is not None:
                 h = after_layer(i, h)
         if len(self.layers) in self.output_hidden_states:
@@ -363,18 +377,49 @@ class TransformerDecoder(nn.Module):
             out = self.unembed(h)
         return [*hidden, out] if hidden else out
 
+    def _layer_mask(
+        self,
+        mask: torch.Tensor | PackedSegments | None,
+        window: int | None,
+        h: torch.Tensor,
+        slots: torch.Tensor | None,
+        seq_len: int,
+    ) -> torch.Tensor | PackedSegments | None:
+        """The mask of the layers attending within ``window`` (None: to all), from the mask
+        of this forward: packed segments with the window, resolved for the compute dtype; a
+        boolean mask [b or 1, 1, s, kv_len] limited to keys less than ``window`` slots before
+        each query (queries at ``slots`` with a cache, at ``0..s-1`` without); for None
+        (causal, no cache), the causal band [1, 1, s, s], or None still when the sequence
+        fits in the window. Made once per forward and window, on the device, no sync."""
+        if isinstance(mask, PackedSegments):
+            segments = mask if window is None else mask.with_window(window)
+            return prepare(segments, self._compute_dtype(h), dropout=self._dropout())
+        if window is None or (mask is None and seq_len <= window):
+            return mask
+        if mask is None:
+            return causal_band(seq_len, window, h.device)[None, None]
+        queries = torch.arange(seq_len, device=h.device) if slots is None else slots
+        keys = torch.arange(mask.size(-1), device=h.device)
+        return mask & (queries[:, None] - keys[None, :] < window)
+
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         """Output projection of normed hidden states [b, s, d] -> float32 logits [b, s, vocab].
 
         An untied output is called as a module, so its hooks (sharding, adapters) run. A tied
         one reads ``tok_embeddings.weight``, which must then be a whole tensor here (a
         decoding step's few rows on the CPU take a faster product: :func:`_tied_projection`).
+        With ``final_logit_softcap``, the logits are then soft-capped (in float32).
 
         Raises:
             RuntimeError: tied output whose embedding has no ``weight``, or whose weight is
                 sharded (a DTensor) outside the embedding's own forward, e.g. when
                 ``tok_embeddings`` is its own FSDP unit.
         """
+        logits = self._project(h)
+        cap = self.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
             return self.output(h).float()
         weight = getattr(self.tok_embeddings, "weight", None)

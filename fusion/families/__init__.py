@@ -15,6 +15,7 @@ from fusion._wrappers import unwrap
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
 from fusion.families.base import Family, ModelSpec
+from fusion.families.gemma3 import GEMMA3
 from fusion.families.idefics3 import IDEFICS3
 from fusion.families.llama import LLAMA
 from fusion.families.llava import LLAVA
@@ -25,7 +26,7 @@ from fusion.hf.errors import CheckpointError, short_repr
 
 #: Every family, in the order errors list their model types (a family whose tower subclasses
 #: another's comes first: Qwen3.5's is Qwen3-VL's without DeepStack).
-FAMILIES: tuple[Family, ...] = (LLAMA, LLAVA, IDEFICS3, QWEN2_VL, QWEN3_5, QWEN3_VL)
+FAMILIES: tuple[Family, ...] = (LLAMA, GEMMA3, LLAVA, IDEFICS3, QWEN2_VL, QWEN3_5, QWEN3_VL)
 
 __all__ = ["FAMILIES", "Family", "ModelSpec", "family_named", "family_of"]
 
@@ -98,7 +99,9 @@ def _model_family(model: nn.Module, among: tuple[Family, ...]) -> Family | None:
         isinstance(inner, EarlyFusion) and not inner.encoders
     )
     if text_only:
-        return LLAMA if LLAMA in among else None
+        decoder = inner.decoder if isinstance(inner, EarlyFusion) else inner
+        claimed = (f for f in among if not f.encoder_types and f.claims_decoder(decoder))
+        return next(claimed, LLAMA if LLAMA in among else None)
     if not isinstance(inner, EarlyFusion) or set(inner.encoders) != {"image"}:
         return None
     encoder = inner.encoders["image"]

@@ -144,6 +144,12 @@ class Family:
         """
         raise NotImplementedError
 
+    def claims_decoder(self, decoder: nn.Module) -> bool:
+        """(Text-only families) Whether a bare decoder (or an ``EarlyFusion`` without
+        encoders holding it) is this family's rather than a Llama's, the text-only family
+        that takes every other decoder."""
+        return False
+
     def model_type_of(self, model: nn.Module) -> str:
         """The ``config.json`` model type a model of this family is saved as."""
         return next(iter(self.architectures))
@@ -195,7 +201,20 @@ def _settings(module: nn.Module) -> tuple:
     """The settings of a module that its parameters' shapes do not show."""
     return tuple(
         getattr(module, name)
-        for name in ("eps", "name", "num_heads", "position_scheme", "scale_factor")
+        for name in (
+            "eps",
+            "name",
+            "num_heads",
+            "position_scheme",
+            "scale_factor",
+            "base",
+            "linear_factor",
+            "activation",
+            "attn_scale",
+            "sliding_window",
+            "embed_scale",
+            "final_logit_softcap",
+        )
         if isinstance(getattr(module, name, None), int | float | str)
     )
 

@@ -46,6 +46,10 @@ class _Family:
         return self.family.transformers_module(self.model_type)
 
     @property
+    def text_only(self) -> bool:  # a decoder alone (Llama, Gemma 3 1B): Llama's peft names
+        return not self.family.encoder_types
+
+    @property
     def text(self) -> str:  # the prefix of the text model's layers, where a Llama has "model."
         return self.family.peft_text
 
@@ -79,7 +83,7 @@ class _Model:
 
     def hf_name(self, ours: str) -> str | None:
         """transformers' in-memory name of our linear layer ``ours``; None if it has none."""
-        if self.family.kind == "llama" or ours.startswith("decoder."):
+        if self.family.text_only or ours.startswith("decoder."):
             if not ours.startswith(self.decoder):
                 return None
             try:
@@ -97,7 +101,7 @@ class _Model:
         """Our name of the layer transformers names ``hf`` (any layout the checkpoint loaders
         read); None for a layer this library has no name for."""
         try:
-            if self.family.kind == "llama":
+            if self.family.text_only:
                 key: str | None = self.decoder + hf_key_to_fusion(hf + ".weight")
             else:
                 key = self.family.family.layout.ours(hf + ".weight")
@@ -231,7 +235,7 @@ def _target_modules(target: _Model, adapted: set[str]) -> list[str] | str:
     if not per_layer <= adapted:  # some decoder layers only: every layer by name
         tails, per_layer = set(), set()
     one_by_one = sorted(adapted - per_layer)
-    if target.family.kind == "llama":
+    if target.family.text_only:
         listed = sorted({tail.rsplit(".", 1)[-1] for tail in tails} | set(one_by_one))
         if {name for name in everything if _listed(tuple(listed), name)} == adapted:
             return listed

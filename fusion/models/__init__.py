@@ -1,5 +1,6 @@
 """Model builders, kept apart from the modules they assemble."""
 
+from fusion.models.gemma3 import gemma3_text
 from fusion.models.idefics3 import Idefics3ImageEncoder, idefics3, smolvlm_256m
 from fusion.models.llama3_2 import llama3_2, llama3_2_1b, llama3_2_3b, scale_hidden_dim_for_mlp
 from fusion.models.llava import LlavaImageEncoder, llava
@@ -10,6 +11,7 @@ from fusion.models.qwen3_vl import qwen3_vl
 __all__ = [
     "Idefics3ImageEncoder",
     "LlavaImageEncoder",
+    "gemma3_text",
     "idefics3",
     "llama3_2",
     "llama3_2_1b",

@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import gemma3_helpers
 import qwen_helpers
+from gemma3_helpers import tiny_hf_gemma3_text
 from helpers import HF_VOCAB, tiny_hf_llama
 from qwen3_helpers import PATCH_WIDTH as QWEN3_PATCH_WIDTH
 from qwen3_helpers import tiny_hf_qwen3, tiny_hf_qwen3_5
@@ -109,6 +111,26 @@ def llama_prompts() -> Batch:
     generator = torch.Generator().manual_seed(1)
     short, long = (torch.randint(4, HF_VOCAB, (n,), generator=generator).tolist() for n in (4, 7))
     ids = torch.tensor([[PAD] * (len(long) - len(short)) + short, long])
+    return Batch(ids, attention_mask=(ids != PAD).long())
+
+
+# ---------------------------------------------------------------------- Gemma 3 (text)
+
+
+def gemma3_text() -> Batch:
+    """Longer than the sliding window: the sliding layers see part of each row only."""
+    generator = torch.Generator().manual_seed(0)
+    return Batch(torch.randint(3, gemma3_helpers.VOCAB, (2, 14), generator=generator))
+
+
+def gemma3_prompts() -> Batch:
+    """A left-padded batch whose long prompt outgrows the window before decoding starts."""
+    generator = torch.Generator().manual_seed(1)
+    lengths = (3, gemma3_helpers.WINDOW + 4)
+    short, long = (
+        torch.randint(3, gemma3_helpers.VOCAB, (n,), generator=generator) for n in lengths
+    )
+    ids = torch.stack([torch.cat([torch.full((len(long) - len(short),), PAD), short]), long])
     return Batch(ids, attention_mask=(ids != PAD).long())
 
 
@@ -242,6 +264,9 @@ FIXTURES: dict[str, FamilyFixture] = {
         {"text": llama_text},
         llama_prompts,
         causal_lm=True,
+    ),
+    "gemma3_text": FamilyFixture(
+        "gemma3", tiny_hf_gemma3_text, {"text": gemma3_text}, gemma3_prompts, causal_lm=True
     ),
     "llava": FamilyFixture(
         "llava", tiny_hf_llava, {"images": llava_images, "text": vlm_text}, llava_prompts
