@@ -26,7 +26,7 @@ from fusion.hf.errors import CheckpointError, short_repr
 
 #: Every family, in the order errors list their model types (a family whose tower subclasses
 #: another's comes first: Qwen3.5's is Qwen3-VL's without DeepStack).
-FAMILIES: tuple[Family, ...] = (LLAMA, GEMMA3, LLAVA, IDEFICS3, QWEN2_VL, QWEN3_5, QWEN3_VL)
+FAMILIES: tuple[Family, ...] = (LLAMA, LLAVA, IDEFICS3, QWEN2_VL, QWEN3_5, QWEN3_VL, GEMMA3)
 
 __all__ = ["FAMILIES", "Family", "ModelSpec", "family_named", "family_of"]
 

@@ -27,12 +27,14 @@ import torch
 
 from fusion._arguments import as_device
 from fusion.checkpoint import load_hf_model
+from fusion.families import family_named
 from fusion.generation.autoregressive import generate_stream
 from fusion.generation.sampling import check_sampling_args
 from fusion.hf.errors import CheckpointError
 from fusion.hf.files import read_bounded, read_tokenizer
 from fusion.padding import left_pad
 from fusion.preprocessing import detect_model_kind, load_image, prepare_inputs
+from fusion.preprocessing.processor import KINDS as PROCESSOR_KINDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_JSON_BYTES = 16 << 20  # config.json and generation_config.json are a few KiB
@@ -182,9 +184,12 @@ def _run(
 ) -> None:
     directory: Path = args.checkpoint
     _check_directory(directory)
-    kind = detect_model_kind(directory)  # "llama", or a vision-language model's kind
-    if args.image and kind == "llama":
-        parser.error(f"--image: {directory} holds a text-only Llama, which takes no images")
+    # a vision-language model's processor kind, or a text-only family's name ("llama")
+    kind = detect_model_kind(directory)
+    text_only = kind not in PROCESSOR_KINDS
+    if args.image and text_only:
+        what = family_named(kind).what
+        parser.error(f"--image: {directory} holds a text-only {what}, which takes no images")
     if args.image and args.prompt is None:
         parser.error("--image: images go where <image> markers are in a --prompt text")
     config = _generation_config(directory)
@@ -192,14 +197,14 @@ def _run(
     encoder_input, tokenizer = None, None
     if args.prompt is not None:
         tokenizer, reason = _load_tokenizer(directory)
-        if tokenizer is None and kind != "llama":
+        if tokenizer is None and not text_only:
             parser.error(f"--prompt: no tokenizer could be loaded from {directory} ({reason})")
         if tokenizer is None:
             parser.error(
                 f"--prompt: text needs a tokenizer, and none could be loaded from {directory} "
                 f"({reason}); pass --prompt-ids instead"
             )
-    if tokenizer is not None and kind != "llama":
+    if tokenizer is not None and not text_only:
         images = [_load_image(path, args.max_pixels) for path in args.image or []]
         with _warnings_on_one_line():  # e.g. the image processor defaults
             inputs = prepare_inputs(

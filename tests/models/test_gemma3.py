@@ -13,6 +13,7 @@ generation on a left-padded batch, save, export, peft, layer counts):
 """
 
 import copy
+import io
 import json
 from pathlib import Path
 from unittest import mock
@@ -199,6 +200,24 @@ def test_step_by_step_decoding_equals_the_full_forward(pair):
             model(ids[:, i : i + 1]) for i in range(prefix, ids.size(1))
         ]
     assert max_error(torch.cat(steps, dim=1), full) <= 1e-5
+
+
+def test_the_command_line_generates_as_transformers_and_takes_no_images(pair, capsys):
+    from fusion.generation.cli import main
+
+    hf, directory, _ = pair
+    prompt = [5, 6, 7, 8, 9, 10, 11]  # longer than the window
+    argv = ["--checkpoint", str(directory), "--temperature", "0", "--max-new-tokens", "6"]
+    out = io.StringIO()
+    assert main([*argv, "--prompt-ids", ",".join(map(str, prompt)), "--ignore-eos"], out=out) == 0
+    with torch.no_grad():
+        theirs = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None
+        )
+    assert out.getvalue() == ",".join(map(str, theirs[0, len(prompt) :].tolist())) + "\n"
+    with pytest.raises(SystemExit):
+        main([*argv, "--image", "x.png", "--prompt", "hi"])
+    assert "holds a text-only Gemma 3, which takes no images" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- parts
