@@ -6,7 +6,8 @@ generation on a left-padded batch, save, export, peft, layer counts):
   ``sliding_window_pattern``) loads as transformers reads it;
 - packed rows: each sample's logits and loss as alone, the gradients their sum, and a planted
   bug (the window not applied to packed rows) found;
-- step-by-step decoding through the KV cache equals the full forward;
+- step-by-step decoding through the KV cache equals the full forward; compiled greedy
+  decoding equals eager and never recompiles; the command line generates as transformers;
 - the embedding scale rounds as transformers' in bfloat16;
 - a modified model is refused by the saver; hostile configs are refused before anything is
   built, naming the file and key.
@@ -22,8 +23,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
 
-from fusion import masked_token_loss
+from fusion import generate, masked_token_loss
 from fusion.checkpoint import CheckpointError, load_hf_model, save_hf_model
 from fusion.decoder import PackedSegments, ScaledEmbedding
 from gemma3_helpers import VOCAB, WINDOW, tiny_hf_gemma3_text
@@ -200,6 +202,38 @@ def test_step_by_step_decoding_equals_the_full_forward(pair):
             model(ids[:, i : i + 1]) for i in range(prefix, ids.size(1))
         ]
     assert max_error(torch.cat(steps, dim=1), full) <= 1e-5
+
+
+def left_padded(lengths: tuple[int, ...], seed: int) -> torch.Tensor:
+    rows = [tokens(n, seed=seed + i) for i, n in enumerate(lengths)]
+    return torch.stack(
+        [torch.cat([torch.zeros(max(lengths) - len(r), dtype=torch.long), r]) for r in rows]
+    )
+
+
+def test_compiled_greedy_decoding_equals_eager_and_never_recompiles(pair):
+    model = pair[2]
+
+    def greedy(ids, **kwargs):
+        out = generate(model, ids, max_new_tokens=2 * WINDOW, temperature=0, pad_id=0, **kwargs)
+        return out[:, ids.size(1) :]
+
+    ids = left_padded((3, WINDOW + 3), seed=5)
+    expected = greedy(ids)
+    assert len({tuple(row) for row in expected.tolist()}) == len(ids)  # a lively model
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    try:
+        assert torch.equal(greedy(ids, compile={"backend": counter}), expected)
+        frames = counter.frame_count
+        assert frames >= 1
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            greedy(left_padded((WINDOW + 1, 2), seed=9), compile={"backend": counter})
+            again = greedy(ids, compile={"backend": counter})
+        assert torch.equal(again, expected) and counter.frame_count == frames
+    finally:
+        torch._dynamo.reset()
+    assert not model.caches_are_setup()
 
 
 def test_the_command_line_generates_as_transformers_and_takes_no_images(pair, capsys):
