@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion._validation import check_int
 from fusion.decoder.kv_cache import KVCache
 from fusion.decoder.packed import PackedSegments
 from fusion.decoder.packed_attention import packed_attention
@@ -62,8 +63,8 @@ class MultiHeadAttention(nn.Module):
         self.attn_dropout = attn_dropout
         self.output_gate = output_gate
         self.attn_scale = attn_scale
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window: expected a positive integer, got {sliding_window}")
+        if sliding_window is not None:
+            check_int(sliding_window, "sliding_window", low=1)
         self.sliding_window = sliding_window
         q_width = num_heads * head_dim * (2 if output_gate else 1)
         self.q_proj = nn.Linear(embed_dim, q_width, bias=qkv_bias)

@@ -16,11 +16,10 @@ class ScaledEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, embed_scale: float) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.embed_scale = embed_scale
-        # The factor as each floating dtype rounds it, made once here: the forward then looks
-        # it up, with no tensor made and nothing read back (nor a graph break when compiled).
-        self._rounded = {
-            d: torch.tensor(embed_scale, device="cpu").to(d).item() for d in _FLOATS
-        }  # on the CPU whatever the default device (meta while a loader builds)
+        # The factor as each floating dtype rounds it, made once here (on the CPU whatever the
+        # default device, meta while a loader builds): the forward looks it up, with no tensor
+        # made and nothing read back (nor a graph break when compiled).
+        self._rounded = {d: torch.tensor(embed_scale, device="cpu").to(d).item() for d in _FLOATS}
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # A Python scalar of the weights' dtype: the product of two values of that dtype,

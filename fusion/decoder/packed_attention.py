@@ -14,6 +14,11 @@ without a dense ``[b, s, s]`` mask, by one of three backends:
   lengths, causal), CUDA with float16 or bfloat16 only, no dropout. Every token is in a
   segment, so padding attends causally among itself there (as the dense mask has it).
 
+Segments with a ``window`` (a sliding-window layer's, :meth:`PackedSegments.with_window`)
+attend within it in every backend: per-sample SDPA gives a sample longer than the window its
+``[n, n]`` band mask, FlexAttention's block mask skips the blocks outside the window, varlen
+takes it as flash attention's left window.
+
 ``"auto"`` picks per device and compute dtype (:func:`resolve_backend`): on CUDA varlen where
 it runs, else flex; elsewhere per-sample SDPA, the fastest measured on CPU: at SmolVLM-256M's
 attention shape on 4096 tokens of packed LLaVA-Instruct-like samples, 2 threads, its

@@ -255,6 +255,10 @@ class Gemma3Family(Family):
     architectures = {MODEL_TYPE: ARCHITECTURE}
     layout = KeyLayout(permute_rope=False, renamed=_NORMS)
     peft_text = "model."
+    refused_model_types = {
+        "gemma3": "Gemma 3's vision models are not supported yet (the text-only gemma3_text "
+        "models are)"
+    }
 
     def read(self, config: ConfigReader) -> ModelSpec:
         return ModelSpec(self, MODEL_TYPE, gemma3_text_kwargs(config), text_prefix="")
