@@ -249,9 +249,9 @@ def hf_text_config(decoder: TransformerDecoder) -> dict[str, Any]:
     }
 
 
-class Gemma3Family(Family):
-    name = "gemma3"
-    what = "Gemma 3"
+class Gemma3TextFamily(Family):
+    name = "gemma3_text"
+    what = "Gemma 3 text"
     architectures = {MODEL_TYPE: ARCHITECTURE}
     layout = KeyLayout(permute_rope=False, renamed=_NORMS)
     peft_text = "model."
@@ -280,4 +280,4 @@ class Gemma3Family(Family):
         )
 
 
-GEMMA3 = Gemma3Family()
+GEMMA3_TEXT = Gemma3TextFamily()

@@ -266,7 +266,7 @@ FIXTURES: dict[str, FamilyFixture] = {
         causal_lm=True,
     ),
     "gemma3_text": FamilyFixture(
-        "gemma3", tiny_hf_gemma3_text, {"text": gemma3_text}, gemma3_prompts, causal_lm=True
+        "gemma3_text", tiny_hf_gemma3_text, {"text": gemma3_text}, gemma3_prompts, causal_lm=True
     ),
     "llava": FamilyFixture(
         "llava", tiny_hf_llava, {"images": llava_images, "text": vlm_text}, llava_prompts
