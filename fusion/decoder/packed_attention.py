@@ -57,23 +57,34 @@ _disabled_per_sample: Any = None
 
 
 def resolve_backend(
-    backend: str, device: torch.device, dtype: torch.dtype, *, dropout: bool = False
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    dropout: bool = False,
+    blocks: bool = False,
 ) -> str:
     """The backend that runs ``backend`` (one of ``PACKED_BACKENDS``) on ``device`` for
     queries of ``dtype``, with attention dropout or not.
 
-    ``"auto"``: per-sample SDPA with dropout; on CUDA ``"varlen"`` where it runs
-    (:func:`varlen_supported`), else ``"flex"``; elsewhere (CPU, ...) ``"sdpa"``, which
-    measured fastest on CPU (2.5x to 11.8x the dense mask's forward+backward; see the module
-    docstring and benchmarks/README.md, "Packed attention").
+    ``"auto"``: per-sample SDPA with dropout or bidirectional ``blocks``; on CUDA
+    ``"varlen"`` where it runs (:func:`varlen_supported`), else ``"flex"``; elsewhere (CPU,
+    ...) ``"sdpa"``, which measured fastest on CPU (2.5x to 11.8x the dense mask's
+    forward+backward; see the module docstring and benchmarks/README.md, "Packed attention").
 
     Raises:
-        ValueError: ``"flex"`` or ``"varlen"`` with dropout (neither has any), ``"varlen"``
-            where it cannot run.
+        ValueError: ``"flex"`` or ``"varlen"`` with dropout (neither has any) or with
+            ``blocks`` (only per-sample SDPA attends both ways), ``"varlen"`` where it cannot
+            run.
     """
     if backend == "auto":
-        if dropout:
+        if dropout or blocks:
             return "sdpa"
+    if blocks and backend in ("flex", "varlen"):
+        raise ValueError(
+            f"mask: the {backend!r} backend has no bidirectional blocks (image placeholders "
+            "attending both ways); use 'sdpa' or 'auto'"
+        )
         if device.type == "cuda":
             return "varlen" if varlen_supported(device, dtype) else "flex"
         return "sdpa"
@@ -115,7 +126,13 @@ def prepare(
     Raises:
         ValueError: see :func:`resolve_backend`.
     """
-    backend = resolve_backend(segments.backend, segments.device, dtype, dropout=dropout)
+    backend = resolve_backend(
+        segments.backend,
+        segments.device,
+        dtype,
+        dropout=dropout,
+        blocks=segments.blocks is not None,
+    )
     # Made here, eagerly, rather than on first use inside a compiled layer, where their
     # creation would cost that layer one more compilation.
     if backend == "flex":
@@ -158,7 +175,9 @@ def packed_attention(
     """
     backend = segments.backend
     if backend == "auto":
-        backend = resolve_backend(backend, q.device, q.dtype, dropout=dropout_p > 0)
+        backend = resolve_backend(
+            backend, q.device, q.dtype, dropout=dropout_p > 0, blocks=segments.blocks is not None
+        )
     if backend == "sdpa":
         return _per_sample(q, k, v, segments, dropout_p, enable_gqa, scale)
     if backend == "flex":
@@ -195,9 +214,9 @@ def _per_sample_sdpa(
     enable_gqa: bool,
     scale: float | None,
 ) -> torch.Tensor:
-    """One causal SDPA call per sample on [b, s, h, hd] inputs (a sample longer than the
-    segments' window with its band mask, [n, n]); the outputs, zeros for
-    padding, concatenated back into [b, s, h, hd] (one copy, which also makes the result
+    """One causal SDPA call per sample on [b, s, h, hd] inputs (with a mask [n, n] for a
+    sample longer than the segments' window, and for every sample with blocks); the outputs,
+    zeros for padding, concatenated back into [b, s, h, hd] (one copy, which also makes the result
     contiguous for the output projection).
 
     The inputs are cut with one ``split`` of the flattened ``[b * s]`` positions, whose
@@ -220,13 +239,18 @@ def _per_sample_sdpa(
         v.reshape(b * s, v.size(2), hd).split(flat),
         strict=True,
     )
+    blocks = None if segments.blocks is None else segments.blocks.reshape(b * s).split(flat)
     parts = []
     for i, (qi, ki, vi) in enumerate(pieces):
         if i in padding:  # never attended by a sample, never a target
             parts.append(q.new_zeros(qi.shape))
             continue
         n, window = qi.size(0), segments.window
-        band = None if window is None or n <= window else causal_band(n, window, q.device)
+        band = None
+        if blocks is not None:  # the sample's own blocks: none reaches another sample
+            band = causal_band(n, window, q.device, blocks[i])
+        elif window is not None and n > window:
+            band = causal_band(n, window, q.device)
         out = F.scaled_dot_product_attention(  # [1, h, n, hd]
             qi.transpose(0, 1)[None],
             ki.transpose(0, 1)[None],

@@ -261,6 +261,7 @@ class TransformerDecoder(nn.Module):
         input_embeds: torch.Tensor | None = None,
         embed: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
         after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        bidirectional: torch.Tensor | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Run the decoder.
 
@@ -294,6 +295,13 @@ class TransformerDecoder(nn.Module):
             after_layer: ``after_layer(i, h) -> h``, called on each layer's output [b, s, d]
                 before the next layer (Qwen3-VL's DeepStack rows are added to the first
                 layers' outputs at the image placeholders this way); None: nothing between.
+            bidirectional: integer block ids [b, s] (Gemma 3's images, from their
+                placeholders: :class:`fusion.hooks.ImageBlocks`): the tokens of one block (the
+                same id > 0) also attend to the later tokens of their block, in every mask
+                form (for packed rows within their sample, per-sample SDPA only); 0: as the
+                mask says. A sliding window bounds how far back a query reaches, not forward
+                within its block, as transformers' Gemma 3 masks compose the two. With a
+                cache, the keys of this call's slots are the blocks' (earlier slots: none).
 
         Returns:
             float32 logits [b, s, vocab_size] (hidden states [b, s, d] when
@@ -337,6 +345,9 @@ class TransformerDecoder(nn.Module):
         if slots is not None and host_reads_are_free(device):
             filled = self._first_cache().size + seq_len  # after this call's writes
             mask = _without_unfilled_slots(cast(torch.Tensor, mask), filled)
+        if bidirectional is not None:
+            self._validate_blocks(bidirectional, batch_size, seq_len)
+            mask = _with_blocks(mask, bidirectional, slots, seq_len)
 
         if input_embeds is not None:
             h = input_embeds
@@ -560,6 +571,25 @@ class TransformerDecoder(nn.Module):
         if segments.device != self.device:
             raise ValueError(f"mask: expected device {self.device}, got {segments.device}")
 
+    def _validate_blocks(self, blocks: torch.Tensor, batch_size: int, seq_len: int) -> None:
+        if (
+            not isinstance(blocks, torch.Tensor)
+            or blocks.shape != (batch_size, seq_len)
+            or blocks.dtype not in INDEX_DTYPES
+        ):
+            got = describe(blocks) if isinstance(blocks, torch.Tensor) else type(blocks)
+            raise ValueError(
+                f"bidirectional: expected int64 or int32 block ids [{batch_size}, {seq_len}], "
+                f"got {got}"
+            )
+        if blocks.device != self.device:
+            raise ValueError(f"bidirectional: expected device {self.device}, got {blocks.device}")
+        if self.recurrent_mixers():
+            raise ValueError(
+                "bidirectional: this decoder's recurrent layers read tokens in order only; "
+                "blocks attending both ways need an attention-only stack"
+            )
+
     def _compute_dtype(self, h: torch.Tensor) -> torch.dtype:
         """The dtype the layers compute attention in: autocast's on ``h``'s device, else
         ``h``'s."""
@@ -618,6 +648,27 @@ def _tied_projection(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             flat = flat.expand(2, -1).contiguous()
         return (weight @ flat.T).T[:rows].reshape(*h.shape[:-1], weight.size(0))
     return F.linear(h, weight)
+
+
+def _with_blocks(
+    mask: torch.Tensor | PackedSegments | None,
+    blocks: torch.Tensor,
+    slots: torch.Tensor | None,
+    seq_len: int,
+) -> torch.Tensor | PackedSegments:
+    """``mask`` (as the decoder's forward has made it) with the tokens of each block of
+    ``blocks`` [b, s] also attending to the later tokens of their block: packed segments
+    carrying the blocks; a boolean [b, 1, s, kv_len] otherwise (for None, the causal mask's).
+    On the device, no sync."""
+    if isinstance(mask, PackedSegments):
+        return mask.with_blocks(blocks)
+    if mask is None:  # causal over this call's positions, no cache
+        return causal_band(seq_len, None, blocks.device, blocks)[:, None]
+    keys = blocks  # without a cache, the keys are this call's positions
+    if slots is not None:  # the blocks' keys at this call's slots, none at the others
+        keys = blocks.new_zeros(blocks.size(0), mask.size(-1)).index_copy(1, slots, blocks)
+    same = (blocks[:, :, None] == keys[:, None, :]) & (blocks[:, :, None] > 0)  # [b, s, kv]
+    return mask | same[:, None]
 
 
 def _without_unfilled_slots(mask: torch.Tensor, filled: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from fusion._wrappers import unwrap
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
 from fusion.families.base import Family, ModelSpec
-from fusion.families.gemma3 import GEMMA3_TEXT
+from fusion.families.gemma3 import GEMMA3, GEMMA3_TEXT
 from fusion.families.idefics3 import IDEFICS3
 from fusion.families.llama import LLAMA
 from fusion.families.llava import LLAVA
@@ -26,7 +26,16 @@ from fusion.hf.errors import CheckpointError, short_repr
 
 #: Every family, in the order errors list their model types (a family whose tower subclasses
 #: another's comes first: Qwen3.5's is Qwen3-VL's without DeepStack).
-FAMILIES: tuple[Family, ...] = (LLAMA, LLAVA, IDEFICS3, QWEN2_VL, QWEN3_5, QWEN3_VL, GEMMA3_TEXT)
+FAMILIES: tuple[Family, ...] = (
+    LLAMA,
+    LLAVA,
+    IDEFICS3,
+    QWEN2_VL,
+    QWEN3_5,
+    QWEN3_VL,
+    GEMMA3_TEXT,
+    GEMMA3,
+)
 
 __all__ = ["FAMILIES", "Family", "ModelSpec", "family_named", "family_of"]
 

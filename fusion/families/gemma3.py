@@ -1,5 +1,7 @@
-"""Gemma 3, text only (``gemma3_text``, ``Gemma3ForCausalLM``: Gemma 3 1B): a
-:func:`fusion.models.gemma3_text` decoder.
+"""Gemma 3: text only (``gemma3_text``, ``Gemma3ForCausalLM``: Gemma 3 270M and 1B), a
+:func:`fusion.models.gemma3_text` decoder; and the vision models (``gemma3``,
+``Gemma3ForConditionalGeneration``: 4B to 27B), a :func:`fusion.models.gemma3`
+``EarlyFusion`` whose images attend to themselves both ways.
 
 ``config.json`` is read as transformers 5.24 reads it: the layers by ``layer_types`` (else a
 full-attention layer every ``sliding_window_pattern`` layers, 6), the rotary bases from
@@ -18,10 +20,19 @@ Checkpoints: transformers' names (``model.layers.N.*``, a Llama's, the norms ren
 ``mlp_scale``); the query and key rows load as they are stored (the decoder rotates in
 Hugging Face's rotate-half layout).
 
-The vision models (``gemma3``, ``Gemma3ForConditionalGeneration``) are not read yet: their
-image blocks attend bidirectionally, which this library's attention does not express.
+The vision models' ``config.json`` holds the text settings under ``text_config``
+(``gemma3_text``, read as above) and SigLIP's under ``vision_config`` (``vision_use_head``
+false: the head's weights, unused, are skipped), ``mm_tokens_per_image`` (a square whose side
+divides the tower's patches per side) and ``image_token_index``. Checkpoints: the Hub's
+layout (``language_model.model.*``, ``vision_tower.vision_model.*``,
+``multi_modal_projector.*``), which the saver writes; transformers 5.24's saved one (the same
+with ``vision_tower.*``) and in-memory one (``model.language_model.*``,
+``model.vision_tower.vision_model.*``, ``model.multi_modal_projector.*``). No
+preprocessing yet: pixel values and the image text (``<start_of_image>``, the placeholders,
+``<end_of_image>``) come from transformers' processor.
 """
 
+import math
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -32,11 +43,25 @@ from fusion.decoder import (
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
-from fusion.families.base import Family, ModelSpec, check_rebuilds
+from fusion.early_fusion import EarlyFusion
+from fusion.families.base import (
+    Family,
+    ModelSpec,
+    check_image_encoder,
+    check_rebuilds,
+    read_token_id,
+)
+from fusion.families.vit_config import VISION_LAYERS, read_vision, tower_config
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import short_repr
 from fusion.hf.layout import KeyLayout
-from fusion.models.gemma3 import LAYER_TYPES, default_layer_types, gemma3_text
+from fusion.models.gemma3 import (
+    LAYER_TYPES,
+    Gemma3ImageEncoder,
+    default_layer_types,
+    gemma3,
+    gemma3_text,
+)
 
 MODEL_TYPE = "gemma3_text"
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -255,10 +280,6 @@ class Gemma3TextFamily(Family):
     architectures = {MODEL_TYPE: ARCHITECTURE}
     layout = KeyLayout(permute_rope=False, renamed=_NORMS)
     peft_text = "model."
-    refused_model_types = {
-        "gemma3": "Gemma 3's vision models are not supported yet (the text-only gemma3_text "
-        "models are)"
-    }
 
     def read(self, config: ConfigReader) -> ModelSpec:
         return ModelSpec(self, MODEL_TYPE, gemma3_text_kwargs(config), text_prefix="")
@@ -281,3 +302,135 @@ class Gemma3TextFamily(Family):
 
 
 GEMMA3_TEXT = Gemma3TextFamily()
+
+
+VISION_MODEL_TYPE = "gemma3"
+VISION_ARCHITECTURE = "Gemma3ForConditionalGeneration"
+# transformers' SiglipVisionConfig defaults, then Gemma3Config's, for keys a config leaves out.
+_VISION_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_channels": 3,
+    "image_size": 224,
+    "patch_size": 16,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
+}
+_IMAGE_TOKEN_ID = 262_144
+_TOKENS_PER_IMAGE = 256
+
+
+class Gemma3Family(Family):
+    name = "gemma3"
+    what = "Gemma 3"
+    architectures = {VISION_MODEL_TYPE: VISION_ARCHITECTURE}
+    layout = KeyLayout(
+        decoder="decoder.",
+        read=(
+            (r"(?:language_model\.)?lm_head\.", "decoder.lm_head."),
+            (r"model\.language_model\.|language_model\.model\.", "decoder.model."),
+            (r"(?:model\.)?vision_tower\.(?:vision_model\.)?", "encoders.image.vision_tower."),
+            (
+                r"(?:model\.)?multi_modal_projector\.mm_soft_emb_norm\.weight$",
+                "encoders.image.projector.norm.scale",
+            ),
+            (
+                r"(?:model\.)?multi_modal_projector\.mm_input_projection_weight$",
+                "encoders.image.projector.projection",
+            ),
+        ),
+        write=(  # the Hub's layout, which every transformers version since 4.50 loads
+            ("decoder.model.", "language_model.model."),
+            ("decoder.", "language_model."),
+            ("encoders.image.vision_tower.", "vision_tower.vision_model."),
+            (
+                "encoders.image.projector.norm.scale",
+                "multi_modal_projector.mm_soft_emb_norm.weight",
+            ),
+            (
+                "encoders.image.projector.projection",
+                "multi_modal_projector.mm_input_projection_weight",
+            ),
+        ),
+        ignored=r"(?:model\.)?vision_tower\.(?:vision_model\.)?head\.",
+        permute_rope=False,
+        renamed=_NORMS,
+    )
+    encoder_types = (Gemma3ImageEncoder,)
+    vision_layers = VISION_LAYERS
+    peft_encoder = (("encoders.image.vision_tower.", "model.vision_tower.vision_model."),)
+
+    def read(self, config: ConfigReader) -> ModelSpec:
+        text_config = config.section("text_config", self.what)
+        if text_config.values.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+            raise text_config.fail(
+                "model_type",
+                f"expected {MODEL_TYPE!r}, got {short_repr(text_config.values['model_type'])}",
+            )
+        text = gemma3_text_kwargs(text_config)
+        if text["final_logit_softcap"] is not None:
+            raise text_config.fail(
+                "final_logit_softcapping",
+                f"expected null, got {text['final_logit_softcap']:g}: transformers' "
+                "Gemma3ForConditionalGeneration never applies it (Gemma3ForCausalLM does), so "
+                "no model here could match it",
+            )
+        text["tie_word_embeddings"] = config.flag(
+            "tie_word_embeddings", text["tie_word_embeddings"]
+        )
+        vision = read_vision(config, self.what, _VISION_DEFAULTS, ("siglip_vision_model",))
+        tokens = config.integer("mm_tokens_per_image", _TOKENS_PER_IMAGE)
+        side = vision["image_size"] // max(vision["patch_size"], 1)
+        if math.isqrt(tokens) ** 2 != tokens or side % math.isqrt(tokens):
+            raise config.fail(
+                "mm_tokens_per_image",
+                f"expected a square whose side divides the tower's {side} patches per side "
+                f"(image_size / patch_size), got {tokens}",
+            )
+        token_id = read_token_id(config, ("image_token_index", "image_token_id"), _IMAGE_TOKEN_ID)
+        if token_id >= text["vocab_size"]:
+            raise config.fail(
+                "image_token_index",
+                f"expected an id in [0, text_config.vocab_size={text['vocab_size']}), got "
+                f"{token_id}",
+            )
+        options = {"tokens_per_image": tokens}
+        return ModelSpec(self, VISION_MODEL_TYPE, text, vision, token_id, options)
+
+    def build(self, spec: ModelSpec) -> nn.Module:
+        return gemma3(
+            text=spec.text,
+            vision=spec.vision,
+            image_token_id=cast(int, spec.image_token_id),
+            **spec.options,
+        )
+
+    def hf_config(self, model: nn.Module) -> dict[str, Any]:
+        encoder, image_id = check_image_encoder(model, self)
+        encoder = cast(Gemma3ImageEncoder, encoder)
+        decoder = cast(EarlyFusion, model).decoder
+        if not GEMMA3_TEXT.claims_decoder(decoder):
+            raise ValueError("model: its decoder is not a Gemma 3 one as gemma3_text builds it")
+        text = hf_text_config(decoder)
+        del text["architectures"]
+        config = {
+            "architectures": [VISION_ARCHITECTURE],
+            "model_type": VISION_MODEL_TYPE,
+            "image_token_index": image_id,
+            "mm_tokens_per_image": encoder.tokens_per_image,
+            "tie_word_embeddings": text["tie_word_embeddings"],
+            "text_config": text,
+            "vision_config": {
+                "model_type": "siglip_vision_model",
+                **tower_config(encoder.vision_tower),
+                "vision_use_head": False,
+            },
+            "torch_dtype": text["torch_dtype"],
+        }
+        check_rebuilds(model, config, self)
+        return config
+
+
+GEMMA3 = Gemma3Family()

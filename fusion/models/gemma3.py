@@ -1,7 +1,11 @@
-"""Gemma 3's text stack: sliding-window and full-attention layers, each with its own rotary
-base, GeGLU MLPs and four zero-centred norms per layer."""
+"""Gemma 3: its text stack (sliding-window and full-attention layers, each with its own rotary
+base, GeGLU MLPs and four zero-centred norms per layer) and, for the vision models, a SigLIP
+tower whose patches are average-pooled, normed and projected into it, the images attending
+to themselves both ways."""
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +20,9 @@ from fusion.decoder import (
     TransformerSelfAttentionLayer,
     ZeroCenteredRMSNorm,
 )
+from fusion.early_fusion import EarlyFusion, register_fusion_module
+from fusion.encoders.siglip import SiglipVisionTransformer
+from fusion.hooks import ImageBlocks
 
 #: The layer kinds of ``layer_types``, as Hugging Face's configs name them.
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -147,4 +154,124 @@ def gemma3_text(
         norm=norm(),
         output=None if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False),
         final_logit_softcap=final_logit_softcap,
+    )
+
+
+class Gemma3Projector(nn.Module):
+    """Gemma 3's multimodal projector: the tower's patch grid average-pooled to
+    ``tokens_per_image`` rows, each normed (a zero-centred RMSNorm, ``norm``) and multiplied
+    by ``projection`` [vision_dim, text_dim], a bare parameter (transformers'
+    ``mm_input_projection_weight``; not a linear layer, so LoRA's ``all-linear`` leaves it
+    out, as peft does).
+
+    Raises:
+        ValueError: ``tokens_per_image`` not a square, or its side not dividing
+            ``patches_per_side``.
+
+    Shapes: patches [n, patches_per_side ** 2, vision_dim] -> rows [n, tokens_per_image,
+    text_dim].
+    """
+
+    def __init__(
+        self,
+        vision_dim: int,
+        text_dim: int,
+        patches_per_side: int,
+        tokens_per_image: int,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        side = math.isqrt(check_int(tokens_per_image, "tokens_per_image", low=1))
+        if side * side != tokens_per_image or patches_per_side % side:
+            raise ValueError(
+                f"tokens_per_image: expected a square whose side divides the tower's "
+                f"{patches_per_side} patches per side, got {tokens_per_image}"
+            )
+        self.patches_per_side = patches_per_side
+        self.tokens_per_image = tokens_per_image
+        self.kernel = patches_per_side // side
+        self.norm = ZeroCenteredRMSNorm(vision_dim, eps=eps)
+        # For training from scratch: rows of about unit scale (transformers starts at zero).
+        self.projection = nn.Parameter(torch.randn(vision_dim, text_dim) * vision_dim**-0.5)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        n, _, d = patches.shape
+        side = self.patches_per_side
+        grid = patches.transpose(1, 2).reshape(n, d, side, side)  # [n, d, side, side]
+        pooled = nn.functional.avg_pool2d(grid, self.kernel).flatten(2).transpose(1, 2)
+        return (self.norm(pooled) @ self.projection).type_as(patches)
+
+
+class Gemma3ImageEncoder(nn.Module):
+    """Images -> rows for :class:`fusion.EarlyFusion`, as Gemma 3 computes them: the SigLIP
+    tower's output (``vision_tower``), then :class:`Gemma3Projector` (``projector``,
+    registered with :func:`fusion.register_fusion_module`).
+
+    Raises:
+        ValueError: the projector does not fit the tower.
+
+    Shapes: images [n, channels, image_size, image_size] -> rows [n, tokens_per_image, d].
+    """
+
+    def __init__(self, vision_tower: SiglipVisionTransformer, projector: Gemma3Projector) -> None:
+        super().__init__()
+        side = vision_tower.image_size // vision_tower.patch_size
+        if projector.patches_per_side != side or projector.norm.scale.numel() != (
+            vision_tower.hidden_size
+        ):
+            raise ValueError(
+                f"projector: expected one for {side} x {side} patches of width "
+                f"{vision_tower.hidden_size} (the tower's)"
+            )
+        self.vision_tower = vision_tower
+        self.projector = projector
+        register_fusion_module(projector)
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Rows (placeholder tokens) per image."""
+        return self.projector.tokens_per_image
+
+    @property
+    def out_dim(self) -> int:
+        return self.projector.projection.size(1)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.vision_tower(pixel_values))
+
+
+def gemma3(
+    *,
+    text: Mapping[str, Any],
+    vision: Mapping[str, Any],
+    image_token_id: int,
+    tokens_per_image: int = 256,
+) -> EarlyFusion:
+    """A Gemma 3 vision model: ``EarlyFusion(gemma3_text(**text), {"image":
+    Gemma3ImageEncoder}, {"image": image_token_id}, hooks=[ImageBlocks("image")])``: each
+    image's placeholders attend to each other both ways, on the sliding layers too (the
+    window bounding how far back), text causal.
+
+    Args:
+        text: keyword arguments of :func:`gemma3_text`.
+        vision: keyword arguments of :class:`fusion.encoders.SiglipVisionTransformer`
+            (SigLIP's fixed positions).
+        image_token_id: the placeholder id of image rows.
+        tokens_per_image: rows per image (``mm_tokens_per_image``), a square.
+
+    Raises:
+        ValueError: any argument the parts refuse (named by the part).
+    """
+    decoder = gemma3_text(**text)
+    tower = SiglipVisionTransformer(**vision)
+    projector = Gemma3Projector(
+        tower.hidden_size,
+        decoder.embed_dim,
+        tower.image_size // tower.patch_size,
+        tokens_per_image,
+        tower.layer_norm_eps,
+    )
+    encoder = Gemma3ImageEncoder(tower, projector)
+    return EarlyFusion(
+        decoder, {"image": encoder}, {"image": image_token_id}, hooks=[ImageBlocks("image")]
     )
