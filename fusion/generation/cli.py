@@ -184,12 +184,17 @@ def _run(
 ) -> None:
     directory: Path = args.checkpoint
     _check_directory(directory)
-    # a vision-language model's processor kind, or a text-only family's name ("llama")
+    # a vision-language model's processor kind, or the family's name where it has none
     kind = detect_model_kind(directory)
-    text_only = kind not in PROCESSOR_KINDS
+    text_only = kind not in PROCESSOR_KINDS  # prompts go through the tokenizer alone
     if args.image and text_only:
-        what = family_named(kind).what
-        parser.error(f"--image: {directory} holds a text-only {what}, which takes no images")
+        family = family_named(kind)
+        if family.encoder_types:
+            parser.error(
+                f"--image: this library has no image preprocessing for {family.what} yet "
+                "(its pixel values and image text come from transformers' processor)"
+            )
+        parser.error(f"--image: {directory} holds a text-only {family.what}, which takes no images")
     if args.image and args.prompt is None:
         parser.error("--image: images go where <image> markers are in a --prompt text")
     config = _generation_config(directory)

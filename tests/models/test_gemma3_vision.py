@@ -21,10 +21,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import fusion.decoder.transformer as transformer
 from families.fixtures import FIXTURES
-from fusion import EarlyFusion, masked_token_loss
+from fusion import EarlyFusion, generate, masked_token_loss
 from fusion.checkpoint import CheckpointError, load_hf_model
 from fusion.data import IGNORE_INDEX, Sample, collate_packed, pack_samples
 from fusion.decoder import PackedSegments
@@ -265,6 +266,45 @@ def test_planted_blocks_across_samples_are_found_and_shrunk(pair):
     # two samples in one row, each with an image
     assert len(samples) == 2 and all(len(s.pixel_values) for s in samples)
     assert not packed_differs(pair[2], samples, row, 0)
+
+
+# ---------------------------------------------------------------------- generation
+
+
+def test_compiled_greedy_decoding_equals_eager_and_never_recompiles(pair):
+    model = pair[2]
+    batch = FIXTURES["gemma3"].prompts()
+
+    def greedy(ids, images, **kwargs):
+        out = generate(
+            model, ids, encoder_input=images, max_new_tokens=6, temperature=0, pad_id=PAD, **kwargs
+        )
+        return out[:, ids.size(1) :]
+
+    expected = greedy(batch.ids, batch.ours)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    try:
+        assert torch.equal(greedy(batch.ids, batch.ours, compile={"backend": counter}), expected)
+        frames = counter.frame_count
+        assert frames >= 1
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            # the same shapes, other prompts: the rows swapped, their images with them
+            pixels = batch.ours["image"]["pixel_values"]
+            swapped = {"image": {"pixel_values": torch.cat([pixels[1:], pixels[:1]])}}
+            greedy(batch.ids.flip(0), swapped, compile={"backend": counter})
+            again = greedy(batch.ids, batch.ours, compile={"backend": counter})
+        assert torch.equal(again, expected) and counter.frame_count == frames
+    finally:
+        torch._dynamo.reset()
+
+
+def test_the_command_line_says_images_need_transformers_processor(pair, capsys):
+    from fusion.generation.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(pair[1]), "--image", "x.png", "--prompt", "hi"])
+    assert "no image preprocessing for Gemma 3 yet" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- hostile configs
