@@ -80,14 +80,14 @@ def resolve_backend(
     if backend == "auto":
         if dropout or blocks:
             return "sdpa"
+        if device.type == "cuda":
+            return "varlen" if varlen_supported(device, dtype) else "flex"
+        return "sdpa"
     if blocks and backend in ("flex", "varlen"):
         raise ValueError(
             f"mask: the {backend!r} backend has no bidirectional blocks (image placeholders "
             "attending both ways); use 'sdpa' or 'auto'"
         )
-        if device.type == "cuda":
-            return "varlen" if varlen_supported(device, dtype) else "flex"
-        return "sdpa"
     if dropout and backend in ("flex", "varlen"):
         raise ValueError(
             f"mask: the {backend!r} backend has no attention dropout; use 'sdpa' or 'auto', "

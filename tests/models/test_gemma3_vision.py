@@ -376,11 +376,18 @@ def test_the_unedited_directory_loads_under_the_same_watch(pair):
             load_hf_model(pair[1])
 
 
-def test_flex_and_varlen_refuse_image_blocks(pair):
-    segments = PackedSegments.from_lengths([[IMAGE_ROWS + 4]], IMAGE_ROWS + 4, backend="flex")
-    blocks = torch.zeros(1, IMAGE_ROWS + 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="'flex' backend has no bidirectional blocks"):
-        from fusion.decoder.packed_attention import prepare
+def test_image_blocks_take_per_sample_sdpa():
+    """``"auto"`` picks per-sample SDPA for segments with blocks; FlexAttention and varlen,
+    which have no bidirectional blocks, refuse them."""
+    from fusion.decoder.packed_attention import prepare, resolve_backend
 
-        prepare(segments.with_blocks(blocks), torch.float32)
+    segments = PackedSegments.from_lengths([[IMAGE_ROWS + 4]], IMAGE_ROWS + 4)
+    blocks = torch.zeros(1, IMAGE_ROWS + 4, dtype=torch.long)
+    assert prepare(segments, torch.float32).backend == "sdpa"  # no blocks: as before
+    assert prepare(segments.with_blocks(blocks), torch.float32).backend == "sdpa"
+    cuda = torch.device("cuda")
+    assert resolve_backend("auto", cuda, torch.bfloat16, blocks=True) == "sdpa"
+    for backend in ("flex", "varlen"):
+        with pytest.raises(ValueError, match=f"'{backend}' backend has no bidirectional blocks"):
+            resolve_backend(backend, cuda, torch.bfloat16, blocks=True)
     assert WINDOW < IMAGE_ROWS  # the window's clamp matters to every image
