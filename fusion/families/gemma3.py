@@ -381,8 +381,14 @@ class Gemma3Family(Family):
             "tie_word_embeddings", text["tie_word_embeddings"]
         )
         vision = read_vision(config, self.what, _VISION_DEFAULTS, ("siglip_vision_model",))
+        size, patch = vision["image_size"], vision["patch_size"]
+        if patch == 0 or size % patch:
+            raise config.fail(
+                "vision_config.image_size",
+                f"expected a positive multiple of patch_size={patch}, got {size}",
+            )
         tokens = config.integer("mm_tokens_per_image", _TOKENS_PER_IMAGE)
-        side = vision["image_size"] // max(vision["patch_size"], 1)
+        side = size // patch
         if math.isqrt(tokens) ** 2 != tokens or side % math.isqrt(tokens):
             raise config.fail(
                 "mm_tokens_per_image",

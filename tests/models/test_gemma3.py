@@ -316,10 +316,10 @@ HOSTILE = {
     ),
     "activation": (values(hidden_activation="gelu"), "hidden_activation", "gelu_pytorch_tanh"),
     "kv-heads": (values(num_key_value_heads=3), "num_key_value_heads", "divisor"),
-    "vision-model": (
+    "read-as-the-vision-model": (
         values(model_type="gemma3"),
-        "model_type",
-        r"'gemma3': Gemma 3's vision models are not supported yet",
+        "text_config",
+        "missing; a Gemma 3 config needs it",
     ),
     "rope-type": (
         lambda config: config["rope_parameters"]["full_attention"].update(rope_type="yarn"),

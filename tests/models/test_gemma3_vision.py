@@ -351,6 +351,11 @@ HOSTILE = {
         "text_config.layer_types",
         "a list of 4 entries",
     ),
+    "image-size": (
+        lambda config: config["vision_config"].update(image_size=30),
+        "vision_config.image_size",
+        "a positive multiple of patch_size=4, got 30",
+    ),
     "tower": (
         lambda config: config["vision_config"].update(model_type="clip_vision_model"),
         "vision_config.model_type",
