@@ -2,7 +2,8 @@
 images and text only, greedy tokens on a left-padded image batch, save, export, peft):
 
 - the bidirectional rule matters: transformers attending causally over the images (no
-  ``token_type_ids``) is far from both;
+  ``token_type_ids``) is far from both; a left-padded batch (no cache) equals transformers
+  and each sample alone;
 - the packing property: each sample's logits and loss in a packed row equal the sample alone
   (1e-5), the gradients their sum; planted bugs found and shrunk: image blocks looked up by
   position instead of by index (transformers' sliding-mask bug), the window not applied to
@@ -30,6 +31,7 @@ from fusion.checkpoint import CheckpointError, load_hf_model
 from fusion.data import IGNORE_INDEX, Sample, collate_packed, pack_samples
 from fusion.decoder import PackedSegments
 from fusion.hooks import ImageBlocks, placeholder_blocks
+from fusion.padding import leading_pad_counts, prefill_mask, prompt_positions
 from gemma3_helpers import BOI, IMAGE, IMAGE_ROWS, IMAGE_SIZE, VOCAB, WINDOW, image_text
 
 PAD = 0
@@ -69,6 +71,35 @@ def test_placeholder_blocks_number_each_run_along_its_row():
     tokens = torch.tensor([[1, IMAGE, IMAGE, 2, IMAGE, 3], [IMAGE, 4, 5, IMAGE, IMAGE, IMAGE]])
     expected = torch.tensor([[0, 1, 1, 0, 2, 0], [1, 0, 0, 2, 2, 2]])
     assert torch.equal(placeholder_blocks(tokens, IMAGE), expected)
+
+
+def test_a_left_padded_batch_equals_transformers_and_each_sample_alone(pair):
+    """No cache: the padding mask [b, s, s] and positions from the first real token, the
+    image blocks added to that mask."""
+    hf, _, model = pair
+    batch = FIXTURES["gemma3"].prompts()
+    pads = leading_pad_counts(batch.ids, PAD)
+    assert int(pads.min()) == 0 < int(pads.max())
+    seq_len = batch.ids.size(1)
+    with torch.no_grad():
+        theirs = batch.their_logits(hf)
+        ours = model(
+            batch.ids,
+            mask=prefill_mask(pads, seq_len, seq_len),
+            input_pos=prompt_positions(pads, seq_len),
+            encoder_input=batch.ours,
+        )
+        real = batch.attention_mask.bool()
+        assert max_error(ours[real], theirs[real]) <= 1e-4
+        pixels, first = batch.ours["image"]["pixel_values"], 0
+        for i, row in enumerate(batch.ids):
+            own_ids = row[int(pads[i]) :][None]
+            images = int((own_ids == BOI).sum())
+            own = model(
+                own_ids, encoder_input={"image": {"pixel_values": pixels[first : first + images]}}
+            )
+            first += images
+            assert max_error(ours[i, int(pads[i]) :], own[0]) <= 1e-5
 
 
 # ---------------------------------------------------------------------- packed rows
