@@ -54,9 +54,9 @@ class PackedSegments:
             included (a sliding-window layer's segments, :meth:`with_window`); None: to all of
             them.
         blocks: integer [b, s] or None: within a sample, the tokens of one block (the same id
-            > 0: one image's placeholders, Gemma 3) attend to each other both ways, and to
-            later ones of the block within the window's reach (a later key is never out of
-            it); 0: causal (:meth:`with_blocks`). Only per-sample SDPA takes them.
+            > 0: one image's placeholders, Gemma 3) attend to each other both ways, the
+            window bounding only how far back a query reaches; 0: causal
+            (:meth:`with_blocks`). Only per-sample SDPA takes them.
     """
 
     lengths: tuple[tuple[int, ...], ...]
