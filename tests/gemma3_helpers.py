@@ -1,4 +1,9 @@
-"""Tiny random Gemma 3 models written by transformers' own classes, for the tests."""
+"""Tiny random Gemma 3 models written by transformers' own classes, and what the Gemma 3 tests
+share."""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -94,3 +99,18 @@ def image_text(images: int) -> list[int]:
     """The ids the processor writes for ``images`` images: each ``<start_of_image>``, its
     rows of placeholders and ``<end_of_image>`` (the blank lines around them left out)."""
     return [BOI, *[IMAGE] * IMAGE_ROWS, EOI] * images
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def with_config(source: Path, target: Path, edit: Callable[[dict], None]) -> Path:
+    """``target``: ``source``'s weights (linked) and its config.json edited by ``edit``."""
+    target.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    edit(config)
+    (target / "config.json").write_text(json.dumps(config))
+    for weights in source.glob("*.safetensors*"):
+        (target / weights.name).symlink_to(weights)
+    return target

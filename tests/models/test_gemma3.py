@@ -15,8 +15,6 @@ generation on a left-padded batch, save, export, peft, layer counts):
 
 import copy
 import io
-import json
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -28,7 +26,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from fusion import generate, masked_token_loss
 from fusion.checkpoint import CheckpointError, load_hf_model, save_hf_model
 from fusion.decoder import PackedSegments, ScaledEmbedding
-from gemma3_helpers import VOCAB, WINDOW, tiny_hf_gemma3_text
+from gemma3_helpers import VOCAB, WINDOW, max_error, tiny_hf_gemma3_text, with_config
 
 SETTINGS = settings(
     max_examples=10,
@@ -48,21 +46,6 @@ def pair(tmp_path_factory):
 
 def tokens(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
-
-
-def with_config(source: Path, target: Path, edit) -> Path:
-    """``target``: ``source``'s weights (linked) and its config.json edited by ``edit``."""
-    target.mkdir()
-    config = json.loads((source / "config.json").read_text())
-    edit(config)
-    (target / "config.json").write_text(json.dumps(config))
-    for weights in source.glob("*.safetensors*"):
-        (target / weights.name).symlink_to(weights)
-    return target
 
 
 # ---------------------------------------------------------------------- against transformers

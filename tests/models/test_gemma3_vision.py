@@ -14,8 +14,6 @@ images and text only, greedy tokens on a left-padded image batch, save, export, 
 """
 
 import copy
-import json
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -32,7 +30,17 @@ from fusion.data import IGNORE_INDEX, Sample, collate_packed, pack_samples
 from fusion.decoder import PackedSegments
 from fusion.hooks import ImageBlocks, placeholder_blocks
 from fusion.padding import leading_pad_counts, prefill_mask, prompt_positions
-from gemma3_helpers import BOI, IMAGE, IMAGE_ROWS, IMAGE_SIZE, VOCAB, WINDOW, image_text
+from gemma3_helpers import (
+    BOI,
+    IMAGE,
+    IMAGE_ROWS,
+    IMAGE_SIZE,
+    VOCAB,
+    WINDOW,
+    image_text,
+    max_error,
+    with_config,
+)
 
 PAD = 0
 SETTINGS = settings(
@@ -50,10 +58,6 @@ def pair(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gemma3")
     hf = FIXTURES["gemma3"].write(directory)
     return hf, directory, load_hf_model(directory).eval()
-
-
-def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 def test_the_bidirectional_rule_matters(pair):
@@ -339,16 +343,6 @@ def test_the_command_line_says_images_need_transformers_processor(pair, capsys):
 
 
 # ---------------------------------------------------------------------- hostile configs
-
-
-def with_config(source: Path, target: Path, edit) -> Path:
-    target.mkdir()
-    config = json.loads((source / "config.json").read_text())
-    edit(config)
-    (target / "config.json").write_text(json.dumps(config))
-    for weights in source.glob("*.safetensors*"):
-        (target / weights.name).symlink_to(weights)
-    return target
 
 
 def top(**values):
