@@ -165,8 +165,9 @@ def load_hf_model(
     max_seq_len: int | None = None,
 ) -> EarlyFusion | TransformerDecoder:
     """Build the model a Hugging Face directory describes, of whichever registered family its
-    ``config.json`` names (:data:`fusion.families.FAMILIES`: a Llama decoder, or a LLaVA,
-    Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL or Qwen3-VL ``EarlyFusion``), with its weights.
+    ``config.json`` names (:data:`fusion.families.FAMILIES`: a Llama or text-only Gemma 3
+    decoder, or a LLaVA, Idefics3 / SmolVLM, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 or
+    Gemma 3 ``EarlyFusion``), with its weights.
 
     ``config.json`` is read once (not at all when ``path`` is an :class:`HfDirectory` that
     has read it already). Everything is checked from it and from the weights' headers
