@@ -9,6 +9,8 @@ images and text only, greedy tokens on a left-padded image batch, save, export, 
   position instead of by index (transformers' sliding-mask bug), the window not applied to
   the image blocks, blocks crossing samples; an image seeing a later one found against
   transformers' logits (packed and alone alike would have it);
+- compiled greedy decoding with images equals eager and never recompiles; the CLI says that
+  images need transformers' processor;
 - hostile configs are refused before anything is built, naming the file and key; FlexAttention
   and varlen refuse image blocks.
 """
@@ -61,6 +63,7 @@ def pair(tmp_path_factory):
 
 
 def test_the_bidirectional_rule_matters(pair):
+    assert WINDOW < IMAGE_ROWS  # the window's clamp matters to every image
     hf, _, model = pair
     batch = FIXTURES["gemma3"].cases["images"]()
     with torch.no_grad():
@@ -420,4 +423,3 @@ def test_image_blocks_take_per_sample_sdpa():
     for backend in ("flex", "varlen"):
         with pytest.raises(ValueError, match=f"'{backend}' backend has no bidirectional blocks"):
             resolve_backend(backend, cuda, torch.bfloat16, blocks=True)
-    assert WINDOW < IMAGE_ROWS  # the window's clamp matters to every image
