@@ -21,15 +21,19 @@ Checkpoints: transformers' names (``model.layers.N.*``, a Llama's, the norms ren
 Hugging Face's rotate-half layout).
 
 The vision models' ``config.json`` holds the text settings under ``text_config``
-(``gemma3_text``, read as above) and SigLIP's under ``vision_config`` (``vision_use_head``
-false: the head's weights, unused, are skipped), ``mm_tokens_per_image`` (a square whose side
+(``gemma3_text``, read as above, except that ``final_logit_softcapping`` is refused:
+``Gemma3ForConditionalGeneration`` never applies it) and SigLIP's under ``vision_config``
+(the head's weights, which transformers builds when ``vision_use_head`` and never runs, are
+skipped), ``mm_tokens_per_image`` (a square whose side
 divides the tower's patches per side) and ``image_token_index``. Checkpoints: the Hub's
 layout (``language_model.model.*``, ``vision_tower.vision_model.*``,
 ``multi_modal_projector.*``), which the saver writes; transformers 5.24's saved one (the same
 with ``vision_tower.*``) and in-memory one (``model.language_model.*``,
-``model.vision_tower.vision_model.*``, ``model.multi_modal_projector.*``). No
-preprocessing yet: pixel values and the image text (``<start_of_image>``, the placeholders,
-``<end_of_image>``) come from transformers' processor.
+``model.vision_tower.vision_model.*``, ``model.multi_modal_projector.*``). Each image's
+placeholders attend to each other both ways (:class:`fusion.hooks.ImageBlocks`, from where
+the rows are merged: no ``token_type_ids``). No preprocessing yet: pixel values and the
+image text (``<start_of_image>``, the placeholders, ``<end_of_image>``) come from
+transformers' processor.
 """
 
 import math
