@@ -10,7 +10,7 @@ from fusion.decoder.delta_rule import (
     recurrent_gated_delta_rule,
 )
 from fusion.decoder.embedding import ScaledEmbedding
-from fusion.decoder.feed_forward import ACTIVATIONS, FeedForward
+from fusion.decoder.feed_forward import FeedForward
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache
 from fusion.decoder.packed import PACKED_BACKENDS, PackedSegments
@@ -20,7 +20,6 @@ from fusion.decoder.transformer import TransformerDecoder
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
 __all__ = [
-    "ACTIVATIONS",
     "PACKED_BACKENDS",
     "DeltaNetState",
     "FeedForward",
