@@ -97,7 +97,8 @@ class EarlyFusion(nn.Module):
         hooks: what a family's decoder computes beyond the merge, called in order at each
             forward through this library's decoder, without ``EarlyFusion`` knowing the
             family (:mod:`fusion.hooks`: :class:`~fusion.hooks.MRopePositions`,
-            :class:`~fusion.hooks.DeepStackRows`); kept as ``self.hooks``.
+            :class:`~fusion.hooks.DeepStackRows`, :class:`~fusion.hooks.ImageBlocks`); kept
+            as ``self.hooks``.
         mrope, deepstack: deprecated shorthands for ``hooks=[MRopePositions(*mrope),
             DeepStackRows(deepstack)]``.
 

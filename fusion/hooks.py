@@ -1,6 +1,7 @@
 """Hooks a family gives :class:`fusion.EarlyFusion` for what its decoder computes beyond the
 merge: M-RoPE positions derived from the placeholders (Qwen-VL), rows added after decoder
-layers (Qwen3-VL's DeepStack). ``EarlyFusion`` calls each hook without knowing the family.
+layers (Qwen3-VL's DeepStack), images attending to themselves both ways (Gemma 3).
+``EarlyFusion`` calls each hook without knowing the family.
 
 A hook is any object with :meth:`FusionHook.check` (at construction) and
 :meth:`FusionHook.before_decoder` (each forward through this library's decoder, after the
@@ -162,6 +163,56 @@ class DeepStackRows:
                     f"{list(main.shape)}, got {got}"
                 )
         return tuple(layer_rows)
+
+
+class ImageBlocks:
+    """Gemma 3's attention over images: the placeholders of ``encoder`` attend to each other
+    both ways within each image's run of them, text and the rest causal, no image seeing a
+    later one (the decoder's ``bidirectional`` block ids, derived here from where the rows
+    are merged: each maximal run of placeholders in a row is one block, numbered 1, 2, ...
+    along the row). Sync-free, in every mask form the decoder takes: padded, left-padded
+    with a cache, packed rows (whose samples' blocks never meet: attention stays within a
+    sample). Only where the encoder has input: decoding steps, and text, attend causally.
+
+    Args:
+        encoder: the name of the encoder whose placeholders attend both ways.
+    """
+
+    def __init__(self, encoder: str) -> None:
+        self.encoder = encoder
+
+    def __repr__(self) -> str:
+        return f"ImageBlocks({self.encoder!r})"
+
+    def check(self, decoder: nn.Module, encoder_tokens: Mapping[str, int]) -> None:
+        if self.encoder not in encoder_tokens:
+            raise ValueError(
+                "image blocks: expected an encoder name of this model over this library's "
+                f"decoder, got {self.encoder!r}"
+            )
+
+    def before_decoder(
+        self,
+        decoder: Any,
+        tokens: torch.Tensor,
+        placeholders: Mapping[str, int],
+        rows: dict[str, Any],
+        encoder_input: Mapping[str, Any],
+        input_pos: torch.Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor | None:
+        if self.encoder in rows:
+            kwargs["bidirectional"] = placeholder_blocks(tokens, placeholders[self.encoder])
+        return input_pos
+
+
+def placeholder_blocks(tokens: torch.Tensor, placeholder_id: int) -> torch.Tensor:
+    """Block ids [b, s] (int64) of the runs of ``placeholder_id`` in ``tokens`` [b, s]: the
+    k-th run of a row is k, other tokens 0."""
+    image = tokens == placeholder_id
+    before = torch.nn.functional.pad(image, (1, 0))[:, :-1]  # the previous token's
+    starts = image & ~before
+    return torch.where(image, starts.long().cumsum(dim=1), 0)
 
 
 def add_at_placeholders(

@@ -413,6 +413,7 @@ def save_hf(
         num_heads=text_config["num_attention_heads"],
         num_kv_heads=text_config["num_key_value_heads"],
         permute_rope=layout.permute_rope,
+        renamed=layout.renamed,
     )
     others = {k: v for k, v in state_dict.items() if not k.startswith(layout.decoder)}
     state = {layout.decoder + k: v for k, v in decoder.items()} | others

@@ -9,6 +9,7 @@ from fusion.decoder.delta_rule import (
     gated_delta_step,
     recurrent_gated_delta_rule,
 )
+from fusion.decoder.embedding import ScaledEmbedding
 from fusion.decoder.feed_forward import FeedForward
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache
@@ -30,6 +31,7 @@ __all__ = [
     "RMSNorm",
     "RotaryPositionalEmbeddings",
     "SampleRegions",
+    "ScaledEmbedding",
     "TransformerDecoder",
     "TransformerSelfAttentionLayer",
     "ZeroCenteredRMSNorm",

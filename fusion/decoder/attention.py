@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion._validation import check_int
 from fusion.decoder.kv_cache import KVCache
 from fusion.decoder.packed import PackedSegments
 from fusion.decoder.packed_attention import packed_attention
@@ -27,6 +28,12 @@ class MultiHeadAttention(nn.Module):
         output_gate: ``q_proj`` also gives each head a gate (per head, its query's
             ``head_dim`` channels then its gate's, as Qwen3.5 and Qwen3-Next store them), and
             the attention output is multiplied by ``sigmoid(gate)`` before ``output_proj``.
+        attn_scale: the factor of the query-key products; None for ``head_dim ** -0.5``
+            (Gemma's is ``query_pre_attn_scalar ** -0.5``).
+        sliding_window: attend only to the ``sliding_window`` latest positions, this one
+            included (Gemma's sliding-attention layers); None for all. The decoder gives such
+            a layer its mask with the window applied (see ``TransformerDecoder.forward``);
+            the layer itself attends as its mask says.
     """
 
     def __init__(
@@ -41,6 +48,9 @@ class MultiHeadAttention(nn.Module):
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         output_gate: bool = False,
+        *,
+        attn_scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -52,6 +62,10 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = head_dim
         self.attn_dropout = attn_dropout
         self.output_gate = output_gate
+        self.attn_scale = attn_scale
+        if sliding_window is not None:
+            check_int(sliding_window, "sliding_window", low=1)
+        self.sliding_window = sliding_window
         q_width = num_heads * head_dim * (2 if output_gate else 1)
         self.q_proj = nn.Linear(embed_dim, q_width, bias=qkv_bias)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
@@ -84,7 +98,8 @@ class MultiHeadAttention(nn.Module):
             mask: boolean [b, 1, s, kv_len], True where attention is allowed; None means causal
                 over ``x`` (only valid without a cache). With a cache, attention reads its
                 first ``kv_len`` slots (the whole cache, or the filled part). Or the
-                segments of packed rows ([b, s], without a cache): causal within each sample.
+                segments of packed rows ([b, s], without a cache): causal within each sample,
+                within their ``window`` when they have one.
             input_pos: rotary positions, [b, s] or [s] (M-RoPE: also [3, b, s]).
 
         Returns:
@@ -106,7 +121,13 @@ class MultiHeadAttention(nn.Module):
         dropout = self.attn_dropout if self.training else 0.0
         if isinstance(mask, PackedSegments):  # the decoder has refused it with a cache
             out = packed_attention(  # [b, s, h, hd]
-                q, k, v, mask, dropout_p=dropout, enable_gqa=heads != kv_heads
+                q,
+                k,
+                v,
+                mask,
+                dropout_p=dropout,
+                enable_gqa=heads != kv_heads,
+                scale=self.attn_scale,
             )
             return self._project(out.reshape(b, s, heads * head_dim), gate)  # [b, s, d]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
@@ -122,6 +143,7 @@ class MultiHeadAttention(nn.Module):
             is_causal=mask is None,
             dropout_p=dropout,
             enable_gqa=heads != kv_heads,
+            scale=self.attn_scale,
         )
         return self._project(out.transpose(1, 2).reshape(b, s, heads * head_dim), gate)
 

@@ -9,28 +9,46 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def geglu_tanh(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+#: The gated products of :class:`FeedForward`, by its ``activation``: SwiGLU's SiLU, and
+#: GeGLU's tanh-approximated GELU (Gemma's ``gelu_pytorch_tanh``).
+GATES = {"silu": swiglu, "gelu_tanh": geglu_tanh}
+ACTIVATIONS = tuple(GATES)
+
+
 class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))``, no biases.
+    """Gated MLP: ``w2(act(w1(x)) * w3(x))``, no biases; SwiGLU by default, GeGLU with
+    ``activation="gelu_tanh"``.
 
     Args:
         dim: the input and output width.
         hidden_dim: the width of ``w1`` and ``w3``.
+        activation: one of :data:`ACTIVATIONS`.
         recompute: when training, keep ``w1(x)`` and ``w3(x)`` alone for the backward pass and
-            recompute ``silu(w1(x)) * w3(x)`` there (:func:`~fusion.decoder.recompute.
+            recompute ``act(w1(x)) * w3(x)`` there (:func:`~fusion.decoder.recompute.
             recomputed`): three ``[b, s, hidden_dim]`` tensors kept instead of four
-            (``silu(w1(x))`` goes), gradients unchanged bit for bit.
+            (``act(w1(x))`` goes), gradients unchanged bit for bit.
 
     Shapes: input ``[b, s, dim]``, output ``[b, s, dim]``.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, recompute: bool = True) -> None:
+    def __init__(
+        self, dim: int, hidden_dim: int, activation: str = "silu", recompute: bool = True
+    ) -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gated = GATES[self.activation]
         if self.recompute:
-            return self.w2(recomputed(swiglu, self.w1(x), self.w3(x)))
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+            return self.w2(recomputed(gated, self.w1(x), self.w3(x)))
+        return self.w2(gated(self.w1(x), self.w3(x)))

@@ -50,6 +50,13 @@ class PackedSegments:
         block_mask: FlexAttention's ``BlockMask`` for these segments on their device, made once
             per decoder forward for the ``"flex"`` backend (every layer shares it); None
             otherwise. Not moved by :meth:`to`.
+        window: a token attends only to the ``window`` latest tokens of its sample, itself
+            included (a sliding-window layer's segments, :meth:`with_window`); None: to all of
+            them.
+        blocks: integer [b, s] or None: within a sample, the tokens of one block (the same id
+            > 0: one image's placeholders, Gemma 3) attend to each other both ways, the
+            window bounding only how far back a query reaches; 0: causal
+            (:meth:`with_blocks`). Only per-sample SDPA takes them.
     """
 
     lengths: tuple[tuple[int, ...], ...]
@@ -59,10 +66,14 @@ class PackedSegments:
     max_length: int
     backend: str = "auto"
     block_mask: Any = field(default=None, repr=False, compare=False)
+    window: int | None = None
+    blocks: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend not in PACKED_BACKENDS:
             raise ValueError(f"backend: expected one of {PACKED_BACKENDS}, got {self.backend!r}")
+        if self.window is not None:
+            check_int(self.window, "window", low=1)
         _check_lengths(self.lengths, self.padding)
         batch, seq_len = len(self.lengths), sum(self.lengths[0])
         ids = self.segment_ids
@@ -169,6 +180,9 @@ class PackedSegments:
         return replace(
             self,
             segment_ids=self.segment_ids.to(device, non_blocking=non_blocking),
+            blocks=None
+            if self.blocks is None
+            else self.blocks.to(device, non_blocking=non_blocking),
             cu_seqlens=self.cu_seqlens.to(device, non_blocking=non_blocking),
             block_mask=None,
         )
@@ -179,6 +193,7 @@ class PackedSegments:
         return replace(
             self,
             segment_ids=self.segment_ids.pin_memory(),
+            blocks=None if self.blocks is None else self.blocks.pin_memory(),
             cu_seqlens=self.cu_seqlens.pin_memory(),
             block_mask=None,
         )
@@ -187,6 +202,17 @@ class PackedSegments:
         """The same segments, attended by ``backend`` (one of :data:`PACKED_BACKENDS`)."""
         return replace(self, backend=backend, block_mask=None)
 
+    def with_window(self, window: int | None) -> "PackedSegments":
+        """The same segments, each token attending to the ``window`` latest tokens of its
+        sample only (None: all of them)."""
+        return replace(self, window=window, block_mask=None)
+
+    def with_blocks(self, blocks: torch.Tensor | None) -> "PackedSegments":
+        """The same segments, the tokens of each block attending to each other both ways
+        (``blocks``: integer [b, s] on their device, 0 for causal tokens; see the
+        attribute)."""
+        return replace(self, blocks=blocks, block_mask=None)
+
     def dense_mask(self) -> torch.Tensor:
         """The boolean block-causal mask [b, s, s] these segments stand for, True where a query
         may attend to a key (padding attends causally among itself, so no row is empty): what
@@ -194,8 +220,28 @@ class PackedSegments:
         # Padding as its own segment: every segment gets an id of its own within its row.
         ids = torch.where(self.segment_ids >= 0, self.segment_ids, self.seq_len)
         same = ids[:, :, None] == ids[:, None, :]
-        causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool, device=self.device)
-        return same & causal.tril()
+        return same & causal_band(self.seq_len, self.window, self.device, self.blocks)
+
+
+def causal_band(
+    seq_len: int,
+    window: int | None,
+    device: torch.device,
+    blocks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Boolean [s, s], True where query ``i`` may attend to key ``j``: ``j <= i``, and with a
+    ``window`` also ``i - j < window`` (the query and the ``window - 1`` before it). With
+    ``blocks`` ([..., s], 0 for causal tokens), [..., s, s]: also ``j > i`` where both are of
+    one block (the same id > 0), the window still bounding ``i - j`` only, as transformers'
+    Gemma 3 masks compose it."""
+    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    if blocks is not None:
+        same = (blocks[..., :, None] == blocks[..., None, :]) & (blocks[..., :, None] > 0)
+        allowed = allowed | same
+    if window is None:
+        return allowed
+    index = torch.arange(seq_len, device=device)
+    return allowed & (index[:, None] - index[None, :] < window)
 
 
 def _check_lengths(lengths: Any, padding: Any) -> None:

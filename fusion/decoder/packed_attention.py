@@ -14,6 +14,11 @@ without a dense ``[b, s, s]`` mask, by one of three backends:
   lengths, causal), CUDA with float16 or bfloat16 only, no dropout. Every token is in a
   segment, so padding attends causally among itself there (as the dense mask has it).
 
+Segments with a ``window`` (a sliding-window layer's, :meth:`PackedSegments.with_window`)
+attend within it in every backend: per-sample SDPA gives a sample longer than the window its
+``[n, n]`` band mask, FlexAttention's block mask skips the blocks outside the window, varlen
+takes it as flash attention's left window.
+
 ``"auto"`` picks per device and compute dtype (:func:`resolve_backend`): on CUDA varlen where
 it runs, else flex; elsewhere per-sample SDPA, the fastest measured on CPU: at SmolVLM-256M's
 attention shape on 4096 tokens of packed LLaVA-Instruct-like samples, 2 threads, its
@@ -42,7 +47,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from fusion.decoder.packed import PackedSegments
+from fusion.decoder.packed import PackedSegments, causal_band
 
 #: FlexAttention's block size: the block mask is made at this granularity.
 FLEX_BLOCK = 128
@@ -52,26 +57,37 @@ _disabled_per_sample: Any = None
 
 
 def resolve_backend(
-    backend: str, device: torch.device, dtype: torch.dtype, *, dropout: bool = False
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    dropout: bool = False,
+    blocks: bool = False,
 ) -> str:
     """The backend that runs ``backend`` (one of ``PACKED_BACKENDS``) on ``device`` for
     queries of ``dtype``, with attention dropout or not.
 
-    ``"auto"``: per-sample SDPA with dropout; on CUDA ``"varlen"`` where it runs
-    (:func:`varlen_supported`), else ``"flex"``; elsewhere (CPU, ...) ``"sdpa"``, which
-    measured fastest on CPU (2.5x to 11.8x the dense mask's forward+backward; see the module
-    docstring and benchmarks/README.md, "Packed attention").
+    ``"auto"``: per-sample SDPA with dropout or bidirectional ``blocks``; on CUDA
+    ``"varlen"`` where it runs (:func:`varlen_supported`), else ``"flex"``; elsewhere (CPU,
+    ...) ``"sdpa"``, which measured fastest on CPU (2.5x to 11.8x the dense mask's
+    forward+backward; see the module docstring and benchmarks/README.md, "Packed attention").
 
     Raises:
-        ValueError: ``"flex"`` or ``"varlen"`` with dropout (neither has any), ``"varlen"``
-            where it cannot run.
+        ValueError: ``"flex"`` or ``"varlen"`` with dropout (neither has any) or with
+            ``blocks`` (only per-sample SDPA attends both ways), ``"varlen"`` where it cannot
+            run.
     """
     if backend == "auto":
-        if dropout:
+        if dropout or blocks:
             return "sdpa"
         if device.type == "cuda":
             return "varlen" if varlen_supported(device, dtype) else "flex"
         return "sdpa"
+    if blocks and backend in ("flex", "varlen"):
+        raise ValueError(
+            f"mask: the {backend!r} backend has no bidirectional blocks (image placeholders "
+            "attending both ways); use 'sdpa' or 'auto'"
+        )
     if dropout and backend in ("flex", "varlen"):
         raise ValueError(
             f"mask: the {backend!r} backend has no attention dropout; use 'sdpa' or 'auto', "
@@ -110,14 +126,22 @@ def prepare(
     Raises:
         ValueError: see :func:`resolve_backend`.
     """
-    backend = resolve_backend(segments.backend, segments.device, dtype, dropout=dropout)
+    backend = resolve_backend(
+        segments.backend,
+        segments.device,
+        dtype,
+        dropout=dropout,
+        blocks=segments.blocks is not None,
+    )
     # Made here, eagerly, rather than on first use inside a compiled layer, where their
     # creation would cost that layer one more compilation.
     if backend == "flex":
         _flex_function()
     elif "torch._dynamo" in sys.modules:  # compilation is possible
         _per_sample_disabled()
-    block_mask = document_block_mask(segments.segment_ids) if backend == "flex" else None
+    block_mask = (
+        document_block_mask(segments.segment_ids, segments.window) if backend == "flex" else None
+    )
     return replace(segments, backend=backend, block_mask=block_mask)
 
 
@@ -129,8 +153,10 @@ def packed_attention(
     *,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention within each sample of packed rows.
+    """Causal attention within each sample of packed rows (within the segments' ``window``
+    when they have one).
 
     Args:
         q: [b, s, h, hd] queries (rotary applied).
@@ -140,6 +166,7 @@ def packed_attention(
             :func:`prepare`).
         dropout_p: attention dropout probability (``"sdpa"`` only).
         enable_gqa: key/value heads shared by groups of query heads.
+        scale: the factor of the query-key products (None: ``hd ** -0.5``).
 
     Returns:
         [b, s, h, hd]. Each sample's outputs equal its outputs alone (to float rounding);
@@ -148,13 +175,15 @@ def packed_attention(
     """
     backend = segments.backend
     if backend == "auto":
-        backend = resolve_backend(backend, q.device, q.dtype, dropout=dropout_p > 0)
+        backend = resolve_backend(
+            backend, q.device, q.dtype, dropout=dropout_p > 0, blocks=segments.blocks is not None
+        )
     if backend == "sdpa":
-        return _per_sample(q, k, v, segments, dropout_p, enable_gqa)
+        return _per_sample(q, k, v, segments, dropout_p, enable_gqa, scale)
     if backend == "flex":
-        return _flex(q, k, v, segments, enable_gqa)
+        return _flex(q, k, v, segments, enable_gqa, scale)
     if backend == "varlen":
-        return _varlen(q, k, v, segments, enable_gqa)
+        return _varlen(q, k, v, segments, enable_gqa, scale)
     raise ValueError(f"mask: unknown packed attention backend {backend!r}")
 
 
@@ -168,11 +197,12 @@ def _per_sample(
     segments: PackedSegments,
     dropout_p: float,
     enable_gqa: bool,
+    scale: float | None,
 ) -> torch.Tensor:
     """:func:`_per_sample_sdpa`, behind a graph break while compiling."""
     if torch.compiler.is_compiling():
-        return _per_sample_disabled()(q, k, v, segments, dropout_p, enable_gqa)
-    return _per_sample_sdpa(q, k, v, segments, dropout_p, enable_gqa)
+        return _per_sample_disabled()(q, k, v, segments, dropout_p, enable_gqa, scale)
+    return _per_sample_sdpa(q, k, v, segments, dropout_p, enable_gqa, scale)
 
 
 def _per_sample_sdpa(
@@ -182,9 +212,11 @@ def _per_sample_sdpa(
     segments: PackedSegments,
     dropout_p: float,
     enable_gqa: bool,
+    scale: float | None,
 ) -> torch.Tensor:
-    """One causal SDPA call per sample on [b, s, h, hd] inputs; the outputs, zeros for
-    padding, concatenated back into [b, s, h, hd] (one copy, which also makes the result
+    """One causal SDPA call per sample on [b, s, h, hd] inputs (with a mask [n, n] for a
+    sample longer than the segments' window, and for every sample with blocks); the outputs,
+    zeros for padding, concatenated back into [b, s, h, hd] (one copy, which also makes the result
     contiguous for the output projection).
 
     The inputs are cut with one ``split`` of the flattened ``[b * s]`` positions, whose
@@ -207,18 +239,27 @@ def _per_sample_sdpa(
         v.reshape(b * s, v.size(2), hd).split(flat),
         strict=True,
     )
+    blocks = None if segments.blocks is None else segments.blocks.reshape(b * s).split(flat)
     parts = []
     for i, (qi, ki, vi) in enumerate(pieces):
         if i in padding:  # never attended by a sample, never a target
             parts.append(q.new_zeros(qi.shape))
             continue
+        n, window = qi.size(0), segments.window
+        band = None
+        if blocks is not None:  # the sample's own blocks: none reaches another sample
+            band = causal_band(n, window, q.device, blocks[i])
+        elif window is not None and n > window:
+            band = causal_band(n, window, q.device)
         out = F.scaled_dot_product_attention(  # [1, h, n, hd]
             qi.transpose(0, 1)[None],
             ki.transpose(0, 1)[None],
             vi.transpose(0, 1)[None],
+            attn_mask=band,
             dropout_p=dropout_p,
-            is_causal=True,
+            is_causal=band is None,
             enable_gqa=enable_gqa,
+            scale=scale,
         )
         parts.append(out[0].transpose(0, 1))  # [n, h, hd]
     return torch.cat(parts).view(b, s, h, hd)
@@ -238,10 +279,11 @@ def _per_sample_disabled() -> Any:
 # ---------------------------------------------------------------------- FlexAttention
 
 
-def document_block_mask(segment_ids: torch.Tensor) -> Any:
+def document_block_mask(segment_ids: torch.Tensor, window: int | None = None) -> Any:
     """FlexAttention's ``BlockMask`` [b, 1, s, s] for document-causal attention over
     ``segment_ids`` (int32 [b, s], -1 for padding, as in ``PackedSegments``): a query attends
-    to the keys at or before it in its own sample; padding attends to nothing.
+    to the keys at or before it in its own sample, with a ``window`` only to the ``window``
+    latest (itself included); padding attends to nothing.
 
     Made from per-block segment ranges on the device: the ids increase along a row, so with
     padding taken as one last id, a block of queries meets a block of keys at or before it
@@ -266,6 +308,12 @@ def document_block_mask(segment_ids: torch.Tensor) -> Any:
     if s % FLEX_BLOCK:  # the last query block has positions past s: never whole
         whole = whole & (blocks < n - 1)[:, None]
     full = whole & (k_low == q_high) & (q_high < s)
+    if window is not None:
+        # Block distance d: its nearest query and key are d * B - (B - 1) apart, its
+        # farthest d * B + B - 1.
+        distance = (blocks[:, None] - blocks[None, :]) * FLEX_BLOCK
+        some = some & (distance - (FLEX_BLOCK - 1) < window)
+        full = full & (distance + FLEX_BLOCK - 1 < window)
     partial = some & ~full
 
     def indices(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,7 +326,8 @@ def document_block_mask(segment_ids: torch.Tensor) -> Any:
         batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
     ) -> torch.Tensor:
         same = ids[batch, q_idx] == ids[batch, kv_idx]
-        return same & (q_idx >= kv_idx) & (ids[batch, q_idx] >= 0)
+        allowed = same & (q_idx >= kv_idx) & (ids[batch, q_idx] >= 0)
+        return allowed if window is None else allowed & (q_idx - kv_idx < window)
 
     counts, order = indices(partial)
     full_counts, full_order = indices(full)
@@ -309,20 +358,22 @@ def _flex(
     v: torch.Tensor,
     segments: PackedSegments,
     enable_gqa: bool,
+    scale: float | None,
 ) -> torch.Tensor:
     if q.size(1) == 1:
         # Rows of one position: each attends to itself alone. Compiled CPU FlexAttention
         # (torch 2.13) fails to build its kernel for them once shapes are dynamic (b > 1).
-        return _per_sample(q, k, v, segments, 0.0, enable_gqa)
+        return _per_sample(q, k, v, segments, 0.0, enable_gqa, scale)
     block_mask = segments.block_mask
     if block_mask is None:
-        block_mask = document_block_mask(segments.segment_ids)
+        block_mask = document_block_mask(segments.segment_ids, segments.window)
     out = _flex_function()(  # [b, h, s, hd]
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         block_mask=block_mask,
         enable_gqa=enable_gqa,
+        scale=scale,
     )
     return out.transpose(1, 2)
 
@@ -336,6 +387,7 @@ def _varlen(
     v: torch.Tensor,
     segments: PackedSegments,
     enable_gqa: bool,
+    scale: float | None,
 ) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
@@ -349,7 +401,9 @@ def _varlen(
         segments.cu_seqlens,
         bound,
         bound,
-        window_size=(-1, 0),  # causal
+        # causal; flash attention's left window counts the keys before the query
+        window_size=(-1 if segments.window is None else segments.window - 1, 0),
         enable_gqa=enable_gqa,
+        scale=scale,
     )
     return cast(torch.Tensor, out).view(b, s, h, hd)  # no auxiliary outputs asked for

@@ -39,6 +39,8 @@ class RotaryPositionalEmbeddings(nn.Module):
         rotate_half: pair channel ``i`` with ``i + dim / 2`` (Hugging Face's ``rotate_half``
             layout) instead of ``(2i, 2i + 1)``: for stacks whose checkpoints are used as they
             are, with no rows permuted on load (Qwen3.5's gated query rows).
+        linear_factor: every frequency divided by it, after any llama3 scaling (Hugging
+            Face's ``"linear"`` rope scaling: Gemma 3's global layers); None for none.
 
     A head wider than ``dim`` is rotated on its first ``dim`` channels only, the rest passed
     through (partial rotary: Qwen3.5 rotates a quarter of its 256 channels).
@@ -60,6 +62,7 @@ class RotaryPositionalEmbeddings(nn.Module):
         mrope_section: Sequence[int] | None = None,
         mrope_interleaved: bool = False,
         rotate_half: bool = False,
+        linear_factor: float | None = None,
     ) -> None:
         super().__init__()
         if dim % 2:
@@ -83,22 +86,26 @@ class RotaryPositionalEmbeddings(nn.Module):
         self.mrope_section = None if mrope_section is None else list(mrope_section)
         self.mrope_interleaved = mrope_interleaved
         self.rotate_half = rotate_half
+        self.linear_factor = linear_factor
         # Not in the state dict: pure functions of the config, as in torchtune.
         self.register_buffer("cache", self._build_cache(), persistent=False)
         self.register_buffer("frequency_rows", self._build_frequency_rows(), persistent=False)
 
     def _frequencies(self) -> torch.Tensor:
         theta = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
-        if self.scale_factor is None:
-            return theta
+        if self.scale_factor is not None:
+            theta = self._llama3_scaled(theta, self.scale_factor)
+        return theta if self.linear_factor is None else theta / self.linear_factor
+
+    def _llama3_scaled(self, theta: torch.Tensor, factor: float) -> torch.Tensor:
         wavelen = 2 * math.pi / theta
         low_freq_wavelen = self.old_context_len / self.low_freq_factor
         high_freq_wavelen = self.old_context_len / self.high_freq_factor
         smooth = (self.old_context_len / wavelen - self.low_freq_factor) / (
             self.high_freq_factor - self.low_freq_factor
         )
-        interpolated = (1 - smooth) * theta / self.scale_factor + smooth * theta
-        scaled = torch.where(wavelen > low_freq_wavelen, theta / self.scale_factor, interpolated)
+        interpolated = (1 - smooth) * theta / factor + smooth * theta
+        scaled = torch.where(wavelen > low_freq_wavelen, theta / factor, interpolated)
         return torch.where(wavelen < high_freq_wavelen, theta, scaled)
 
     def _build_cache(self) -> torch.Tensor:

@@ -19,7 +19,7 @@ from fusion._validation import (
 from fusion.decoder.attention import MultiHeadAttention
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache
-from fusion.decoder.packed import PackedSegments
+from fusion.decoder.packed import PackedSegments, causal_band
 from fusion.decoder.packed_attention import prepare
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
@@ -42,6 +42,12 @@ class TransformerDecoder(nn.Module):
             ``load_state_dict``, ``to()`` and wrapping).
         output_hidden_states: layer indices whose *input* hidden states are returned before the
             logits (index ``len(layers)`` is the input of the final norm), as in torchtune.
+        final_logit_softcap: logits ``c * tanh(logits / c)`` for this ``c`` (Gemma's
+            ``final_logit_softcapping``); None: the output projection's as they are.
+
+    Attention layers with a ``sliding_window`` (Gemma's sliding-attention layers) get the
+    mask of the others with the window applied, in every form the mask takes (see
+    :meth:`forward`).
     """
 
     #: M-RoPE decoders with a KV cache: per sample [b], what is added to 1-D positions (text:
@@ -59,6 +65,7 @@ class TransformerDecoder(nn.Module):
         norm: nn.Module,
         output: nn.Linear | None = None,
         output_hidden_states: Sequence[int] | None = None,
+        final_logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.tok_embeddings = tok_embeddings
@@ -66,6 +73,7 @@ class TransformerDecoder(nn.Module):
         self.norm = norm
         self.output = output
         self.max_seq_len = max_seq_len
+        self.final_logit_softcap = final_logit_softcap
         # Plain ints: wrapping or sharding the embedding later must not change them.
         self.vocab_size: int = tok_embeddings.num_embeddings
         self.embed_dim: int = tok_embeddings.embedding_dim
@@ -253,6 +261,7 @@ class TransformerDecoder(nn.Module):
         input_embeds: torch.Tensor | None = None,
         embed: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
         after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        bidirectional: torch.Tensor | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Run the decoder.
 
@@ -266,7 +275,10 @@ class TransformerDecoder(nn.Module):
                 the decoder's device, as ``fusion.data.collate_packed`` makes them): causal
                 attention within each sample, with no [b, s, s] mask; its backend is resolved
                 here once for the compute dtype (autocast's, else the embeddings') and shared
-                by every layer (see :mod:`fusion.decoder.packed_attention`).
+                by every layer (see :mod:`fusion.decoder.packed_attention`). A layer with a
+                ``sliding_window`` gets each of these with the window applied: it attends to
+                the ``sliding_window`` latest positions only (by index in the row or the
+                cache, itself included), within its sample for packed rows.
             input_pos: positions [b, s], [1, s] or [s] for the rotary embeddings (packed
                 samples, left-padded batches, decoding); [b] for a one-token step. None:
                 ``0..s-1``, or the cache fill onward. M-RoPE decoders also take
@@ -283,6 +295,13 @@ class TransformerDecoder(nn.Module):
             after_layer: ``after_layer(i, h) -> h``, called on each layer's output [b, s, d]
                 before the next layer (Qwen3-VL's DeepStack rows are added to the first
                 layers' outputs at the image placeholders this way); None: nothing between.
+            bidirectional: integer block ids [b, s] (Gemma 3's images, from their
+                placeholders: :class:`fusion.hooks.ImageBlocks`): the tokens of one block (the
+                same id > 0) also attend to the later tokens of their block, in every mask
+                form (for packed rows within their sample, per-sample SDPA only); 0: as the
+                mask says. A sliding window bounds how far back a query reaches, not forward
+                within its block, as transformers' Gemma 3 masks compose the two. With a
+                cache, the keys of this call's slots are the blocks' (earlier slots: none).
 
         Returns:
             float32 logits [b, s, vocab_size] (hidden states [b, s, d] when
@@ -326,6 +345,9 @@ class TransformerDecoder(nn.Module):
         if slots is not None and host_reads_are_free(device):
             filled = self._first_cache().size + seq_len  # after this call's writes
             mask = _without_unfilled_slots(cast(torch.Tensor, mask), filled)
+        if bidirectional is not None:
+            self._validate_blocks(bidirectional, batch_size, seq_len)
+            mask = _with_blocks(mask, bidirectional, slots, seq_len)
 
         if input_embeds is not None:
             h = input_embeds
@@ -343,13 +365,16 @@ class TransformerDecoder(nn.Module):
         layout = None
         if any(recurrent):
             layout = self.recurrent_mixers()[0].token_layout(mask, slots)
-        if isinstance(mask, PackedSegments):
-            mask = prepare(mask, self._compute_dtype(h), dropout=self._dropout())
+        windows = [getattr(mixer, "sliding_window", None) for mixer in self._mixers()]
+        masks = {
+            window: self._layer_mask(mask, window, h, slots, seq_len) for window in set(windows)
+        }
         hidden = []
         for i, layer in enumerate(self.layers):
             if i in self.output_hidden_states:
                 hidden.append(h)
-            h = layer(h, mask=layout if recurrent[i] else mask, input_pos=input_pos)
+            layer_mask = layout if recurrent[i] else masks[windows[i]]
+            h = layer(h, mask=layer_mask, input_pos=input_pos)
             if after_layer is not None:
                 h = after_layer(i, h)
         if len(self.layers) in self.output_hidden_states:
@@ -363,18 +388,49 @@ class TransformerDecoder(nn.Module):
             out = self.unembed(h)
         return [*hidden, out] if hidden else out
 
+    def _layer_mask(
+        self,
+        mask: torch.Tensor | PackedSegments | None,
+        window: int | None,
+        h: torch.Tensor,
+        slots: torch.Tensor | None,
+        seq_len: int,
+    ) -> torch.Tensor | PackedSegments | None:
+        """The mask of the layers attending within ``window`` (None: to all), from the mask
+        of this forward: packed segments with the window, resolved for the compute dtype; a
+        boolean mask [b or 1, 1, s, kv_len] limited to keys less than ``window`` slots before
+        each query (queries at ``slots`` with a cache, at ``0..s-1`` without); for None
+        (causal, no cache), the causal band [1, 1, s, s], or None still when the sequence
+        fits in the window. Made once per forward and window, on the device, no sync."""
+        if isinstance(mask, PackedSegments):
+            segments = mask if window is None else mask.with_window(window)
+            return prepare(segments, self._compute_dtype(h), dropout=self._dropout())
+        if window is None or (mask is None and seq_len <= window):
+            return mask
+        if mask is None:
+            return causal_band(seq_len, window, h.device)[None, None]
+        queries = torch.arange(seq_len, device=h.device) if slots is None else slots
+        keys = torch.arange(mask.size(-1), device=h.device)
+        return mask & (queries[:, None] - keys[None, :] < window)
+
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         """Output projection of normed hidden states [b, s, d] -> float32 logits [b, s, vocab].
 
         An untied output is called as a module, so its hooks (sharding, adapters) run. A tied
         one reads ``tok_embeddings.weight``, which must then be a whole tensor here (a
         decoding step's few rows on the CPU take a faster product: :func:`_tied_projection`).
+        With ``final_logit_softcap``, the logits are then soft-capped (in float32).
 
         Raises:
             RuntimeError: tied output whose embedding has no ``weight``, or whose weight is
                 sharded (a DTensor) outside the embedding's own forward, e.g. when
                 ``tok_embeddings`` is its own FSDP unit.
         """
+        logits = self._project(h)
+        cap = self.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
             return self.output(h).float()
         weight = getattr(self.tok_embeddings, "weight", None)
@@ -515,6 +571,25 @@ class TransformerDecoder(nn.Module):
         if segments.device != self.device:
             raise ValueError(f"mask: expected device {self.device}, got {segments.device}")
 
+    def _validate_blocks(self, blocks: torch.Tensor, batch_size: int, seq_len: int) -> None:
+        if (
+            not isinstance(blocks, torch.Tensor)
+            or blocks.shape != (batch_size, seq_len)
+            or blocks.dtype not in INDEX_DTYPES
+        ):
+            got = describe(blocks) if isinstance(blocks, torch.Tensor) else type(blocks)
+            raise ValueError(
+                f"bidirectional: expected int64 or int32 block ids [{batch_size}, {seq_len}], "
+                f"got {got}"
+            )
+        if blocks.device != self.device:
+            raise ValueError(f"bidirectional: expected device {self.device}, got {blocks.device}")
+        if self.recurrent_mixers():
+            raise ValueError(
+                "bidirectional: this decoder's recurrent layers read tokens in order only; "
+                "blocks attending both ways need an attention-only stack"
+            )
+
     def _compute_dtype(self, h: torch.Tensor) -> torch.dtype:
         """The dtype the layers compute attention in: autocast's on ``h``'s device, else
         ``h``'s."""
@@ -573,6 +648,27 @@ def _tied_projection(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             flat = flat.expand(2, -1).contiguous()
         return (weight @ flat.T).T[:rows].reshape(*h.shape[:-1], weight.size(0))
     return F.linear(h, weight)
+
+
+def _with_blocks(
+    mask: torch.Tensor | PackedSegments | None,
+    blocks: torch.Tensor,
+    slots: torch.Tensor | None,
+    seq_len: int,
+) -> torch.Tensor | PackedSegments:
+    """``mask`` (as the decoder's forward has made it) with the tokens of each block of
+    ``blocks`` [b, s] also attending to the later tokens of their block: packed segments
+    carrying the blocks; a boolean [b, 1, s, kv_len] otherwise (for None, the causal mask's).
+    On the device, no sync."""
+    if isinstance(mask, PackedSegments):
+        return mask.with_blocks(blocks)
+    if mask is None:  # causal over this call's positions, no cache
+        return causal_band(seq_len, None, blocks.device, blocks)[:, None]
+    keys = blocks  # without a cache, the keys are this call's positions
+    if slots is not None:  # the blocks' keys at this call's slots, none at the others
+        keys = blocks.new_zeros(blocks.size(0), mask.size(-1)).index_copy(1, slots, blocks)
+    same = (blocks[:, :, None] == keys[:, None, :]) & (blocks[:, :, None] > 0)  # [b, s, kv]
+    return mask | same[:, None]
 
 
 def _without_unfilled_slots(mask: torch.Tensor, filled: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from fusion._wrappers import unwrap
 from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
 from fusion.families.base import Family, ModelSpec
+from fusion.families.gemma3 import GEMMA3, GEMMA3_TEXT
 from fusion.families.idefics3 import IDEFICS3
 from fusion.families.llama import LLAMA
 from fusion.families.llava import LLAVA
@@ -33,6 +34,8 @@ FAMILIES: tuple[Family, ...] = (
     QWEN3_5,
     QWEN3_5_TEXT,
     QWEN3_VL,
+    GEMMA3_TEXT,
+    GEMMA3,
 )
 
 __all__ = ["FAMILIES", "Family", "ModelSpec", "family_named", "family_of"]

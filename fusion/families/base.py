@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from fusion._validation import is_int
-from fusion.decoder import TransformerDecoder
 from fusion.early_fusion import EarlyFusion
 from fusion.hf.config import CONFIG_NAME, ConfigReader
 from fusion.hf.errors import short_repr
@@ -125,9 +124,10 @@ class Family:
         """
         raise NotImplementedError
 
-    def owns(self, decoder: TransformerDecoder) -> bool:
-        """(text-only families) Whether a bare decoder is one of this family's models (the
-        Llama family, the registry's fallback, describes or refuses any other)."""
+    def owns(self, decoder: nn.Module) -> bool:
+        """(text-only families) Whether a bare decoder (or the decoder of an ``EarlyFusion``
+        without encoders) is one of this family's models (the Llama family, the registry's
+        fallback, describes or refuses any other)."""
         return False
 
     @property
@@ -207,7 +207,20 @@ def _settings(module: nn.Module) -> tuple:
     """The settings of a module that its parameters' shapes do not show."""
     return tuple(
         getattr(module, name)
-        for name in ("eps", "name", "num_heads", "position_scheme", "scale_factor")
+        for name in (
+            "eps",
+            "name",
+            "num_heads",
+            "position_scheme",
+            "scale_factor",
+            "base",
+            "linear_factor",
+            "activation",
+            "attn_scale",
+            "sliding_window",
+            "embed_scale",
+            "final_logit_softcap",
+        )
         if isinstance(getattr(module, name, None), int | float | str)
     )
 

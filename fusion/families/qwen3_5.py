@@ -25,7 +25,6 @@ from fusion.decoder import (
     GatedDeltaNet,
     TransformerDecoder,
     TransformerSelfAttentionLayer,
-    ZeroCenteredRMSNorm,
 )
 from fusion.early_fusion import EarlyFusion
 from fusion.encoders.qwen_vision import Qwen35VisionTransformer
@@ -362,8 +361,13 @@ class Qwen35TextFamily(Family):
         "qwen3_5_text models are)"
     }
 
-    def owns(self, decoder: TransformerDecoder) -> bool:
-        return isinstance(decoder.norm, ZeroCenteredRMSNorm)
+    def owns(self, decoder: nn.Module) -> bool:
+        # Gated DeltaNet layers, or gated full attention: no other family's decoder has
+        # either (Gemma 3's has zero-centred norms too).
+        return isinstance(decoder, TransformerDecoder) and (
+            bool(decoder.recurrent_mixers())
+            or any(attention.output_gate for attention in decoder.attentions())
+        )
 
     def read(self, config: ConfigReader) -> ModelSpec:
         text = ConfigReader(

@@ -27,7 +27,7 @@ import torch
 
 from fusion._arguments import as_device
 from fusion.checkpoint import load_hf_model
-from fusion.families import FAMILIES
+from fusion.families import FAMILIES, family_named
 from fusion.generation.autoregressive import generate_stream
 from fusion.generation.sampling import check_sampling_args
 from fusion.hf.errors import CheckpointError
@@ -197,10 +197,17 @@ def _run(
 ) -> None:
     directory: Path = args.checkpoint
     _check_directory(directory)
-    kind = detect_model_kind(directory)  # a processor's kind, or a text-only family's name
-    text_only = kind not in KINDS
+    # a vision-language model's processor kind, or the family's name where it has none
+    kind = detect_model_kind(directory)
+    text_only = kind not in KINDS  # prompts go through the tokenizer alone
     if args.image and text_only:
-        parser.error(f"--image: {directory} holds a text-only model, which takes no images")
+        family = family_named(kind)
+        if family.encoder_types:
+            parser.error(
+                f"--image: this library has no image preprocessing for {family.what} yet "
+                "(its pixel values and image text come from transformers' processor)"
+            )
+        parser.error(f"--image: {directory} holds a text-only {family.what}, which takes no images")
     if args.image and args.prompt is None:
         parser.error("--image: images go where <image> markers are in a --prompt text")
     config = _generation_config(directory)

@@ -7,6 +7,7 @@ One table names each tensor in the three layouts. Meta's reference code rotates 
 exactly. Conversion is a pure relabelling: no arithmetic, bitwise reversible.
 """
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 
@@ -72,28 +73,43 @@ HF_DERIVED_KEY = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_fre
 _ROPE_ROWS = re.compile(r"layers\.\d+\.attn\.([qk])_(proj\.weight|proj\.bias|norm\.scale)")
 
 
+#: A family's layer tensors named otherwise than a Llama's: (this library's name, Hugging Face's)
+#: below the layer prefix, e.g. Gemma's ``("mlp_norm.scale", "pre_feedforward_layernorm.weight")``.
+Renamed = tuple[tuple[str, str], ...]
+
+
+@functools.cache
+def _tables(renamed: Renamed) -> tuple[dict[str, str], dict[str, str]]:
+    """(Hugging Face -> ours, ours -> Hugging Face): the Llama table with ``renamed``'s layer
+    tensors in place of the rows they name (a bijection still)."""
+    to_hf = _FUSION_TO_HF | {_LAYER[0] + ours: _LAYER[1] + hf for ours, hf in renamed}
+    return {hf: ours for ours, hf in to_hf.items()}, to_hf
+
+
 def _rename(key: str, table: Mapping[str, str]) -> str:
     if "{" in key or "}" in key:  # would be taken for the index placeholder
         raise KeyError(key)
     return table[_INDEX.sub("{}", key)].format(*_INDEX.findall(key))
 
 
-def hf_key_to_fusion(key: str) -> str:
-    """``model.layers.3.self_attn.o_proj.weight`` -> ``layers.3.attn.output_proj.weight``.
+def hf_key_to_fusion(key: str, renamed: Renamed = ()) -> str:
+    """``model.layers.3.self_attn.o_proj.weight`` -> ``layers.3.attn.output_proj.weight``
+    (``renamed``: a family's layer tensors named otherwise, see :data:`Renamed`).
 
     Raises:
         KeyError: not a Hugging Face Llama key.
     """
-    return _rename(key, _HF_TO_FUSION)
+    return _rename(key, _tables(renamed)[0])
 
 
-def fusion_key_to_hf(key: str) -> str:
-    """``layers.3.attn.output_proj.weight`` -> ``model.layers.3.self_attn.o_proj.weight``.
+def fusion_key_to_hf(key: str, renamed: Renamed = ()) -> str:
+    """``layers.3.attn.output_proj.weight`` -> ``model.layers.3.self_attn.o_proj.weight``
+    (``renamed`` as :func:`hf_key_to_fusion`'s).
 
     Raises:
         KeyError: not a key of a ``llama3_2`` decoder.
     """
-    return _rename(key, _FUSION_TO_HF)
+    return _rename(key, _tables(renamed)[1])
 
 
 def rope_heads(key: str, num_heads: int, num_kv_heads: int) -> int | None:
@@ -215,13 +231,15 @@ def fusion_to_hf(
     num_heads: int,
     num_kv_heads: int,
     permute_rope: bool = True,
+    renamed: Renamed = (),
 ) -> dict[str, torch.Tensor]:
     """Convert this library's Llama state dict to Hugging Face's ``LlamaForCausalLM`` layout.
 
     A tied decoder has no ``output.weight``, so the result has no ``lm_head.weight``, as in
     Hugging Face's own tied checkpoints. ``hf_to_fusion(fusion_to_hf(sd)) == sd`` bitwise.
     ``permute_rope=False``: the decoder rotates in Hugging Face's rotate-half layout already
-    (Qwen3.5), so only the names change.
+    (Qwen3.5), so only the names change. ``renamed``: a family's layer tensors named
+    otherwise (:data:`Renamed`: Gemma's four norms).
 
     Raises:
         TypeError: ``state_dict`` not a mapping; ``num_heads``/``num_kv_heads`` not ints.
@@ -231,7 +249,7 @@ def fusion_to_hf(
     """
     return _convert(
         state_dict,
-        _FUSION_TO_HF,
+        _tables(renamed)[1],
         "a Llama decoder",
         interleaved_to_rotate_half if permute_rope else None,
         num_heads,

@@ -6,7 +6,7 @@ import re
 from contextlib import suppress
 from dataclasses import dataclass
 
-from fusion.hf.keys import HF_DERIVED_KEY, fusion_key_to_hf, hf_key_to_fusion
+from fusion.hf.keys import HF_DERIVED_KEY, Renamed, fusion_key_to_hf, hf_key_to_fusion
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,9 @@ class KeyLayout:
     matching ``ignored`` (weights of heads the model does not have, e.g. Qwen3.5's
     multi-token prediction ``mtp.*``). ``permute_rope``: the decoder rotates queries and keys
     in Meta's interleaved pairs, so their rows are permuted to and from Hugging Face's
-    rotate-half layout; False for decoders that rotate in Hugging Face's layout.
+    rotate-half layout; False for decoders that rotate in Hugging Face's layout. ``renamed``:
+    the decoder's layer tensors that the family names otherwise than a Llama
+    (:data:`fusion.hf.keys.Renamed`: Gemma's four norms per layer).
     """
 
     decoder: str = ""
@@ -29,6 +31,7 @@ class KeyLayout:
     write: tuple[tuple[str, str], ...] = ()
     ignored: str | None = None
     permute_rope: bool = True
+    renamed: Renamed = ()
 
     def is_ignored(self, name: str) -> bool:
         """Whether checkpoint key ``name`` is a weight this model has no place for, by design."""
@@ -53,7 +56,7 @@ class KeyLayout:
         llama_key = key.removeprefix(self.decoder)
         if HF_DERIVED_KEY.fullmatch(llama_key):
             return None
-        return self.decoder + hf_key_to_fusion(llama_key)
+        return self.decoder + hf_key_to_fusion(llama_key, self.renamed)
 
     def saved(self, key: str) -> str:
         """The key the savers write for ``key``, whose decoder part is already Hugging Face's."""
@@ -66,5 +69,5 @@ class KeyLayout:
         """The key the savers write for this library's ``key`` (for errors)."""
         if key.startswith(self.decoder):
             with suppress(KeyError):  # a decoder key without a Hugging Face name stays ours
-                key = self.decoder + fusion_key_to_hf(key.removeprefix(self.decoder))
+                key = self.decoder + fusion_key_to_hf(key.removeprefix(self.decoder), self.renamed)
         return self.saved(key)

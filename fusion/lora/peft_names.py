@@ -45,7 +45,7 @@ class _Family:
         return self.family.transformers_module(self.model_type)
 
     @property
-    def text_only(self) -> bool:  # the model is its decoder (a Llama, Qwen3.5's text stack)
+    def text_only(self) -> bool:  # a decoder alone (Llama, Qwen3.5's or Gemma 3's text stack)
         return not self.family.encoder_types
 
     @property

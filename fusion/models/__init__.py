@@ -1,5 +1,6 @@
 """Model builders, kept apart from the modules they assemble."""
 
+from fusion.models.gemma3 import Gemma3ImageEncoder, Gemma3Projector, gemma3, gemma3_text
 from fusion.models.idefics3 import Idefics3ImageEncoder, idefics3, smolvlm_256m
 from fusion.models.llama3_2 import llama3_2, llama3_2_1b, llama3_2_3b, scale_hidden_dim_for_mlp
 from fusion.models.llava import LlavaImageEncoder, llava
@@ -8,8 +9,12 @@ from fusion.models.qwen3_5 import qwen3_5, qwen3_5_text
 from fusion.models.qwen3_vl import qwen3_vl
 
 __all__ = [
+    "Gemma3ImageEncoder",
+    "Gemma3Projector",
     "Idefics3ImageEncoder",
     "LlavaImageEncoder",
+    "gemma3",
+    "gemma3_text",
     "idefics3",
     "llama3_2",
     "llama3_2_1b",

@@ -198,9 +198,9 @@ class TestLayouts:
             assert type(model) is EarlyFusion
             same_state(model, load_hf_vlm(directory))
         config = copy_config(llava_dir[1], tmp_path / "other")
-        config["model_type"] = "gemma3"
+        config["model_type"] = "paligemma"
         write_config(tmp_path / "other", config)
-        with pytest.raises(CheckpointError, match=r"model_type.*'gemma3'"):
+        with pytest.raises(CheckpointError, match=r"model_type.*'paligemma'"):
             load_hf_model(tmp_path / "other")
 
 
@@ -216,9 +216,9 @@ class TestBadInput:
         with pytest.raises(CheckpointError, match=r"expected one of \['idefics3', 'smolvlm'\]"):
             load_hf_idefics3(llava_dir[1])
         config = copy_config(llava_dir[1], tmp_path / "qwen")
-        config["model_type"] = "gemma3"
+        config["model_type"] = "paligemma"
         write_config(tmp_path / "qwen", config)
-        with pytest.raises(CheckpointError, match=r"model_type.*'gemma3'"):
+        with pytest.raises(CheckpointError, match=r"model_type.*'paligemma'"):
             hf_model_kind(tmp_path / "qwen")
 
     @pytest.mark.parametrize(

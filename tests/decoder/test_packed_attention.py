@@ -53,11 +53,11 @@ def qkv(b: int, s: int, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, se
     return q, k, v
 
 
-def dense_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
+def dense_attention(q, k, v, mask: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """The baseline: SDPA with the [b, 1, s, s] mask, back to [b, s, h, hd]."""
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
-        enable_gqa=True,
+        enable_gqa=True, scale=scale,
     )  # fmt: skip
     return out.transpose(1, 2)
 
@@ -142,6 +142,25 @@ def test_to_and_pin_memory_move_the_tensors_and_keep_the_lengths():
     assert torch.equal(out.segment_ids, segments.segment_ids) and out.lengths == segments.lengths
 
 
+def test_a_window_limits_the_dense_mask_to_the_latest_keys_of_the_sample():
+    segments = PackedSegments.from_lengths([[6, 3], [9]], 10).with_window(4)
+    ids = segments.segment_ids.tolist()
+    expected = torch.tensor(
+        [
+            [
+                [ids[r][i] == ids[r][j] and 0 <= i - j < 4  # padding: -1, its own segment
+                 for j in range(10)]
+                for i in range(10)
+            ]
+            for r in range(2)
+        ]
+    )  # fmt: skip
+    assert torch.equal(segments.dense_mask(), expected)
+    assert segments.with_window(None).window is None
+    with pytest.raises(ValueError, match="window: expected a positive integer"):
+        segments.with_window(0)
+
+
 def test_memory_is_linear_in_the_row_length():
     s = 2048
     segments = PackedSegments.from_lengths([[700, 900], [2048]], s)
@@ -156,18 +175,21 @@ def test_memory_is_linear_in_the_row_length():
 
 
 @settings(max_examples=15, deadline=None)
-@given(layout=layouts(), seed=st.integers(0, 2**16))
-def test_block_mask_equals_flex_create_block_mask(layout, seed):
+@given(layout=layouts(), window=st.none() | st.integers(1, 300))
+def test_block_mask_equals_flex_create_block_mask(layout, window):
+    """Document-causal, and within a sliding window when there is one (the blocks outside it
+    skipped, those inside it whole)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows, seq_len = layout
     ids = PackedSegments.from_lengths(rows, seq_len).segment_ids
 
     def document_causal(b, h, q, k):
-        return (ids[b, q] == ids[b, k]) & (q >= k) & (ids[b, q] >= 0)
+        allowed = (ids[b, q] == ids[b, k]) & (q >= k) & (ids[b, q] >= 0)
+        return allowed if window is None else allowed & (q - k < window)
 
     expected = create_block_mask(document_causal, len(rows), None, seq_len, seq_len, device="cpu")
-    actual = document_block_mask(ids)
+    actual = document_block_mask(ids, window)
     assert torch.equal(actual.to_dense(), expected.to_dense())
     assert torch.equal(actual.full_kv_num_blocks, expected.full_kv_num_blocks)
     assert torch.equal(actual.kv_num_blocks, expected.kv_num_blocks)
@@ -189,6 +211,42 @@ def test_each_sample_attends_as_with_the_dense_mask(backend, layout, seed):
     torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=1e-5)
     assert out.shape == q.shape and bool(out.isfinite().all())
     assert not bool(out[~real].any())
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    layout=layouts(max_seq_len=160),
+    seed=st.integers(0, 2**16),
+    window=st.integers(1, 40),
+    scale=st.none() | st.floats(0.05, 1.0),
+)
+def test_per_sample_sdpa_within_a_window_equals_the_dense_mask(layout, seed, window, scale):
+    rows, seq_len = layout
+    segments = PackedSegments.from_lengths(rows, seq_len, backend="sdpa").with_window(window)
+    q, k, v = qkv(len(rows), seq_len, seed=seed)
+    out = packed_attention(q, k, v, segments, enable_gqa=True, scale=scale)
+    expected = dense_attention(q, k, v, segments.dense_mask(), scale=scale)
+    real = segments.segment_ids >= 0
+    torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("rows", "seq_len", "window"),
+    [([[200, 60]], 300, 130), ([[5, 140], [145]], 150, 3)],  # whole blocks in the window, none
+)
+def test_flex_within_a_window_equals_the_dense_mask(rows, seq_len, window):
+    """The block mask and its ``mask_mod`` with a window, run by eager FlexAttention (the
+    compiled CPU kernels take minutes per window; the block mask alone is checked against
+    ``create_block_mask`` above)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    segments = PackedSegments.from_lengths(rows, seq_len, backend="flex").with_window(window)
+    q, k, v = qkv(len(rows), seq_len)
+    with mock.patch.object(pa, "_compiled_flex", flex_attention), torch.no_grad():
+        out = packed_attention(q, k, v, prepare(segments, q.dtype), enable_gqa=True, scale=0.3)
+    expected = dense_attention(q, k, v, segments.dense_mask(), scale=0.3)
+    real = segments.segment_ids >= 0
+    torch.testing.assert_close(out[real], expected[real], atol=1e-5, rtol=1e-5)
 
 
 def test_per_sample_sdpa_gradients_equal_the_dense_masks():

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+import gemma3_helpers
 import qwen_helpers
+from gemma3_helpers import image_text, tiny_hf_gemma3, tiny_hf_gemma3_text, write_gemma3_text_dir
 from helpers import HF_VOCAB, tiny_hf_llama
 from qwen3_helpers import PATCH_WIDTH as QWEN3_PATCH_WIDTH
 from qwen3_helpers import (
@@ -139,6 +141,66 @@ def text_prompts(vocab: int) -> Callable[[], Batch]:
         return Batch(ids, attention_mask=(ids != PAD).long())
 
     return prompts
+
+
+# ---------------------------------------------------------------------- Gemma 3 (text)
+
+
+def gemma3_text() -> Batch:
+    """Longer than the sliding window: the sliding layers see part of each row only."""
+    generator = torch.Generator().manual_seed(0)
+    return Batch(torch.randint(3, gemma3_helpers.VOCAB, (2, 14), generator=generator))
+
+
+def gemma3_text_prompts() -> Batch:
+    """A left-padded batch whose long prompt outgrows the window before decoding starts."""
+    generator = torch.Generator().manual_seed(1)
+    lengths = (3, gemma3_helpers.WINDOW + 4)
+    short, long = (
+        torch.randint(3, gemma3_helpers.VOCAB, (n,), generator=generator) for n in lengths
+    )
+    ids = torch.stack([torch.cat([torch.full((len(long) - len(short),), PAD), short]), long])
+    return Batch(ids, attention_mask=(ids != PAD).long())
+
+
+def gemma3_batch(ids: torch.Tensor, images: int, seed: int, attention_mask=None) -> Batch:
+    """``ids`` with ``images`` random images; transformers is given the ``token_type_ids``
+    its processor writes (1 at the placeholders), without which it attends causally."""
+    generator = torch.Generator().manual_seed(seed)
+    size = gemma3_helpers.IMAGE_SIZE
+    pixels = torch.randn(images, 3, size, size, generator=generator)
+    types = (ids == gemma3_helpers.IMAGE).long()
+    return Batch(
+        ids,
+        {"image": {"pixel_values": pixels}},
+        {"pixel_values": pixels, "token_type_ids": types},
+        attention_mask,
+    )
+
+
+def gemma3_images() -> Batch:
+    """Two samples of the same length: one image in the first, two in the second, each run
+    of placeholders longer than the sliding window."""
+    generator = torch.Generator().manual_seed(0)
+    one, two = image_text(1), image_text(2)
+    ids = torch.randint(3, gemma3_helpers.BOI, (2, len(two) + 8), generator=generator)
+    ids[0, 3 : 3 + len(one)] = torch.tensor(one)
+    ids[1, 1 : 1 + len(two)] = torch.tensor(two)
+    return gemma3_batch(ids, 3, seed=1)
+
+
+def gemma3_vision_text() -> Batch:
+    """Text only: no image ids."""
+    generator = torch.Generator().manual_seed(0)
+    return Batch(torch.randint(3, gemma3_helpers.BOI, (2, 14), generator=generator))
+
+
+def gemma3_prompts() -> Batch:
+    """A left-padded batch with images: one in the short prompt, two in the long one."""
+    short = [2, 9, *image_text(1), 20, 30]
+    long = [2, *image_text(1), 11, 12, *image_text(1), 13, 14, 15]
+    ids = torch.tensor([[PAD] * (len(long) - len(short)) + short, long])
+    return gemma3_batch(ids, 3, seed=3, attention_mask=(ids != PAD).long())
 
 
 # ---------------------------------------------------------------------- LLaVA
@@ -293,6 +355,20 @@ FIXTURES: dict[str, FamilyFixture] = {
         text_prompts(HF_VOCAB),
         lambda directory: write_model("llama", directory),
         causal_lm=True,
+    ),
+    "gemma3_text": FamilyFixture(
+        "gemma3_text",
+        tiny_hf_gemma3_text,
+        {"text": gemma3_text},
+        gemma3_text_prompts,
+        write_gemma3_text_dir,
+        causal_lm=True,
+    ),
+    "gemma3": FamilyFixture(
+        "gemma3",
+        tiny_hf_gemma3,
+        {"images": gemma3_images, "text": gemma3_vision_text},
+        gemma3_prompts,
     ),
     "llava": FamilyFixture(
         "llava",
