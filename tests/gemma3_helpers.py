@@ -206,3 +206,43 @@ def write_gemma3_text_dir(directory: Path, seed: int = 0) -> Path:
     tiny_hf_gemma3_text(seed).save_pretrained(directory)
     gemma3_tokenizer().save_pretrained(directory)
     return directory
+
+
+def pan_and_scan_settings() -> dict:
+    """Pan-and-scan on, with crops of the small test images. ``Gemma3Processor`` applies its
+    own defaults (off; crops of at least 256 pixels) over its image processor's saved settings:
+    only settings passed to its call take effect there."""
+    return {
+        "do_pan_and_scan": True,
+        "pan_and_scan_min_crop_size": 8,
+        "pan_and_scan_max_num_crops": 4,
+        "pan_and_scan_min_ratio_to_activate": 1.2,
+    }
+
+
+def hf_gemma3_processor(*, pan_and_scan: bool = False):
+    """transformers' ``Gemma3Processor`` of the tiny vision model: its Pillow image processor
+    at the tower's :data:`IMAGE_SIZE`, :func:`gemma3_tokenizer`, :data:`IMAGE_ROWS` rows per
+    image."""
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    image_processor = Gemma3ImageProcessorPil(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        **(pan_and_scan_settings() if pan_and_scan else {}),
+    )
+    return Gemma3Processor(
+        image_processor,
+        gemma3_tokenizer(),
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        image_seq_length=IMAGE_ROWS,
+    )
+
+
+def write_gemma3_dir(directory: Path, seed: int = 0, *, pan_and_scan: bool = False) -> Path:
+    """A tiny random Gemma 3 vision directory as transformers saves one: the model, and
+    :func:`hf_gemma3_processor`'s tokenizer, chat template and processor settings."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tiny_hf_gemma3(seed).save_pretrained(directory)
+    hf_gemma3_processor(pan_and_scan=pan_and_scan).save_pretrained(directory)
+    return directory

@@ -38,6 +38,7 @@ transformers' processor.
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, cast
 
 from torch import nn
@@ -365,6 +366,11 @@ class Gemma3Family(Family):
     encoder_types = (Gemma3ImageEncoder,)
     vision_layers = VISION_LAYERS
     peft_encoder = (("encoders.image.vision_tower.", "model.vision_tower.vision_model."),)
+    square_images = True
+    processor = "gemma3"
+
+    def rows_per_image(self, spec: ModelSpec, side: int, config_file: Path) -> int:
+        return spec.options["tokens_per_image"]  # checked by read against the tower's side
 
     def read(self, config: ConfigReader) -> ModelSpec:
         text_config = config.section("text_config", self.what)

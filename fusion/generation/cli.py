@@ -201,13 +201,8 @@ def _run(
     kind = detect_model_kind(directory)
     text_only = kind not in KINDS  # prompts go through the tokenizer alone
     if args.image and text_only:
-        family = family_named(kind)
-        if family.encoder_types:
-            parser.error(
-                f"--image: this library has no image preprocessing for {family.what} yet "
-                "(its pixel values and image text come from transformers' processor)"
-            )
-        parser.error(f"--image: {directory} holds a text-only {family.what}, which takes no images")
+        what = family_named(kind).what
+        parser.error(f"--image: {directory} holds a text-only model ({what}), taking no images")
     if args.image and args.prompt is None:
         parser.error("--image: images go where <image> markers are in a --prompt text")
     config = _generation_config(directory)

@@ -22,7 +22,7 @@ decoded frames, sampled and bounded before decoding; :class:`Qwen2VLVideoProcess
 """
 
 from fusion.preprocessing.clip import ClipImageProcessor
-from fusion.preprocessing.gemma3 import Gemma3ImageProcessor, gemma3_image_text
+from fusion.preprocessing.gemma3 import Gemma3ImageProcessor, Gemma3Processor, gemma3_image_text
 from fusion.preprocessing.idefics3 import Idefics3ImageProcessor, TiledImage, idefics3_image_text
 from fusion.preprocessing.images import (
     as_uint8_image,
@@ -67,6 +67,7 @@ from fusion.preprocessing.video import (
 __all__ = [
     "ClipImageProcessor",
     "Gemma3ImageProcessor",
+    "Gemma3Processor",
     "Idefics3ImageProcessor",
     "PatchedImages",
     "PatchedVideos",

@@ -2,18 +2,22 @@
 for the published models), rescaled and normalised, as transformers 5.24's
 ``Gemma3ImageProcessorPil`` computes it, bit for bit; with pan-and-scan on, an image of a
 pronounced aspect ratio is also cut into 2 to ``pan_and_scan_max_num_crops`` crops along its
-long side, each processed as an image of its own after the original. And the text each image
-stands for in a prompt, as ``Gemma3Processor`` writes it.
+long side, each processed as an image of its own after the original. The text each image
+stands for in a prompt, as ``Gemma3Processor`` writes it, and Gemma 3's
+:class:`~fusion.preprocessing.VisionLanguageProcessor` (:class:`Gemma3Processor`).
 """
 
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from fusion.checkpoint.hf_vlm import VlmImageLayout
 from fusion.hf.config import ConfigReader
+from fusion.hf.errors import CheckpointError
 from fusion.preprocessing.images import (
     STANDARD_MEAN,
     STANDARD_STD,
@@ -23,6 +27,7 @@ from fusion.preprocessing.images import (
     rescale_normalize,
     to_rgb,
 )
+from fusion.preprocessing.processor import SquareImagesProcessor
 from fusion.preprocessing.resize import BILINEAR, FILTER_NAMES, resize
 
 # The tokenizer's markers of an image's rows (Gemma 3's tokenizer_config.json).
@@ -65,6 +70,11 @@ class Gemma3ImageProcessor:
     pan_and_scan_max_num_crops: int = 4
     pan_and_scan_min_ratio_to_activate: float = 1.2
     max_pixels: int | None = field(default=None, repr=False)  # None: default_max_pixels()
+
+    @classmethod
+    def for_image_size(cls, image_size: int) -> "Gemma3ImageProcessor":
+        """Gemma 3's defaults for a tower taking ``image_size`` square images."""
+        return cls(height=image_size, width=image_size)
 
     @classmethod
     def from_config(
@@ -194,3 +204,54 @@ def gemma3_image_text(rows: int, crops: int = 0) -> str:
         f"Here is the original image {one} and here are some crops to help you see better "
         + " ".join([one] * crops)
     )
+
+
+class Gemma3Processor(SquareImagesProcessor):
+    """:class:`~fusion.preprocessing.VisionLanguageProcessor` of Gemma 3: each
+    ``<start_of_image>`` in a prompt (the marker its chat template writes) becomes
+    :func:`gemma3_image_text` of its image, and each image its
+    :class:`Gemma3ImageProcessor` images (the image, then its pan-and-scan crops, each
+    ``tokens_per_image`` rows)."""
+
+    kind = "gemma3"
+    image_processor_type = Gemma3ImageProcessor
+    marker = START_OF_IMAGE
+    placeholder = IMAGE_SOFT_TOKEN
+
+    @staticmethod
+    def tower_image_size(encoder: Any) -> int:
+        return encoder.vision_tower.image_size
+
+    def _steps(self, height: int, width: int) -> tuple[list[tuple[int, int]], int, int]:
+        processor = self.image_processor
+        crops = len(processor.crop_boxes(height, width))
+        return [(height, width), *processor.output_sizes(height, width)], crops, 1
+
+    def _tiles(self, images: Sequence[object]) -> torch.Tensor:
+        return self.image_processor(images)[0]
+
+    def _image_text(self, height: int, width: int, tiles: int) -> str:
+        return gemma3_image_text(self.tokens_per_image, tiles - 1)
+
+    @classmethod
+    def _tower_setting(
+        cls, processor: Any, side: int, where: str
+    ) -> tuple[str, tuple[int | None, int | None]]:
+        if not processor.do_resize:
+            raise ValueError(
+                f"{where}: do_resize: false gives images of their own sizes; the vision tower "
+                f"takes {side} x {side}"
+            )
+        return "size", (processor.height, processor.width)
+
+    @classmethod
+    def _check_processor_config(
+        cls, config: dict[str, Any], file: Path, layout: VlmImageLayout
+    ) -> None:
+        rows = config.get("image_seq_length")
+        if rows not in (None, layout.tokens_per_image):
+            raise CheckpointError(
+                file,
+                "image_seq_length",
+                f"{rows!r}, but the model gives {layout.tokens_per_image} rows per image",
+            )

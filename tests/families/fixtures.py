@@ -16,7 +16,13 @@ from torch import nn
 
 import gemma3_helpers
 import qwen_helpers
-from gemma3_helpers import image_text, tiny_hf_gemma3, tiny_hf_gemma3_text, write_gemma3_text_dir
+from gemma3_helpers import (
+    image_text,
+    tiny_hf_gemma3,
+    tiny_hf_gemma3_text,
+    write_gemma3_dir,
+    write_gemma3_text_dir,
+)
 from helpers import HF_VOCAB, tiny_hf_llama
 from qwen3_helpers import PATCH_WIDTH as QWEN3_PATCH_WIDTH
 from qwen3_helpers import (
@@ -345,6 +351,13 @@ def qwen_their_images(sample, config) -> dict:
     )
 
 
+def gemma3_their_images(sample, config) -> dict:
+    # token_type_ids: without them transformers attends causally over the images
+    types = (sample.tokens[None] == config.image_token_id).long()
+    pixels = {"pixel_values": sample.pixel_values} if len(sample.pixel_values) else {}
+    return {"token_type_ids": types} | pixels
+
+
 # ---------------------------------------------------------------------- the table
 
 FIXTURES: dict[str, FamilyFixture] = {
@@ -369,6 +382,9 @@ FIXTURES: dict[str, FamilyFixture] = {
         tiny_hf_gemma3,
         {"images": gemma3_images, "text": gemma3_vision_text},
         gemma3_prompts,
+        write_gemma3_dir,
+        image_size=(24, 40),
+        their_images=gemma3_their_images,
     ),
     "llava": FamilyFixture(
         "llava",

@@ -72,7 +72,7 @@ def test_a_llama_takes_no_images(tmp_path, capsys):
     save_hf_llama(llama3_2(64, 1, 2, 1, 16, 32), tmp_path)
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(tmp_path), "--image", "x.png", "--prompt", "hi"])
-    assert "holds a text-only model, which takes no images" in capsys.readouterr().err
+    assert "holds a text-only model (Llama), taking no images" in capsys.readouterr().err
 
 
 def test_a_text_only_qwen3_5_takes_text_prompts_and_no_images(tmp_path, capsys):
@@ -85,7 +85,8 @@ def test_a_text_only_qwen3_5_takes_text_prompts_and_no_images(tmp_path, capsys):
     directory = write_qwen3_5_text_dir(tmp_path / "qwen3_5_text")
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(directory), "--image", "x.png", "--prompt", "hi"])
-    assert "holds a text-only model, which takes no images" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "holds a text-only model (Qwen3.5 (text only)), taking no images" in error
     out = io.StringIO()
     argv = ["--checkpoint", str(directory), "--prompt", "Hello", "--print-ids"]
     argv += ["--max-new-tokens", "5", "--temperature", "0", "--ignore-eos"]

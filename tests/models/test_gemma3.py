@@ -234,7 +234,7 @@ def test_the_command_line_generates_as_transformers_and_takes_no_images(pair, ca
     assert out.getvalue() == ",".join(map(str, theirs[0, len(prompt) :].tolist())) + "\n"
     with pytest.raises(SystemExit):
         main([*argv, "--image", "x.png", "--prompt", "hi"])
-    assert "holds a text-only Gemma 3 text, which takes no images" in capsys.readouterr().err
+    assert "holds a text-only model (Gemma 3 text), taking no images" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- parts

@@ -337,12 +337,35 @@ def test_compiled_greedy_decoding_equals_eager_and_never_recompiles(pair):
         torch._dynamo.reset()
 
 
-def test_the_command_line_says_images_need_transformers_processor(pair, capsys):
-    from fusion.generation.cli import main
+def test_the_command_line_generates_transformers_greedy_tokens_from_an_image(tmp_path):
+    """``python -m fusion.generation --image`` on a whole Gemma 3 directory: the prompt's
+    ``<start_of_image>`` expanded and the image processed by this library's processor, and
+    the new tokens transformers' greedy ones on its processor's inputs."""
+    import io
+    import json
 
-    with pytest.raises(SystemExit):
-        main(["--checkpoint", str(pair[1]), "--image", "x.png", "--prompt", "hi"])
-    assert "no image preprocessing for Gemma 3 yet" in capsys.readouterr().err
+    import numpy as np
+    from PIL import Image
+
+    from fusion.generation.cli import main
+    from gemma3_helpers import hf_gemma3_processor, tiny_hf_gemma3, write_gemma3_dir
+
+    directory = write_gemma3_dir(tmp_path / "model", seed=5)  # tokens that change
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 44, 3), np.uint8))
+    picture.save(tmp_path / "x.png")
+    prompt = "Look <start_of_image> now"
+    out = io.StringIO()
+    argv = ["--checkpoint", str(directory), "--image", str(tmp_path / "x.png")]
+    argv += ["--prompt", prompt, "--print-ids", "--max-new-tokens", "6", "--ignore-eos"]
+    argv += ["--temperature", "0"]
+    assert main(argv, out=out) == 0
+    printed = json.loads(out.getvalue())
+    theirs = hf_gemma3_processor()(text=[prompt], images=[[picture]], return_tensors="pt")
+    assert printed["prompt_ids"] == theirs["input_ids"][0].tolist()
+    hf = tiny_hf_gemma3(5)
+    with torch.no_grad():
+        expected = hf.generate(**theirs, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert printed["new_ids"] == expected[0, theirs["input_ids"].size(1) :].tolist()
 
 
 # ---------------------------------------------------------------------- hostile configs

@@ -15,6 +15,7 @@ from fusion.preprocessing.gemma3 import (
     IMAGE_SOFT_TOKEN,
     START_OF_IMAGE,
     Gemma3ImageProcessor,
+    Gemma3Processor,
     gemma3_image_text,
 )
 
@@ -149,3 +150,70 @@ def test_image_text_gives_the_processor_s_ids(pan_and_scan):
     image_id = tokenizer.convert_tokens_to_ids(IMAGE_SOFT_TOKEN)
     assert ours.count(image_id) == rows * (2 + sum(crops))
     assert (sum(crops) > 0) == pan_and_scan
+
+
+# ------------------------------------------------------------------ the processor of a model
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "pan-and-scan"])
+def gemma3_dir(request, tmp_path_factory):
+    from gemma3_helpers import write_gemma3_dir
+
+    root = tmp_path_factory.mktemp("gemma3")
+    return write_gemma3_dir(root / "model", pan_and_scan=request.param), request.param
+
+
+def test_the_processor_of_a_directory_gives_transformers_ids_pixels_and_logits(gemma3_dir):
+    """``VisionLanguageProcessor.from_directory`` on a directory transformers saved: ids and
+    pixels equal ``Gemma3Processor``'s, and the model's logits on them equal transformers'
+    with its ``token_type_ids``. Pan-and-scan follows the directory's image processor
+    settings; transformers' processor applies its own defaults over them (off), so it is
+    given them at its call, the one way it takes them."""
+    from fusion.checkpoint import load_hf_model
+    from fusion.preprocessing import VisionLanguageProcessor
+    from gemma3_helpers import hf_gemma3_processor, pan_and_scan_settings, tiny_hf_gemma3
+
+    directory, pan_and_scan = gemma3_dir
+    ours = VisionLanguageProcessor.from_directory(directory)
+    assert isinstance(ours, Gemma3Processor)
+    images = [image(40, 100, seed=1), image(32, 32, seed=2)]
+    prompt = f"Look {START_OF_IMAGE} then {START_OF_IMAGE} ok"
+    processor = hf_gemma3_processor(pan_and_scan=pan_and_scan)
+    settings = pan_and_scan_settings() if pan_and_scan else {}
+    theirs = processor(text=[prompt], images=[images], return_tensors="pt", **settings)
+    if pan_and_scan:  # its saved settings alone: no crops
+        plain = processor(text=[prompt], images=[images], return_tensors="pt")
+        assert len(plain["pixel_values"]) == len(images)
+    inputs = ours(prompt, images)
+    assert inputs.ids == theirs["input_ids"].tolist()
+    assert torch.equal(inputs.pixel_values, theirs["pixel_values"])
+    assert (len(inputs.pixel_values) > 2) == pan_and_scan  # the wide image's crops
+    tokens = torch.tensor(inputs.ids)
+    model, hf = load_hf_model(directory).eval(), tiny_hf_gemma3()
+    with torch.no_grad():
+        expected = hf(**theirs).logits
+        got = model(tokens, encoder_input=inputs.encoder_input())
+    assert (got - expected).abs().max() <= 1e-4
+
+
+def test_a_processor_config_at_odds_with_the_model_is_refused(gemma3_dir, tmp_path):
+    import json
+    import shutil
+
+    from fusion.checkpoint import CheckpointError
+    from fusion.preprocessing import VisionLanguageProcessor
+
+    directory, _ = gemma3_dir
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    config_file = copy / "processor_config.json"
+    config = json.loads(config_file.read_text())
+    config["image_seq_length"] = 9
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"image_seq_length.*9, but the model gives 16"):
+        VisionLanguageProcessor.from_directory(copy)
+    config["image_seq_length"] = 16
+    config["image_processor"]["size"] = {"height": 64, "width": 64}
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"size: gives images of 64 x 64 pixels.* takes 32 x 32"):
+        VisionLanguageProcessor.from_directory(copy)
