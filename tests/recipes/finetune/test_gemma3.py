@@ -7,6 +7,7 @@ sample; the recipe's first loss on Gemma 3 1B-style directories is the family su
 import json
 
 import pytest
+import torch
 
 from fusion.data import ChatTemplate, ConversationEncoder, DataError, read_conversations
 from gemma3_helpers import gemma3_tokenizer, write_gemma3_text_dir
@@ -67,3 +68,65 @@ def test_roles_that_do_not_alternate_are_refused_naming_the_sample(directory, tm
     error = capsys.readouterr().err
     assert f"--data: {data}:2: chat template: TemplateError: Conversation roles must" in error
     assert not (tmp_path / "run" / "final").exists()
+
+
+@pytest.fixture(scope="module")
+def vision_run(tmp_path_factory):
+    """A Gemma 3 vision directory and three image conversations."""
+    import numpy as np
+    from PIL import Image
+
+    from gemma3_helpers import write_gemma3_dir
+
+    root = tmp_path_factory.mktemp("gemma3_vision")
+    directory = write_gemma3_dir(root / "model")
+    records = []
+    for i in range(3):
+        pixels = np.random.default_rng(i).integers(0, 256, (24, 40, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(root / f"img{i}.png")
+        question = [{"type": "image", "path": f"img{i}.png"}, {"type": "text", "text": "What?"}]
+        answer = [{"type": "text", "text": f"thing {i}"}]
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": answer},
+                ]
+            }
+        )
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory, data, root
+
+
+@pytest.mark.parametrize("train", ["full", "lora", "projector"])
+def test_every_train_mode_trains_packed_as_padded(vision_run, ft, train):
+    directory, data, root = vision_run
+    losses = []
+    for packing in ([], ["--no-packing"]):
+        out = root / f"{train}{len(packing)}"
+        argv = ft.recipe_args(directory, data, out, "--steps", "2", "--train", train, *packing)
+        assert main(argv) == 0
+        losses.append(ft.metrics(out)["losses"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[0][1] < losses[0][0]
+    if train != "full":
+        return
+    from transformers import Gemma3ForConditionalGeneration
+
+    from fusion.checkpoint import load_hf_model
+    from fusion.preprocessing import VisionLanguageProcessor, load_image
+
+    final = root / "full0" / "final"
+    hf = Gemma3ForConditionalGeneration.from_pretrained(final).eval()
+    before = Gemma3ForConditionalGeneration.from_pretrained(directory).eval()
+    inputs = VisionLanguageProcessor.from_directory(final)(
+        "What <start_of_image>?", [load_image(root / "img0.png")]
+    )
+    tokens = torch.tensor(inputs.ids)
+    theirs = {"pixel_values": inputs.pixel_values, "token_type_ids": (tokens == 95).long()}
+    with torch.no_grad():
+        ours = load_hf_model(final).eval()(tokens, encoder_input=inputs.encoder_input())
+        expected = hf(input_ids=tokens, **theirs).logits
+        untrained = before(input_ids=tokens, **theirs).logits
+    assert (ours - expected).abs().max() <= 1e-4
+    assert (untrained - expected).abs().max() > 1e-3
