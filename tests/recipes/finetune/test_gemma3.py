@@ -1,8 +1,9 @@
-"""Gemma 3's chat template as its directories carry it (issue 38, item 6): rendered as
-transformers renders it (a system message folded into the first user turn, ``model`` turns),
-and a conversation whose roles do not alternate refused by the template, the error naming the
-sample; the recipe's first loss on Gemma 3 1B-style directories is the family suite's
-(``tests/families/test_recipe.py``)."""
+"""The recipe on Gemma 3 (issue 38, item 6): its chat template as its directories carry it,
+rendered as transformers renders it (a system message folded into the first user turn,
+``model`` turns), a conversation whose roles do not alternate refused by the template with
+the sample named; every ``--train`` mode on a vision directory, packed as padded, and the
+full fine-tune's ``final/`` loaded by transformers with our logits. The first loss against
+transformers' is the family suite's (``tests/families/test_recipe.py``)."""
 
 import json
 
@@ -86,14 +87,8 @@ def vision_run(tmp_path_factory):
         Image.fromarray(pixels).save(root / f"img{i}.png")
         question = [{"type": "image", "path": f"img{i}.png"}, {"type": "text", "text": "What?"}]
         answer = [{"type": "text", "text": f"thing {i}"}]
-        records.append(
-            {
-                "messages": [
-                    {"role": "user", "content": question},
-                    {"role": "assistant", "content": answer},
-                ]
-            }
-        )
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        records.append({"messages": turns})
     data = root / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     return directory, data, root
@@ -123,7 +118,8 @@ def test_every_train_mode_trains_packed_as_padded(vision_run, ft, train):
         "What <start_of_image>?", [load_image(root / "img0.png")]
     )
     tokens = torch.tensor(inputs.ids)
-    theirs = {"pixel_values": inputs.pixel_values, "token_type_ids": (tokens == 95).long()}
+    image_id = hf.config.image_token_index
+    theirs = {"pixel_values": inputs.pixel_values, "token_type_ids": (tokens == image_id).long()}
     with torch.no_grad():
         ours = load_hf_model(final).eval()(tokens, encoder_input=inputs.encoder_input())
         expected = hf(input_ids=tokens, **theirs).logits
