@@ -83,8 +83,11 @@ def mrope_positions(
 
     Returns:
         ``(positions [3, b, s], offsets [b])``: ``offsets`` is what 1-D positions after each
-        row need added to continue its last sample (Hugging Face's ``rope_deltas``: one past
-        the sample's largest position, less its length).
+        row need added to continue its last sample, as transformers' ``generate`` continues
+        it (from its last text position). That is ``get_rope_index``'s ``rope_deltas``
+        unless a video's temporal row passes the text after it: ``rope_deltas`` is then one
+        past the sample's largest position, which transformers 5.24 uses only when decoding
+        without ``generate``'s position ids.
 
     Raises:
         TypeError, ValueError: ``input_pos``, a grid or a ``time_interval`` of another type,
@@ -133,13 +136,10 @@ def mrope_positions(
     media_start = text - offset  # the 1-D position of its first row
     within = torch.stack([temporal, offset // width % height, offset % width])
     positions = torch.where(is_media, media_start + within, text.expand(3, batch, seq_len))
-    # The offset continues one past the last sample's largest position (a video's temporal
-    # row may pass the text after it). A sample begun in an earlier call reached, there, one
-    # below its first 1-D position here plus its carry.
-    in_last = column >= start[:, -1:]
-    top = torch.where(in_last, positions.amax(0), -1).amax(1) + 1
-    earlier = torch.where(start[:, -1] < 0, continued[:, 0] + pos[:, 0], 0)
-    return positions, torch.maximum(top, earlier) - pos[:, -1] - 1
+    # Decoding goes on from the next text position, as transformers' generate goes on from
+    # the last prompt token's positions (not from get_rope_index's rope_deltas, one past the
+    # sample's largest position: the two part where a video's temporal row passes the text).
+    return positions, shift[:, -1] + jump[:, -1]
 
 
 def _place(tokens: torch.Tensor, kinds: list[MediaGrids], spatial_merge_size: int) -> _Placed:

@@ -31,8 +31,10 @@ from qwen_helpers import (
 )
 
 # (frames, fps, height, width): odd frame counts (the last frame repeated to the temporal
-# patch) at rates giving second_per_grid_ts of 2/3, 4/15 and 2/7 seconds.
+# patch) at rates giving second_per_grid_ts of 2/3, 4/15, 2/7 and 4/3 seconds. The slow one's
+# temporal row passes the text after it (Qwen2.5-VL: by 13; Qwen2-VL: by 1).
 VIDEO = ("video", (5, 3.0, 40, 60))
+SLOW_VIDEO = ("video", (9, 1.5, 30, 40))
 SHORT_VIDEO = ("video", (3, 7.5, 50, 36))
 LONG_VIDEO = ("video", (7, 7.0, 36, 44))
 IMAGE = ("image", (1, 6, 4))
@@ -103,7 +105,8 @@ def test_the_temporal_row_scaled_matters(pair):
 
 def test_positions_equal_get_rope_index(pair):
     hf, _ = pair
-    samples = [media_prompt(*case, seed=i) for i, case in enumerate([VIDEO_AND_IMAGE, ONE_VIDEO])]
+    cases = [VIDEO_AND_IMAGE, ([SLOW_VIDEO], [2, 0]), ONE_VIDEO]
+    samples = [media_prompt(*case, seed=i) for i, case in enumerate(cases)]
     ids, attention = left_pad([s[0] for s in samples])
     images = concat_media([s[1] for s in samples])
     videos = concat_media([s[2] for s in samples])
@@ -125,7 +128,14 @@ def test_positions_equal_get_rope_index(pair):
         media=[MediaGrids(VIDEO_PAD, videos["video_grid_thw"], interval, "video_grid_thw")],
     )
     assert torch.equal(ours, theirs)
-    assert torch.equal(offsets, deltas[:, 0])
+    # Decoding goes on from each prompt's last position, as transformers' generate does;
+    # get_rope_index's rope_deltas (one past the largest position) say so too, except where
+    # the slow video's temporal row passes the text after it.
+    lengths = attention.sum(1)
+    assert torch.equal(offsets, theirs[0, :, -1] + 1 - lengths)
+    passes = theirs.amax((0, 2)) > theirs[0, :, -1]
+    assert passes.tolist() == [False, True, False]
+    assert torch.equal(offsets[~passes], deltas[~passes, 0])
 
 
 def test_left_padded_batch_matches_transformers(pair):
@@ -155,12 +165,20 @@ def test_packed_row_equals_each_sample_alone(pair):
     assert (packed - torch.cat(alone)).abs().max() <= 1e-5
 
 
-def test_greedy_generation_equals_transformers(pair):
-    """A left-padded batch whose prompts end soon after a video, so that the decoding offsets
-    come from the video's temporal row where it passes the text (one past the sample's
-    largest position, as transformers' ``rope_deltas``)."""
-    hf, model = pair
-    cases = [([IMAGE, VIDEO], [2, 1, 1]), ([SHORT_VIDEO], [3, 1])]
+# Seeds whose tiny models answer these prompts with varied tokens.
+GENERATION_SEEDS = {"qwen2_vl": 1, "qwen2_5_vl": 0}
+
+
+def test_greedy_generation_equals_transformers(pair, tmp_path):
+    """A left-padded batch, one prompt ending right after a video whose temporal row passes
+    the text, so that decoding continues from one past the sample's largest position (the
+    offsets themselves are pinned by the positions test; greedy tokens of a tiny model move
+    with them only now and then)."""
+    model_type = pair[0].config.model_type
+    hf = tiny_hf_qwen(model_type, seed=GENERATION_SEEDS[model_type])
+    hf.save_pretrained(tmp_path)
+    model = load_hf_vlm(tmp_path).eval()
+    cases = [([IMAGE, SLOW_VIDEO], [2, 1, 0]), ([SHORT_VIDEO], [3, 1])]
     samples = [media_prompt(*case, seed=7 + i) for i, case in enumerate(cases)]
     ids, attention = left_pad([s[0] for s in samples])
     images = concat_media([s[1] for s in samples])
@@ -185,6 +203,7 @@ def test_greedy_generation_equals_transformers(pair):
         temperature=0,
         pad_id=PAD,
     )[:, ids.size(1) :]
+    assert any(len(set(row)) > 2 for row in theirs.tolist())  # a lively model
     assert torch.equal(ours, theirs)
 
 
