@@ -247,3 +247,39 @@ def test_video_input_mistakes_are_refused_by_name(pair):
     renamed = {**videos, "pixel_values": videos["pixel_values_videos"]}
     with pytest.raises(ValueError, match=r"encoder_input\['video'\]: unknown keys"):
         our_logits(model, ids, images, renamed)
+
+
+def test_saved_model_keeps_its_video_settings(pair, tmp_path):
+    """``save_hf_model`` writes the ``<|video_pad|>`` id and Qwen2.5-VL's
+    ``tokens_per_second`` (here not transformers' default): transformers loads the directory
+    with the same video logits."""
+    import json
+
+    from transformers import AutoModelForImageTextToText
+
+    from fusion.checkpoint import save_hf_model
+
+    hf, model = pair
+    save_hf_model(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["video_token_id"] == VIDEO_PAD
+    if hf.config.model_type == "qwen2_5_vl":
+        assert config["vision_config"]["tokens_per_second"] == TOKENS_PER_SECOND
+    again = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    ids, images, videos = media_prompt(*ONE_VIDEO)
+    assert (hf_logits(again, ids, images, videos) - our_logits(model, ids, images, videos)).abs().max() <= 1e-4
+
+
+def test_tower_rows_equal_get_video_features(pair):
+    """Grids with t > 1 through the tower: attention within each frame (and Qwen2.5-VL's
+    windows), rotary angles repeated per frame, as transformers' tower computes them."""
+    hf, model = pair
+    _, _, videos = media_prompt(*IMAGE_VIDEO_IMAGE)
+    with torch.no_grad():
+        theirs = torch.cat(
+            hf.model.get_video_features(
+                videos["pixel_values_videos"], videos["video_grid_thw"]
+            ).pooler_output
+        )
+        ours = model.encode({"video": videos})["video"]
+    assert (ours - theirs).abs().max() <= 1e-5
