@@ -369,6 +369,7 @@ class Qwen2VLFamily(QwenVLFamily):
     )
     encoder_types = (Qwen2VisionTransformer, Qwen25VisionTransformer)
     processor_defaults = {"qwen2_vl": _QWEN2_PROCESSOR, "qwen2_5_vl": _QWEN2_PROCESSOR}
+    takes_videos = True
 
 
 class Qwen3VLFamily(QwenVLFamily):

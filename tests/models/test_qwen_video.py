@@ -267,7 +267,9 @@ def test_saved_model_keeps_its_video_settings(pair, tmp_path):
         assert config["vision_config"]["tokens_per_second"] == TOKENS_PER_SECOND
     again = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
     ids, images, videos = media_prompt(*ONE_VIDEO)
-    assert (hf_logits(again, ids, images, videos) - our_logits(model, ids, images, videos)).abs().max() <= 1e-4
+    assert (
+        hf_logits(again, ids, images, videos) - our_logits(model, ids, images, videos)
+    ).abs().max() <= 1e-4
 
 
 def test_tower_rows_equal_get_video_features(pair):

@@ -1,0 +1,96 @@
+"""``python -m fusion.generation --video`` on Qwen2-VL and Qwen2.5-VL directories as the Hub
+carries them (their videos sized by ``preprocessor_config.json``, as transformers sizes them):
+the prompt's ids are transformers' processor's, and the greedy tokens transformers'
+``generate``'s on the same clip; a directory whose model takes no videos is refused by name."""
+
+import io
+import json
+
+import pytest
+import torch
+from video_helpers import drawn_frames, hf_video_outputs, hf_video_settings, write_clip
+
+from fusion.generation.cli import main
+from fusion.preprocessing import load_video
+from qwen3_helpers import write_qwen3_dir
+from qwen_helpers import PAD, QWEN_PIXELS, hf_media_kwargs, media_token_type_ids, write_qwen_dir
+
+NEW = 6
+MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
+PROMPT = f"<|im_start|>user\n{MARKER}What?<|im_end|>\n"
+PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    """7 frames at 3 frames a second (second_per_grid_ts 2/3), of an odd size."""
+    folder = tmp_path_factory.mktemp("clip")
+    return write_clip(folder / "clip.mp4", drawn_frames(7, 38, 54, seed=4), 3.0)
+
+
+@pytest.mark.parametrize("model_type", list(PROCESSORS))
+def test_ids_and_tokens_equal_transformers(model_type, clip, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    directory = write_qwen_dir(tmp_path / model_type, model_type, seed=5)
+    settings = {
+        **QWEN_PIXELS,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    video = load_video(clip)
+    (reference,) = hf_video_outputs(
+        [
+            {
+                "processor": PROCESSORS[model_type],
+                "class": "Qwen2VLVideoProcessor",
+                "settings": hf_video_settings(settings, False),
+                "tokenizer": str(directory),
+                "prompts": [PROMPT],
+                "videos": [video.frames],
+                "kwargs": {"video_metadata": [video.metadata.as_transformers()]},
+            }
+        ],
+        tmp_path,
+    )
+    ids = torch.tensor(reference["input_ids"])
+    hf = AutoModelForImageTextToText.from_pretrained(directory).eval()
+    videos = {k: reference[k] for k in ("pixel_values_videos", "video_grid_thw")}
+    if reference["second_per_grid_ts"] is not None:  # Qwen2.5-VL's processor gives them
+        videos["second_per_grid_ts"] = torch.as_tensor(reference["second_per_grid_ts"])
+    with torch.no_grad():
+        expected = hf.generate(
+            input_ids=ids,
+            mm_token_type_ids=media_token_type_ids(ids),
+            **hf_media_kwargs(hf, {}, videos),
+            max_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=PAD,
+            eos_token_id=None,
+        )[0, ids.size(1) :]
+    assert len(set(expected.tolist())) > 1  # not one token over and over
+    argv = ["--checkpoint", str(directory), "--max-new-tokens", str(NEW), "--temperature", "0"]
+    argv += ["--ignore-eos", "--prompt", PROMPT, "--video", str(clip), "--print-ids"]
+    out = io.StringIO()
+    assert main(argv, out=out) == 0
+    (line,) = [json.loads(text) for text in out.getvalue().splitlines()]
+    assert line["prompt_ids"] == ids[0].tolist()
+    assert line["new_ids"] == expected.tolist()
+
+
+def test_a_model_without_videos_is_refused(clip, tmp_path, capsys):
+    directory = write_qwen3_dir(tmp_path / "qwen3_vl", seed=0)
+    argv = ["--checkpoint", str(directory), "--prompt", PROMPT, "--video", str(clip)]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "--video:" in error and "takes no videos" in error and "qwen2_5_vl" in error
