@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fusion._validation import describe
+from fusion._validation import INDEX_DTYPES, describe
 from fusion.merge.placement import Placement
 from fusion.positions import MediaGrids, mrope_positions
 
@@ -53,12 +53,16 @@ class MRopeInput:
         seconds: the key of the ``[n]`` seconds one temporal grid step spans (a tensor, as
             the processor's ``second_per_grid_ts``; a sequence is taken as float32, as
             transformers' ``BatchFeature`` converts it).
+        split_frames: each temporal patch of a media is a media of its own (t = 1), as
+            Qwen3-VL's per-frame timestamps separate a video's frames (the grids are read on
+            the host for it: keep them on the CPU, as the processors give them).
     """
 
     encoder: str
     grids: str = "image_grid_thw"
     tokens_per_second: float | None = None
     seconds: str = "second_per_grid_ts"
+    split_frames: bool = False
 
     def media(self, value: Mapping[str, Any], placeholder_id: int) -> MediaGrids:
         """The :class:`~fusion.positions.MediaGrids` of this encoder's input ``value``.
@@ -67,6 +71,16 @@ class MRopeInput:
             ValueError: ``seconds`` that are not one real number per grid row.
         """
         grids = value.get(self.grids)
+        if (
+            self.split_frames
+            and isinstance(grids, torch.Tensor)
+            and grids.dim() == 2
+            and grids.size(1) == 3
+            and grids.dtype in INDEX_DTYPES
+        ):
+            frames = grids[:, :1]
+            grids = grids.repeat_interleave(frames.flatten(), dim=0)
+            grids = torch.cat([torch.ones_like(grids[:, :1]), grids[:, 1:]], dim=1)
         if self.tokens_per_second is None or not isinstance(grids, torch.Tensor):
             return MediaGrids(placeholder_id, grids, None, self.grids)
         seconds = value.get(self.seconds)
@@ -182,27 +196,35 @@ class MRopePositions:
 
 
 class DeepStackRows:
-    """For an encoder that returns ``(rows, layer_rows)`` (Qwen3-VL's DeepStack): ``rows``
-    replace its placeholders as any encoder's, and ``layer_rows[k]`` (each shaped like
+    """For encoders that return ``(rows, layer_rows)`` (Qwen3-VL's DeepStack): ``rows``
+    replace their placeholders as any encoder's, and ``layer_rows[k]`` (each shaped like
     ``rows``) is added to the output of decoder layer ``k`` at the same placeholders, through
     the decoder's ``after_layer`` (this library's decoder only; no layer is replaced, no key
     changes).
 
     Args:
-        encoder: the name of that encoder.
+        encoders: the name of such an encoder, or several (e.g. images and the videos that
+            share their tower): one ``after_layer`` adds each one's rows at its own
+            placeholders.
     """
 
-    def __init__(self, encoder: str) -> None:
-        self.encoder = encoder
+    def __init__(self, encoders: str | Sequence[str]) -> None:
+        self.encoders = (encoders,) if isinstance(encoders, str) else tuple(encoders)
 
     def __repr__(self) -> str:
-        return f"DeepStackRows({self.encoder!r})"
+        shown = self.encoders[0] if len(self.encoders) == 1 else list(self.encoders)
+        return f"DeepStackRows({shown!r})"
+
+    @property
+    def encoder(self) -> str:
+        """The first encoder's name (the image encoder's, for the families)."""
+        return self.encoders[0]
 
     def check(self, decoder: nn.Module, encoder_tokens: Mapping[str, int]) -> None:
-        if self.encoder not in encoder_tokens:
+        if not self.encoders or any(name not in encoder_tokens for name in self.encoders):
             raise ValueError(
-                "deepstack: expected an encoder name of this model over this library's "
-                f"decoder, got {self.encoder!r}"
+                "deepstack: expected encoder names of this model over this library's "
+                f"decoder, got {self!r}"
             )
 
     def before_decoder(
@@ -215,22 +237,23 @@ class DeepStackRows:
         input_pos: torch.Tensor | None,
         kwargs: dict[str, Any],
     ) -> torch.Tensor | None:
-        layer_rows = self._split(rows)
-        if layer_rows:
-            placeholder = placeholders[self.encoder]
+        found = [(placeholders[name], self._split(rows, name)) for name in self.encoders]
+        added = [(placeholder, layers) for placeholder, layers in found if layers]
+        if added:
 
             def after_layer(index: int, hidden: torch.Tensor) -> torch.Tensor:
-                if index >= len(layer_rows):
-                    return hidden
-                return add_at_placeholders(hidden, tokens, placeholder, layer_rows[index])
+                for placeholder, layer_rows in added:
+                    if index < len(layer_rows):
+                        hidden = add_at_placeholders(hidden, tokens, placeholder, layer_rows[index])
+                return hidden
 
             kwargs["after_layer"] = after_layer
         return input_pos
 
-    def _split(self, rows: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-        """Take the encoder's ``(rows, layer_rows)`` apart: its ``rows`` stay in ``rows`` for
-        the merge, its layer rows are returned (checked to be shaped alike)."""
-        name = self.encoder
+    @staticmethod
+    def _split(rows: dict[str, Any], name: str) -> tuple[torch.Tensor, ...]:
+        """Take encoder ``name``'s ``(rows, layer_rows)`` apart: its ``rows`` stay in ``rows``
+        for the merge, its layer rows are returned (checked to be shaped alike)."""
         if not isinstance(rows.get(name), tuple):
             return ()
         main, layer_rows = rows[name]

@@ -312,23 +312,34 @@ def transformers_first_loss(hf, processor, directory, data, *, thinking: bool = 
 # (bitwise transformers' own, tests/preprocessing/test_qwen2_vl_video.py), so that both
 # models see the same pixels without torchvision.
 VIDEO_PIXELS = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 6}
+VIDEO3_PIXELS = {"min_pixels": 32 * 32 * 4, "max_pixels": 32 * 32 * 6}
 
 
-def media_prompt(parts: list[tuple[str, tuple]], text_lengths: list[int], seed: int = 0):
+def media_prompt(
+    parts: list[tuple[str, tuple]], text_lengths: list[int], seed: int = 0, *, qwen3: bool = False
+):
     """One sample: text runs of ``text_lengths`` (one more than ``parts``) around images
     (``("image", (t, h, w))``, random patches) and videos (``("video", (frames, fps, height,
-    width))``: drawn frames through :class:`Qwen2VLVideoProcessor`), each as
-    ``<|vision_start|>`` + placeholders + ``<|vision_end|>``. Returns (ids [1, s], image
-    input, video input) in transformers' names: ``pixel_values`` and ``image_grid_thw``;
-    ``pixel_values_videos``, ``video_grid_thw`` and float32 ``second_per_grid_ts``."""
+    width))``: drawn frames through :class:`Qwen2VLVideoProcessor`, or with ``qwen3``
+    :class:`Qwen3VLVideoProcessor`), each as ``<|vision_start|>`` + placeholders +
+    ``<|vision_end|>``; a Qwen3-VL video's as transformers 5.24 writes them, each temporal
+    patch's run after a timestamp (three random tokens here) and in a start / end pair of its
+    own, inside the chat template's pair. Returns (ids [1, s], image input, video input) in
+    transformers' names: ``pixel_values`` and ``image_grid_thw``; ``pixel_values_videos``,
+    ``video_grid_thw`` and float32 ``second_per_grid_ts``."""
     from video_helpers import drawn_frames
 
     from fusion.preprocessing import load_video
-    from fusion.preprocessing.qwen2_vl_video import Qwen2VLVideoProcessor
+    from fusion.preprocessing.qwen2_vl_video import Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
 
     assert len(text_lengths) == len(parts) + 1
     generator = torch.Generator().manual_seed(seed)
-    processor = Qwen2VLVideoProcessor(**VIDEO_PIXELS)
+    if qwen3:
+        processor = Qwen3VLVideoProcessor(**VIDEO3_PIXELS)
+        patch_width = 3 * TEMPORAL * 16 * 16
+    else:
+        processor = Qwen2VLVideoProcessor(**VIDEO_PIXELS)
+        patch_width = PATCH_WIDTH
     pieces, image_grids, clips = [], [], []
     for i, length in enumerate(text_lengths):
         pieces.append(torch.randint(3, 140, (length,), generator=generator))
@@ -337,16 +348,26 @@ def media_prompt(parts: list[tuple[str, tuple]], text_lengths: list[int], seed: 
         kind, spec = parts[i]
         if kind == "image":
             image_grids.append(spec)
-            rows, pad = spec[0] * spec[1] * spec[2] // MERGE**2, IMAGE_PAD
-        else:
-            frames, fps, height, width = spec
-            clip = load_video(drawn_frames(frames, height, width, seed=seed + i), fps=fps)
-            clips.append(clip)
-            rows, pad = processor.rows(frames, height, width), VIDEO_PAD
-        pieces.append(torch.tensor([VISION_START, *[pad] * rows, VISION_END]))
+            rows = spec[0] * spec[1] * spec[2] // MERGE**2
+            pieces.append(torch.tensor([VISION_START, *[IMAGE_PAD] * rows, VISION_END]))
+            continue
+        frames, fps, height, width = spec
+        clip = load_video(drawn_frames(frames, height, width, seed=seed + i), fps=fps)
+        clips.append(clip)
+        t, h, w = processor.grid(frames, height, width)
+        if not qwen3:
+            rows = t * h * w // MERGE**2
+            pieces.append(torch.tensor([VISION_START, *[VIDEO_PAD] * rows, VISION_END]))
+            continue
+        pieces.append(torch.tensor([VISION_START]))
+        for _ in range(t):
+            pieces.append(torch.randint(3, 140, (3,), generator=generator))
+            pieces.append(torch.tensor([VISION_START, *[VIDEO_PAD] * (h * w // MERGE**2)]))
+            pieces.append(torch.tensor([VISION_END]))
+        pieces.append(torch.tensor([VISION_END]))
     patches = sum(t * h * w for t, h, w in image_grids)
     images = {
-        "pixel_values": torch.randn(patches, PATCH_WIDTH, generator=generator),
+        "pixel_values": torch.randn(patches, patch_width, generator=generator),
         "image_grid_thw": torch.tensor(image_grids, dtype=torch.long).view(-1, 3),
     }
     videos = {}
@@ -366,10 +387,10 @@ def media_token_type_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 def hf_media_kwargs(hf, images: dict, videos: dict) -> dict:
-    """transformers' keyword arguments for ``images`` and ``videos`` (Qwen2-VL takes no
-    ``second_per_grid_ts``)."""
+    """transformers' keyword arguments for ``images`` and ``videos`` (Qwen2-VL and Qwen3-VL
+    take no ``second_per_grid_ts``)."""
     kwargs = {**images, **videos}
-    if hf.config.model_type == "qwen2_vl":
+    if hf.config.model_type in ("qwen2_vl", "qwen3_vl"):
         kwargs.pop("second_per_grid_ts", None)
     return kwargs
 

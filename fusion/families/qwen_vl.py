@@ -191,8 +191,8 @@ def read_tokens_per_second(config: ConfigReader) -> float:
 
 
 def add_video_settings(config: dict[str, Any], model: EarlyFusion, model_type: str) -> None:
-    """Write into ``config`` (``config.json``'s) what it says of a Qwen2(.5)-VL model's
-    videos: the ``<|video_pad|>`` id (nothing without a video entry) and, for Qwen2.5-VL,
+    """Write into ``config`` (``config.json``'s) what it says of a Qwen-VL model's videos:
+    the ``<|video_pad|>`` id (nothing without a video entry) and, for Qwen2.5-VL,
     ``vision_config.tokens_per_second`` (the M-RoPE hook's)."""
     if "video" not in model.shared_encoders:
         return
@@ -317,18 +317,19 @@ class QwenVLFamily(Family):
     vision_layers = (r"encoders\.image\.blocks\.(\d{1,9})\.", "depth")
     peft_encoder = (("encoders.image.", "model.visual."),)
     processor = "qwen2_vl"  # transformers gives all three Qwen2VLImageProcessor
+    takes_videos = True
 
     def read(self, config: ConfigReader) -> ModelSpec:
         model_type = config.values["model_type"]
         text, prefix = qwen_text_kwargs(config, model_type)
         vision = qwen_vision_kwargs(config, model_type)
         token_id = read_token_id(config, ("image_token_id",), QWEN_IDS["image_token_id"])
-        options: dict[str, Any] = {}
+        video_id = read_token_id(config, ("video_token_id",), QWEN_IDS["video_token_id"])
+        options: dict[str, Any] = {"video_token_id": video_id}
         if self is QWEN2_VL:
-            video_id = read_token_id(config, ("video_token_id",), QWEN_IDS["video_token_id"])
-            options = {"model_type": model_type, "video_token_id": video_id}
-            if model_type == "qwen2_5_vl":
-                options["tokens_per_second"] = read_tokens_per_second(config)
+            options["model_type"] = model_type
+        if model_type == "qwen2_5_vl":
+            options["tokens_per_second"] = read_tokens_per_second(config)
         return ModelSpec(self, model_type, text, vision, token_id, options, prefix)
 
     def build(self, spec: ModelSpec) -> nn.Module:
@@ -369,7 +370,6 @@ class Qwen2VLFamily(QwenVLFamily):
     )
     encoder_types = (Qwen2VisionTransformer, Qwen25VisionTransformer)
     processor_defaults = {"qwen2_vl": _QWEN2_PROCESSOR, "qwen2_5_vl": _QWEN2_PROCESSOR}
-    takes_videos = True
 
 
 class Qwen3VLFamily(QwenVLFamily):
