@@ -1,7 +1,9 @@
-"""``python -m fusion.generation --video`` on Qwen2-VL and Qwen2.5-VL directories as the Hub
-carries them (their videos sized by ``preprocessor_config.json``, as transformers sizes them):
-the prompt's ids are transformers' processor's, and the greedy tokens transformers'
-``generate``'s on the same clip; a directory whose model takes no videos is refused by name."""
+"""``python -m fusion.generation --video`` on Qwen2-VL, Qwen2.5-VL and Qwen3-VL directories
+as the Hub carries them (their videos sized by ``preprocessor_config.json``, as transformers
+sizes them): the prompt's ids are transformers' processor's (Qwen3-VL's per-frame timestamps
+inside the template's start / end pair, as 5.24 writes them), and the greedy tokens
+transformers' ``generate``'s on the same clip; a directory whose model takes no videos is
+refused by name."""
 
 import io
 import json
@@ -12,13 +14,35 @@ from video_helpers import drawn_frames, hf_video_outputs, hf_video_settings, wri
 
 from fusion.generation.cli import main
 from fusion.preprocessing import load_video
-from qwen3_helpers import write_qwen3_dir
+from qwen3_helpers import QWEN3_PREPROCESSOR, write_qwen3_5_dir, write_qwen3_dir
 from qwen_helpers import PAD, QWEN_PIXELS, hf_media_kwargs, media_token_type_ids, write_qwen_dir
 
 NEW = 6
 MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
 PROMPT = f"<|im_start|>user\n{MARKER}What?<|im_end|>\n"
-PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+PROCESSORS = {
+    "qwen2_vl": "Qwen2VLProcessor",
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
+}
+# What the directories' preprocessor_config.json say, as transformers' video processors take
+# them (Qwen3-VL's samples frames at 2 a second).
+QWEN2_SETTINGS = {
+    **QWEN_PIXELS,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+QWEN3_SETTINGS = {
+    key: QWEN3_PREPROCESSOR[key]
+    for key in (
+        "size",
+        "patch_size",
+        "temporal_patch_size",
+        "merge_size",
+        "image_mean",
+        "image_std",
+    )
+}
 
 
 @pytest.fixture(autouse=True)
@@ -40,19 +64,19 @@ def clip(tmp_path_factory):
 def test_ids_and_tokens_equal_transformers(model_type, clip, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    directory = write_qwen_dir(tmp_path / model_type, model_type, seed=5)
-    settings = {
-        **QWEN_PIXELS,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-    }
+    if model_type == "qwen3_vl":
+        directory = write_qwen3_dir(tmp_path / model_type, seed=5)
+        video_class, settings = "Qwen3VLVideoProcessor", hf_video_settings(QWEN3_SETTINGS, True)
+    else:
+        directory = write_qwen_dir(tmp_path / model_type, model_type, seed=5)
+        video_class, settings = "Qwen2VLVideoProcessor", hf_video_settings(QWEN2_SETTINGS, False)
     video = load_video(clip)
     (reference,) = hf_video_outputs(
         [
             {
                 "processor": PROCESSORS[model_type],
-                "class": "Qwen2VLVideoProcessor",
-                "settings": hf_video_settings(settings, False),
+                "class": video_class,
+                "settings": settings,
                 "tokenizer": str(directory),
                 "prompts": [PROMPT],
                 "videos": [video.frames],
@@ -87,7 +111,7 @@ def test_ids_and_tokens_equal_transformers(model_type, clip, tmp_path):
 
 
 def test_a_model_without_videos_is_refused(clip, tmp_path, capsys):
-    directory = write_qwen3_dir(tmp_path / "qwen3_vl", seed=0)
+    directory = write_qwen3_5_dir(tmp_path / "qwen3_5", seed=0)
     argv = ["--checkpoint", str(directory), "--prompt", PROMPT, "--video", str(clip)]
     with pytest.raises(SystemExit) as exit_:
         main(argv)
