@@ -387,10 +387,10 @@ def media_token_type_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 def hf_media_kwargs(hf, images: dict, videos: dict) -> dict:
-    """transformers' keyword arguments for ``images`` and ``videos`` (Qwen2-VL and Qwen3-VL
-    take no ``second_per_grid_ts``)."""
+    """transformers' keyword arguments for ``images`` and ``videos`` (only Qwen2.5-VL takes
+    ``second_per_grid_ts``)."""
     kwargs = {**images, **videos}
-    if hf.config.model_type in ("qwen2_vl", "qwen3_vl"):
+    if hf.config.model_type != "qwen2_5_vl":
         kwargs.pop("second_per_grid_ts", None)
     return kwargs
 

@@ -124,6 +124,7 @@ def qwen_fusion(
     *,
     video_token_id: int | None = None,
     tokens_per_second: float | None = None,
+    split_frames: bool = False,
 ) -> EarlyFusion:
     """``EarlyFusion(decoder, {"image": tower}, {"image": image_token_id},
     hooks=[MRopePositions(...)])`` for a Qwen tower (its merger registered with
@@ -139,7 +140,8 @@ def qwen_fusion(
     the generic one: one placeholder id per entry, rows in order of appearance. The M-RoPE
     hook places videos as their own kind: the temporal row is the frame index, or with
     ``tokens_per_second`` (Qwen2.5-VL) ``long(frame * tokens_per_second *
-    second_per_grid_ts)``.
+    second_per_grid_ts)``; with ``split_frames`` (Qwen3.5) each temporal patch is a media of
+    its own, as per-frame timestamps separate them.
 
     Raises:
         ValueError: a tower whose output width is not the decoder's.
@@ -156,7 +158,9 @@ def qwen_fusion(
     if video_token_id is not None:
         tokens["video"] = video_token_id
         shared["video"] = VIDEO_INPUT
-        inputs.append(MRopeInput("video", "video_grid_thw", tokens_per_second))
+        inputs.append(
+            MRopeInput("video", "video_grid_thw", tokens_per_second, split_frames=split_frames)
+        )
     return EarlyFusion(
         decoder,
         {"image": tower},

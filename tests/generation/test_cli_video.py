@@ -1,9 +1,9 @@
-"""``python -m fusion.generation --video`` on Qwen2-VL, Qwen2.5-VL and Qwen3-VL directories
-as the Hub carries them (their videos sized by ``preprocessor_config.json``, as transformers
-sizes them): the prompt's ids are transformers' processor's (Qwen3-VL's per-frame timestamps
-inside the template's start / end pair, as 5.24 writes them), and the greedy tokens
-transformers' ``generate``'s on the same clip; a directory whose model takes no videos is
-refused by name."""
+"""``python -m fusion.generation --video`` on Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5
+directories as the Hub carries them (their videos sized by ``preprocessor_config.json``, as
+transformers sizes them): the prompt's ids are transformers' processor's (Qwen3-VL's and
+Qwen3.5's per-frame timestamps inside the template's start / end pair, as 5.24 writes them),
+and the greedy tokens transformers' ``generate``'s on the same clip; a directory whose model
+takes no videos is refused by name."""
 
 import io
 import json
@@ -14,7 +14,12 @@ from video_helpers import drawn_frames, hf_video_outputs, hf_video_settings, wri
 
 from fusion.generation.cli import main
 from fusion.preprocessing import load_video
-from qwen3_helpers import QWEN3_PREPROCESSOR, write_qwen3_5_dir, write_qwen3_dir
+from qwen3_helpers import (
+    QWEN3_PREPROCESSOR,
+    write_qwen3_5_dir,
+    write_qwen3_5_text_dir,
+    write_qwen3_dir,
+)
 from qwen_helpers import PAD, QWEN_PIXELS, hf_media_kwargs, media_token_type_ids, write_qwen_dir
 
 NEW = 6
@@ -24,6 +29,7 @@ PROCESSORS = {
     "qwen2_vl": "Qwen2VLProcessor",
     "qwen2_5_vl": "Qwen2_5_VLProcessor",
     "qwen3_vl": "Qwen3VLProcessor",
+    "qwen3_5": "Qwen3VLProcessor",
 }
 # What the directories' preprocessor_config.json say, as transformers' video processors take
 # them (Qwen3-VL's samples frames at 2 a second).
@@ -64,8 +70,9 @@ def clip(tmp_path_factory):
 def test_ids_and_tokens_equal_transformers(model_type, clip, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    if model_type == "qwen3_vl":
-        directory = write_qwen3_dir(tmp_path / model_type, seed=5)
+    if model_type.startswith("qwen3"):
+        write = write_qwen3_dir if model_type == "qwen3_vl" else write_qwen3_5_dir
+        directory = write(tmp_path / model_type, seed=5)
         video_class, settings = "Qwen3VLVideoProcessor", hf_video_settings(QWEN3_SETTINGS, True)
     else:
         directory = write_qwen_dir(tmp_path / model_type, model_type, seed=5)
@@ -111,7 +118,7 @@ def test_ids_and_tokens_equal_transformers(model_type, clip, tmp_path):
 
 
 def test_a_model_without_videos_is_refused(clip, tmp_path, capsys):
-    directory = write_qwen3_5_dir(tmp_path / "qwen3_5", seed=0)
+    directory = write_qwen3_5_text_dir(tmp_path / "qwen3_5_text", seed=0)
     argv = ["--checkpoint", str(directory), "--prompt", PROMPT, "--video", str(clip)]
     with pytest.raises(SystemExit) as exit_:
         main(argv)

@@ -1,17 +1,18 @@
-"""Qwen3-VL takes videos: each temporal patch's rows after its timestamp, in a start / end
-pair of its own inside the chat template's (as transformers 5.24's processor writes them),
-placed as media of their own (t = 1) with DeepStack rows added at the video placeholders too.
-Logits equal transformers' (fp32, 1e-4) with a video, a video and images, a left-padded batch;
-positions equal ``get_rope_index``'s; packed rows equal each sample alone (1e-5); greedy
-generation equals transformers' ``generate``."""
+"""Qwen3-VL and Qwen3.5 take videos: each temporal patch's rows after its timestamp, in a
+start / end pair of its own inside the chat template's (as transformers 5.24's processor
+writes them), placed as media of their own (t = 1); Qwen3-VL adds DeepStack rows at the video
+placeholders too. Logits equal transformers' (fp32, 1e-4) with a video, a video and images, a
+left-padded batch; positions equal ``get_rope_index``'s; packed rows equal each sample alone
+(1e-5); greedy generation equals transformers' ``generate``."""
 
 import pytest
 import torch
 
 from fusion import EarlyFusion, generate
 from fusion.checkpoint import load_hf_vlm
+from fusion.decoder import PackedSegments
 from fusion.hooks import MRopeInput, MRopePositions
-from qwen3_helpers import tiny_hf_qwen3
+from qwen3_helpers import tiny_hf_qwen3, tiny_hf_qwen3_5
 from qwen_helpers import (
     PAD,
     VIDEO_PAD,
@@ -40,10 +41,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[torch.nn.Module, EarlyFusion]:
-    hf = tiny_hf_qwen3(seed=1)
-    directory = tmp_path_factory.mktemp("qwen3_vl")
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, EarlyFusion]:
+    hf = tiny_hf_qwen3(seed=1) if request.param == "qwen3_vl" else tiny_hf_qwen3_5()
+    directory = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(directory)
     return hf, load_hf_vlm(directory).eval()
 
@@ -92,12 +93,14 @@ def test_planted_bugs_move_the_logits(pair, bug):
     """Each planted bug is refused (a video's frames as one media: its runs, split by the
     timestamps, do not match its grid) or moves the logits far past the tolerance."""
     hf, model = pair
+    if bug == "no video deepstack rows" and len(model.hooks) == 1:
+        pytest.skip("Qwen3.5's tower has no DeepStack")
     ids, images, videos = prompt(ONE_VIDEO)
     theirs = hf_logits(hf, ids, images, videos)
     hooks = model.hooks
     if bug == "frames as one media":
         unsplit = MRopePositions(["image", MRopeInput("video", "video_grid_thw")], 2)
-        model.hooks = (unsplit, hooks[1])
+        model.hooks = (unsplit, *hooks[1:])
     else:
         model.hooks = (hooks[0], _DropVideoLayerRows(), hooks[1])
     try:
@@ -152,7 +155,10 @@ def test_packed_row_equals_each_sample_alone(pair):
     samples = [prompt(case, seed=i) for i, case in enumerate(cases)]
     alone = [our_logits(model, *s)[0] for s in samples]
     ids = torch.cat([s[0] for s in samples], dim=1)
-    positions, mask = packed_row([s[0].size(1) for s in samples])
+    lengths = [s[0].size(1) for s in samples]
+    positions, mask = packed_row(lengths)
+    if pair[0].config.model_type == "qwen3_5":  # Gated DeltaNet: each sample's state afresh
+        mask = PackedSegments.from_lengths([lengths], sum(lengths))
     images = concat_media([s[1] for s in samples])
     videos = concat_media([s[2] for s in samples])
     packed = our_logits(model, ids, images, videos, mask=mask, input_pos=positions)[0]
