@@ -7,6 +7,8 @@ generation equals transformers' ``generate``; the videos add no module, paramete
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fusion import EarlyFusion, generate
 from fusion.checkpoint import load_hf_vlm
@@ -285,3 +287,58 @@ def test_tower_rows_equal_get_video_features(pair):
         )
         ours = model.encode({"video": videos})["video"]
     assert (ours - theirs).abs().max() <= 1e-5
+
+
+@st.composite
+def media_batches(draw):
+    """Left-padded rows of text, images and videos interleaved at random, grids of 1 to 4
+    temporal patches, seconds per patch among rates that round both ways in float32."""
+    rows, grids = [], {"image": [], "video": []}
+    seconds = []
+    for _ in range(draw(st.integers(1, 3))):
+        pieces = [torch.full((draw(st.integers(1, 3)),), 5)]
+        for _ in range(draw(st.integers(0, 3))):
+            kind = draw(st.sampled_from(["image", "video"]))
+            t = 1 if kind == "image" else draw(st.integers(1, 4))
+            h, w = draw(st.sampled_from([2, 4, 6])), draw(st.sampled_from([2, 4, 6]))
+            grids[kind].append((t, h, w))
+            if kind == "video":
+                seconds.append(draw(st.sampled_from([2 / 3, 1 / 3, 4 / 15, 2 / 7, 0.5, 4 / 3])))
+            pad = IMAGE_PAD if kind == "image" else VIDEO_PAD
+            pieces.append(torch.tensor([7, *[pad] * (t * h * w // MERGE**2), 8]))
+            pieces.append(torch.full((draw(st.integers(0, 2)),), 5))
+        rows.append(torch.cat(pieces)[None])
+    ids, attention = left_pad(rows)
+    as_tensor = {k: torch.tensor(v, dtype=torch.long).view(-1, 3) for k, v in grids.items()}
+    return ids, attention, as_tensor, torch.tensor(seconds, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf_qwen25():
+    return tiny_hf_qwen("qwen2_5_vl")
+
+
+@given(batch=media_batches())
+def test_positions_equal_get_rope_index_for_any_interleaving(hf_qwen25, batch):
+    ids, attention, grids, seconds = batch
+    videos = {"video_grid_thw": grids["video"], "second_per_grid_ts": seconds}
+    if not len(grids["video"]):
+        videos = {}
+    images = {"image_grid_thw": grids["image"]} if len(grids["image"]) else {}
+    if not videos and not images:
+        return
+    theirs, _ = hf_qwen25.model.get_rope_index(
+        ids, media_token_type_ids(ids), attention_mask=attention, **images, **videos
+    )
+    interval = TOKENS_PER_SECOND * seconds if videos else None
+    ours, offsets = mrope_positions(
+        ids,
+        (attention.cumsum(1) - 1).clamp(min=0),
+        IMAGE_PAD,
+        images.get("image_grid_thw"),
+        MERGE,
+        media=[MediaGrids(VIDEO_PAD, videos.get("video_grid_thw"), interval, "video_grid_thw")],
+    )
+    real = attention.bool()
+    assert torch.equal(ours[:, real], theirs[:, real])
+    assert torch.equal(offsets, theirs[0, :, -1] + 1 - attention.sum(1))
