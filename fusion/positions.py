@@ -110,10 +110,10 @@ def mrope_positions(
                 f"input_pos: expected integer positions {accepted} or [3, {batch}, {seq_len}], "
                 f"got {describe(input_pos)}"
             )
-    kinds = [
-        kind
+    kinds = [  # (kind, its grids as long [n, 3]), kinds without media left out
+        (kind, grids)
         for kind in (MediaGrids(placeholder_id, image_grid_thw), *media)
-        if _checked_kind(kind) is not None
+        if (grids := _checked_kind(kind)) is not None
     ]
     pos = input_pos.to(torch.long).expand(batch, seq_len)
     # Tokens of a row before its first 0 continue a sample started in an earlier call.
@@ -142,25 +142,21 @@ def mrope_positions(
     return positions, shift[:, -1] + jump[:, -1]
 
 
-def _place(tokens: torch.Tensor, kinds: list[MediaGrids], spatial_merge_size: int) -> _Placed:
-    """Each placeholder's media, place within it and temporal row, over all ``kinds``."""
+def _place(
+    tokens: torch.Tensor,
+    kinds: list[tuple[MediaGrids, torch.Tensor]],
+    spatial_merge_size: int,
+) -> _Placed:
+    """Each placeholder's media, place within it and temporal row, over all ``kinds`` (each
+    with its checked grids)."""
     batch, seq_len = tokens.shape
     device = tokens.device
     flat = tokens.flatten()
-    zeros = torch.zeros_like(flat)
-    ones = torch.ones_like(flat)
-    is_media, offset, height, width, rows, temporal = (
-        torch.zeros_like(flat, dtype=torch.bool),
-        zeros,
-        ones,
-        ones,
-        ones,
-        zeros,
-    )
+    zeros, ones = torch.zeros_like(flat), torch.ones_like(flat)
+    is_media = torch.zeros_like(flat, dtype=torch.bool)
+    offset, height, width, rows, temporal = zeros, ones, ones, ones, zeros
     merge = torch.tensor([1, spatial_merge_size, spatial_merge_size], device=device)
-    for kind in kinds:
-        grids = _checked_kind(kind)
-        assert grids is not None  # kinds without media were left out
+    for kind, grids in kinds:
         llm_grids = grids.to(device, non_blocking=True) // merge
         counts = llm_grids.prod(-1)  # [n]: placeholders per media
         ends = counts.cumsum(0)

@@ -1,4 +1,24 @@
-"""Qwen2-VL and Qwen2.5-VL: a Qwen vision tower fused into a Qwen2 text decoder with M-RoPE."""
+"""Qwen2-VL and Qwen2.5-VL: a Qwen vision tower fused into a Qwen2 text decoder with M-RoPE;
+and the video entry all the Qwen vision-language builders share.
+
+Videos run through the image tower (transformers' ``get_video_features`` is its image
+features on the video patches). The ``"video"`` entry is a :class:`fusion.SharedEncoder`
+(:data:`VIDEO_INPUT`), not a module: it has a placeholder id of its own (``<|video_pad|>``)
+and calls ``encoders["image"]`` by name at each forward. Why this design rather than the
+alternatives:
+
+- a second module entry wrapping the tower would register it twice (duplicate state-dict
+  keys under ``encoders.video.``), or, holding it outside the module tree, keep a reference
+  that goes stale once FSDP, an adapter or ``torch.compile`` wraps or replaces the tower;
+- one encoder taking both inputs would need two placeholder ids per entry, and the merge to
+  interleave images' and videos' rows by position: the generic merge (one id per entry, rows
+  in order of appearance) would no longer do.
+
+So the model's modules, parameters and checkpoint keys are exactly those without videos,
+whatever runs as the tower is what the video rows come from, what trains is the tower's, and
+the merge stays the generic, sync-free one. The M-RoPE hook places videos as a placeholder
+kind of their own (:class:`fusion.hooks.MRopeInput`).
+"""
 
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -130,18 +150,12 @@ def qwen_fusion(
     hooks=[MRopePositions(...)])`` for a Qwen tower (its merger registered with
     :func:`fusion.register_fusion_module`), what the Qwen-VL builders without DeepStack share.
 
-    Videos: with ``video_token_id``, a ``"video"`` entry (:data:`VIDEO_INPUT`: its input
-    ``pixel_values_videos``, ``video_grid_thw`` and optionally ``second_per_grid_ts``, as
-    transformers' processors name them) whose rows the same tower computes. The entry is a
-    :class:`fusion.SharedEncoder`, not a module: it holds no reference to the tower but calls
-    ``encoders["image"]`` by name, so the model's modules and state-dict keys are exactly
-    those without videos (a second module entry would register the tower twice, or hide a
-    stale reference once FSDP, an adapter or ``torch.compile`` wraps it), and the merge stays
-    the generic one: one placeholder id per entry, rows in order of appearance. The M-RoPE
-    hook places videos as their own kind: the temporal row is the frame index, or with
-    ``tokens_per_second`` (Qwen2.5-VL) ``long(frame * tokens_per_second *
-    second_per_grid_ts)``; with ``split_frames`` (Qwen3.5) each temporal patch is a media of
-    its own, as per-frame timestamps separate them.
+    Videos: with ``video_token_id``, a ``"video"`` entry sharing the tower (see the module
+    docstring), its input ``pixel_values_videos``, ``video_grid_thw`` and optionally
+    ``second_per_grid_ts`` as transformers' processors name them; a video's temporal row is
+    the frame index, or with ``tokens_per_second`` (Qwen2.5-VL) ``long(frame *
+    tokens_per_second * second_per_grid_ts)``; with ``split_frames`` (Qwen3.5) each temporal
+    patch is a media of its own, as per-frame timestamps separate them.
 
     Raises:
         ValueError: a tower whose output width is not the decoder's.
@@ -152,15 +166,9 @@ def qwen_fusion(
             f"{decoder.embed_dim}"
         )
     register_fusion_module(tower.merger)
-    tokens = {"image": image_token_id}
-    inputs: list[str | MRopeInput] = ["image"]
-    shared = {}
-    if video_token_id is not None:
-        tokens["video"] = video_token_id
-        shared["video"] = VIDEO_INPUT
-        inputs.append(
-            MRopeInput("video", "video_grid_thw", tokens_per_second, split_frames=split_frames)
-        )
+    tokens, shared, inputs = video_entry(
+        image_token_id, video_token_id, tokens_per_second, split_frames
+    )
     return EarlyFusion(
         decoder,
         {"image": tower},
@@ -168,3 +176,20 @@ def qwen_fusion(
         shared_encoders=shared,
         hooks=[MRopePositions(inputs, tower.spatial_merge_size)],
     )
+
+
+def video_entry(
+    image_token_id: int,
+    video_token_id: int | None,
+    tokens_per_second: float | None = None,
+    split_frames: bool = False,
+) -> tuple[dict[str, int], dict[str, SharedEncoder], list[str | MRopeInput]]:
+    """The Qwen builders' placeholder ids, shared entries and M-RoPE inputs: the image entry,
+    and with ``video_token_id`` the ``"video"`` entry (:data:`VIDEO_INPUT`), its temporal row
+    scaled by ``tokens_per_second`` (Qwen2.5-VL) or each temporal patch a media of its own
+    (``split_frames``: Qwen3-VL, Qwen3.5)."""
+    if video_token_id is None:
+        return {"image": image_token_id}, {}, ["image"]
+    video = MRopeInput("video", "video_grid_thw", tokens_per_second, split_frames=split_frames)
+    tokens = {"image": image_token_id, "video": video_token_id}
+    return tokens, {"video": VIDEO_INPUT}, ["image", video]

@@ -6,9 +6,9 @@ from typing import Any
 
 from fusion.early_fusion import EarlyFusion, register_fusion_module
 from fusion.encoders.qwen_vision import Qwen3VisionTransformer
-from fusion.hooks import DeepStackRows, MRopeInput, MRopePositions
+from fusion.hooks import DeepStackRows, MRopePositions
 from fusion.models.llama3_2 import llama3_2
-from fusion.models.qwen2_vl import VIDEO_INPUT
+from fusion.models.qwen2_vl import video_entry
 
 
 def qwen3_vl(
@@ -20,7 +20,7 @@ def qwen3_vl(
 ) -> EarlyFusion:
     """A Qwen3-VL model: ``EarlyFusion(decoder, {"image": tower}, {"image": image_token_id},
     hooks=[MRopePositions(...), DeepStackRows(...)])``, with a ``"video"`` entry sharing the
-    tower when ``video_token_id`` is given (as :func:`fusion.models.qwen_fusion` describes).
+    tower when ``video_token_id`` is given (as :mod:`fusion.models.qwen2_vl` describes).
 
     The tower returns its rows and one set of DeepStack rows per ``deepstack_visual_indexes``
     entry; ``EarlyFusion`` writes the rows at the ``<|image_pad|>`` (``<|video_pad|>``)
@@ -55,13 +55,7 @@ def qwen3_vl(
     register_fusion_module(tower.merger)
     for merger in tower.deepstack_merger_list:
         register_fusion_module(merger)
-    tokens = {"image": image_token_id}
-    inputs: list[str | MRopeInput] = ["image"]
-    shared = {}
-    if video_token_id is not None:
-        tokens["video"] = video_token_id
-        shared["video"] = VIDEO_INPUT
-        inputs.append(MRopeInput("video", "video_grid_thw", split_frames=True))
+    tokens, shared, inputs = video_entry(image_token_id, video_token_id, split_frames=True)
     return EarlyFusion(
         decoder,
         {"image": tower},
