@@ -201,3 +201,15 @@ def test_videos_add_no_key(pair):
     assert set(model.encoders) == {"image"} and model.encoder_tokens["video"] == VIDEO_PAD
     plain = EarlyFusion(model.decoder, {"image": model.encoders["image"]}, {"image": 0})
     assert list(model.state_dict()) == list(plain.state_dict())
+
+
+def test_positions_read_nothing_back_from_the_device(pair):
+    """Sync-free: positions of tokens on the meta device (any read of a value fails there),
+    the grids on the CPU as the processors give them (split per temporal patch there)."""
+    _, model = pair
+    ids, images, videos = prompt(VIDEO_AND_IMAGE)
+    positions = model.hooks[0].before_decoder(
+        model.decoder, ids.to("meta"), model.encoder_tokens, {},
+        our_media_input(images, videos), None, {},
+    )  # fmt: skip
+    assert positions.device.type == "meta" and positions.shape == (3, *ids.shape)

@@ -342,3 +342,17 @@ def test_positions_equal_get_rope_index_for_any_interleaving(hf_qwen25, batch):
     real = attention.bool()
     assert torch.equal(ours[:, real], theirs[:, real])
     assert torch.equal(offsets, theirs[0, :, -1] + 1 - attention.sum(1))
+
+
+def test_positions_read_nothing_back_from_the_device(pair):
+    """Sync-free: the hook derives the positions of tokens on the meta device (where any
+    read of a value, ``.item()``, ``.tolist()``, ``nonzero`` or a boolean index, fails) from
+    the grids and seconds on the CPU, as the processors give them."""
+    _, model = pair
+    ids, images, videos = media_prompt(*IMAGE_VIDEO_IMAGE)
+    hook = model.hooks[0]
+    positions = hook.before_decoder(
+        model.decoder, ids.to("meta"), model.encoder_tokens, {},
+        our_media_input(images, videos), None, {},
+    )  # fmt: skip
+    assert positions.device.type == "meta" and positions.shape == (3, *ids.shape)
