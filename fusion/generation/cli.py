@@ -39,6 +39,7 @@ from fusion.preprocessing import (
     load_image,
     load_video,
     prepare_inputs,
+    probe_video,
     read_video_processor,
 )
 from fusion.preprocessing.processor import KINDS
@@ -243,8 +244,12 @@ def _run(
                 f"--prompt: text needs a tokenizer, and none could be loaded from {directory} "
                 f"({reason}); pass --prompt-ids instead"
             )
+    max_len = args.max_seq_len or _positive_int_or_none(config.get("max_position_embeddings"))
     if tokenizer is not None and not text_only:
-        video_texts, videos = _videos(directory, args.video, device) if args.video else ([], {})
+        video_texts: list[str] = []
+        videos: dict[str, Any] = {}
+        if args.video:
+            video_texts, videos = _videos(directory, args.video, device, max_len)
         images = [_load_image(path, args.max_pixels) for path in args.image or []]
         with _warnings_on_one_line():  # e.g. the image processor defaults
             inputs = prepare_inputs(
@@ -284,7 +289,6 @@ def _run(
             pad_id = default_pad_id(config, vocab)
     check_sampling_args(args.temperature, args.top_k, args.top_p, vocab or sys.maxsize)
     tokens = left_pad(prompts, pad_id)
-    max_len = args.max_seq_len or _positive_int_or_none(config.get("max_position_embeddings"))
     needed = tokens.size(1) + args.max_new_tokens - 1  # the last new token is never fed back
     if max_len is not None and needed > max_len:
         raise ValueError(
@@ -313,13 +317,25 @@ def _run(
 
 
 def _videos(
-    directory: Path, paths: list[Path], device: torch.device
+    directory: Path, paths: list[Path], device: torch.device, max_len: int | None
 ) -> tuple[list[str], dict[str, Any]]:
     """Each clip's prompt text (for its ``<|video_pad|>``) and the ``"video"`` encoder input
     of the clips, read with the directory's video processor (the grids and the seconds stay
-    on the CPU, where the positions read them)."""
+    on the CPU, where the positions read them). The rows the clips bring are counted from
+    their containers first: clips that alone pass ``max_len`` are refused before any frame is
+    decoded."""
     with _warnings_on_one_line():  # e.g. the video processor defaults
         processor = read_video_processor(directory)
+    rows = 0
+    for path in paths:
+        _, (t, h, w) = processor.plan(probe_video(path))
+        rows += t * h * w // processor.merge_size**2
+    if max_len is not None and rows > max_len:
+        raise ValueError(
+            f"--video: the clips bring {rows} placeholder rows, more than the model's {max_len} "
+            "positions (--max-seq-len, or max_position_embeddings of config.json); nothing "
+            "was decoded"
+        )
     clips = [load_video(path, sampler=processor.sampler) for path in paths]
     patched = processor(clips)
     grids = patched.video_grid_thw

@@ -125,3 +125,19 @@ def test_a_model_without_videos_is_refused(clip, tmp_path, capsys):
     assert exit_.value.code == 2
     error = capsys.readouterr().err
     assert "--video:" in error and "takes no videos" in error and "qwen2_5_vl" in error
+
+
+def test_clips_past_the_positions_are_refused_before_decoding(clip, tmp_path, capsys):
+    """The rows a clip brings are counted from its container: past --max-seq-len, the command
+    fails in one line naming them, and no frame is decoded."""
+    import fusion.generation.cli as cli
+
+    directory = write_qwen_dir(tmp_path / "qwen2_vl", "qwen2_vl", seed=0)
+    capsys.readouterr()  # what writing the directory printed
+    argv = ["--checkpoint", str(directory), "--prompt", PROMPT, "--video", str(clip)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "load_video", lambda *a, **k: pytest.fail("a frame was decoded"))
+        assert main([*argv, "--max-seq-len", "7"]) == 1  # the clip brings 8
+    error = capsys.readouterr().err
+    assert error.startswith("error: --video: the clips bring 8 placeholder rows, more than")
+    assert error.rstrip().endswith("nothing was decoded") and error.count("\n") == 1
