@@ -42,7 +42,7 @@ LONG_VIDEO = ("video", (7, 7.0, 36, 44))
 IMAGE = ("image", (1, 6, 4))
 ONE_VIDEO = ([VIDEO], [3, 4])
 VIDEO_AND_IMAGE = ([IMAGE, LONG_VIDEO], [2, 3, 2])
-IMAGE_VIDEO_IMAGE = ([SHORT_VIDEO, IMAGE, VIDEO], [1, 2, 2, 1])
+VIDEO_IMAGE_VIDEO = ([SHORT_VIDEO, IMAGE, VIDEO], [1, 2, 2, 1])
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +78,7 @@ def our_logits(model, ids, images, videos, **kwargs) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "case", [ONE_VIDEO, VIDEO_AND_IMAGE, IMAGE_VIDEO_IMAGE], ids=["video", "image", "three"]
+    "case", [ONE_VIDEO, VIDEO_AND_IMAGE, VIDEO_IMAGE_VIDEO], ids=["video", "image", "three"]
 )
 def test_logits_match_transformers(pair, case):
     hf, model = pair
@@ -142,7 +142,7 @@ def test_positions_equal_get_rope_index(pair):
 
 def test_left_padded_batch_matches_transformers(pair):
     hf, model = pair
-    cases = [IMAGE_VIDEO_IMAGE, ONE_VIDEO, ([IMAGE], [4, 2])]
+    cases = [VIDEO_IMAGE_VIDEO, ONE_VIDEO, ([IMAGE], [4, 2])]
     samples = [media_prompt(*case, seed=i) for i, case in enumerate(cases)]
     ids, attention = left_pad([s[0] for s in samples])
     images = concat_media([s[1] for s in samples])
@@ -156,7 +156,7 @@ def test_left_padded_batch_matches_transformers(pair):
 
 def test_packed_row_equals_each_sample_alone(pair):
     _, model = pair
-    cases = [ONE_VIDEO, VIDEO_AND_IMAGE, ([IMAGE], [2, 3]), IMAGE_VIDEO_IMAGE]
+    cases = [ONE_VIDEO, VIDEO_AND_IMAGE, ([IMAGE], [2, 3]), VIDEO_IMAGE_VIDEO]
     samples = [media_prompt(*case, seed=i) for i, case in enumerate(cases)]
     alone = [our_logits(model, *s)[0] for s in samples]
     ids = torch.cat([s[0] for s in samples], dim=1)
@@ -233,7 +233,7 @@ def test_videos_add_no_module_parameter_or_key(pair):
 
 def test_video_input_mistakes_are_refused_by_name(pair):
     _, model = pair
-    ids, images, videos = media_prompt(*IMAGE_VIDEO_IMAGE)  # two videos of other sizes
+    ids, images, videos = media_prompt(*VIDEO_IMAGE_VIDEO)  # two videos of other sizes
     # The grids of the two videos in the wrong order: as many patches (the tower takes them),
     # runs that do not match.
     swapped = {**videos, "video_grid_thw": videos["video_grid_thw"].flip(0)}
@@ -278,7 +278,7 @@ def test_tower_rows_equal_get_video_features(pair):
     """Grids with t > 1 through the tower: attention within each frame (and Qwen2.5-VL's
     windows), rotary angles repeated per frame, as transformers' tower computes them."""
     hf, model = pair
-    _, _, videos = media_prompt(*IMAGE_VIDEO_IMAGE)
+    _, _, videos = media_prompt(*VIDEO_IMAGE_VIDEO)
     with torch.no_grad():
         theirs = torch.cat(
             hf.model.get_video_features(
@@ -349,7 +349,7 @@ def test_positions_read_nothing_back_from_the_device(pair):
     read of a value, ``.item()``, ``.tolist()``, ``nonzero`` or a boolean index, fails) from
     the grids and seconds on the CPU, as the processors give them."""
     _, model = pair
-    ids, images, videos = media_prompt(*IMAGE_VIDEO_IMAGE)
+    ids, images, videos = media_prompt(*VIDEO_IMAGE_VIDEO)
     hook = model.hooks[0]
     positions = hook.before_decoder(
         model.decoder, ids.to("meta"), model.encoder_tokens, {},
