@@ -283,6 +283,8 @@ class EarlyFusion(nn.Module):
             try:
                 return self._run_encoder(shared.encoder, arguments)
             except (TypeError, ValueError) as error:  # named as the caller named its input
+                if type(error) not in (TypeError, ValueError):
+                    raise  # a subclass may take other arguments: passed on as it is
                 raise type(error)(
                     f"encoder_input[{name!r}] (passed to encoder {shared.encoder!r} as "
                     f"{dict(shared.arguments)}): {error}"
