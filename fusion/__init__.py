@@ -2,7 +2,7 @@
 
 from fusion import checkpoint
 from fusion.decoder import TransformerDecoder
-from fusion.early_fusion import EarlyFusion, register_fusion_module
+from fusion.early_fusion import EarlyFusion, SharedEncoder, register_fusion_module
 from fusion.errors import FusionError
 from fusion.generation import generate
 from fusion.labels import (
@@ -20,6 +20,7 @@ __all__ = [
     "FusionError",
     "Packed",
     "Padded",
+    "SharedEncoder",
     "TransformerDecoder",
     "checkpoint",
     "chunked_token_loss",

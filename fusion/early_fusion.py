@@ -2,7 +2,8 @@
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,6 +41,45 @@ def fusion_parameter_names(model: nn.Module) -> set[str]:
         if getattr(module, _FUSION_MODULE_FLAG, False)
         for name, _ in module.named_parameters()
     }
+
+
+@dataclass(frozen=True)
+class SharedEncoder:
+    """An encoder entry of :class:`EarlyFusion` whose rows come from another entry's module,
+    called on this entry's own input: e.g. a ``"video"`` entry, with its own placeholder id,
+    whose clips run through the ``"image"`` entry's vision tower.
+
+    The entry owns nothing: the module is looked up by name (``encoders[encoder]``) at each
+    call, so the model's modules, parameters and state-dict keys are those without it, and
+    whatever the target has become by then (sharded, adapted, compiled, wrapped) is what
+    runs; what trains is the target's. Its input's keys are renamed to the module's
+    arguments by ``arguments``; a key mapped to None is not passed (it is there for a hook,
+    e.g. the seconds of a video's M-RoPE positions).
+
+    Attributes:
+        encoder: the name of the entry whose module is called (not itself a shared one).
+        arguments: this entry's input keys -> the module's argument names (or None).
+    """
+
+    encoder: str
+    arguments: Mapping[str, str | None]
+
+    def module_kwargs(self, name: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """``kwargs``, entry ``name``'s input, as the module's arguments.
+
+        Raises:
+            ValueError: a key that ``arguments`` does not list (named, with those it does).
+        """
+        unknown = sorted(set(kwargs) - set(self.arguments), key=str)
+        if unknown:
+            raise ValueError(
+                f"encoder_input[{name!r}]: unknown keys {unknown}, expected some of "
+                f"{sorted(self.arguments)} (passed to encoder {self.encoder!r} as "
+                f"{dict(self.arguments)})"
+            )
+        renamed = {self.arguments[key]: value for key, value in kwargs.items()}
+        renamed.pop(None, None)
+        return cast(dict[str, Any], renamed)
 
 
 class EarlyFusion(nn.Module):
@@ -83,7 +123,11 @@ class EarlyFusion(nn.Module):
         encoders: encoder name -> module. An encoder returns its rows for the batch: a tensor
             (packed: ``[n_rows, d]`` or ``[n_media, tokens_per_media, d]``, in order of
             appearance of the placeholders) or a :class:`fusion.Packed` / :class:`fusion.Padded`.
-        encoder_tokens: encoder name -> placeholder token id (inside or outside the vocabulary).
+        encoder_tokens: encoder name -> placeholder token id (inside or outside the vocabulary),
+            for the names of ``encoders`` and ``shared_encoders``.
+        shared_encoders: entry name -> :class:`SharedEncoder`: entries with placeholders of
+            their own whose rows another entry's module computes (none by default); kept as
+            ``self.shared_encoders``, a plain dict (no module, no parameter, no key).
         decoder_trainable, encoders_trainable, fusion_trainable: which parameters require
             grad. With none of them given, no ``requires_grad`` is changed: the model trains
             what the decoder and encoders you passed in train. Given any of them, torchtune's
@@ -106,8 +150,9 @@ class EarlyFusion(nn.Module):
         TypeError: ``decoder`` is none of the kinds above (the message names what was looked
             for), or a ``torch.compile`` / DDP wrapper of one; an encoder is not a module; a
             placeholder id is not a Python int.
-        ValueError: the names of ``encoders``, ``encoder_tokens`` and a dict
-            ``encoders_trainable`` differ, placeholder ids repeat, or ``merge_impl`` is unknown.
+        ValueError: the names of ``encoders`` (with ``shared_encoders``), ``encoder_tokens``
+            and a dict ``encoders_trainable`` differ, placeholder ids repeat, a shared entry
+            names no entry of ``encoders`` or one of theirs, or ``merge_impl`` is unknown.
     """
 
     # One of the three kinds: typed Any, so that code written for this library's decoder
@@ -127,6 +172,7 @@ class EarlyFusion(nn.Module):
         merge_impl: str = "auto",
         eager_checks: bool | None = None,
         hooks: Sequence[FusionHook] = (),
+        shared_encoders: Mapping[str, SharedEncoder] | None = None,
         mrope: tuple[str, int] | None = None,
         deepstack: str | None = None,
     ) -> None:
@@ -143,9 +189,13 @@ class EarlyFusion(nn.Module):
             raise ValueError(
                 f"merge_impl: expected 'auto' or one of {list(IMPLEMENTATIONS)}, got {merge_impl!r}"
             )
-        names = {"encoders": set(encoders), "encoder_tokens": set(encoder_tokens)}
-        if isinstance(encoders_trainable, Mapping):
-            names["encoders_trainable"] = set(encoders_trainable)
+        shared = _checked_shared(encoders, shared_encoders or {})
+        names = {
+            "encoders" + (" with shared_encoders" if shared else ""): set(encoders) | set(shared),
+            "encoder_tokens": set(encoder_tokens),
+        }
+        if isinstance(encoders_trainable, Mapping):  # the modules' names: shared ones own none
+            names["encoders_trainable"] = set(encoders_trainable) | set(shared)
         if len({frozenset(n) for n in names.values()}) > 1:
             listed = ", ".join(f"{arg} has {sorted(n)}" for arg, n in names.items())
             raise ValueError(f"encoders, encoder_tokens: expected the same names, got: {listed}")
@@ -153,6 +203,7 @@ class EarlyFusion(nn.Module):
         self.decoder_kind = kind
         self.encoders = nn.ModuleDict(encoders)
         self.encoder_tokens = encoder_tokens
+        self.shared_encoders = shared
         self.merge_impl = merge_impl
         self.eager_checks = eager_checks
         hooks = [
@@ -183,7 +234,8 @@ class EarlyFusion(nn.Module):
         """Set which parameters require grad, with the constructor's torchtune semantics
         (``decoder_trainable``, ``encoders_trainable``, ``fusion_trainable``): the decoder's,
         each encoder's (all, or per name), and those of :func:`register_fusion_module`
-        modules, which ``fusion`` overrides. Every other parameter is frozen. The one
+        modules, which ``fusion`` overrides (a shared entry's flag is ignored: what trains
+        is its target's). Every other parameter is frozen. The one
         mechanism for what trains, at construction or later (e.g. a loaded model)."""
         if not isinstance(encoders, Mapping):
             encoders = dict.fromkeys(self.encoders, bool(encoders))
@@ -191,7 +243,7 @@ class EarlyFusion(nn.Module):
             {f"decoder.{n}" for n, _ in self.decoder.named_parameters()} if decoder else set()
         )
         for name, flag in encoders.items():
-            if flag:
+            if flag and name not in self.shared_encoders:  # a shared entry owns nothing
                 prefix = f"encoders.{name}."
                 trainable |= {prefix + n for n, _ in self.encoders[name].named_parameters()}
         fusion_params = fusion_parameter_names(self)
@@ -214,17 +266,30 @@ class EarlyFusion(nn.Module):
     def check_encoder_names(self, encoder_input: Mapping[Any, Any]) -> None:
         """Refuse ``encoder_input`` naming an encoder this model lacks (``ValueError``
         listing the names it has)."""
-        unknown = sorted(set(encoder_input) - set(self.encoders), key=str)
+        known = set(self.encoders) | set(self.shared_encoders)
+        unknown = sorted(set(encoder_input) - known, key=str)
         if unknown:
             raise ValueError(
-                f"encoder_input: unknown encoder names {unknown}, expected some of "
-                f"{sorted(self.encoders)}"
+                f"encoder_input: unknown encoder names {unknown}, expected some of {sorted(known)}"
             )
 
     def _run_encoder(self, name: str, kwargs: Mapping[str, Any]) -> EncoderRows:
         """Call encoder ``name``; one with nothing to train (every parameter frozen, no input
         asking for a gradient) runs under ``torch.no_grad()``: its forward is all it costs,
-        since autograd records nothing for it and keeps none of its activations."""
+        since autograd records nothing for it and keeps none of its activations. A shared
+        entry calls its target's module (looked up now) on its renamed input."""
+        shared = self.shared_encoders.get(name)
+        if shared is not None:
+            arguments = shared.module_kwargs(name, kwargs)
+            try:
+                return self._run_encoder(shared.encoder, arguments)
+            except (TypeError, ValueError) as error:  # named as the caller named its input
+                if type(error) not in (TypeError, ValueError):
+                    raise  # a subclass may take other arguments: passed on as it is
+                raise type(error)(
+                    f"encoder_input[{name!r}] (passed to encoder {shared.encoder!r} as "
+                    f"{dict(shared.arguments)}): {error}"
+                ) from error
         encoder = self.encoders[name]
         frozen = (
             torch.is_grad_enabled()
@@ -373,6 +438,26 @@ class EarlyFusion(nn.Module):
     @output_hidden_states.setter
     def output_hidden_states(self, value: list[int]) -> None:
         self.decoder.output_hidden_states = list(value)
+
+
+def _checked_shared(
+    encoders: Mapping[str, nn.Module], shared: Mapping[str, SharedEncoder]
+) -> dict[str, SharedEncoder]:
+    """``shared_encoders`` as a dict, each entry a :class:`SharedEncoder` of an entry of
+    ``encoders`` under a name of its own."""
+    if not isinstance(shared, Mapping) or not all(
+        isinstance(v, SharedEncoder) for v in shared.values()
+    ):
+        raise TypeError(
+            f"shared_encoders: expected a mapping of name -> SharedEncoder, got {shared!r:.200}"
+        )
+    for name, entry in shared.items():
+        if name in encoders or entry.encoder not in encoders:
+            raise ValueError(
+                f"shared_encoders[{name!r}]: expected a name not in encoders "
+                f"{sorted(encoders)} sharing one of theirs, got {entry!r}"
+            )
+    return dict(shared)
 
 
 def _check_foreign_arguments(

@@ -8,14 +8,16 @@ A hook is any object with :meth:`FusionHook.check` (at construction) and
 encoders ran and before the decoder is called).
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from fusion._validation import INDEX_DTYPES, describe
 from fusion.merge.placement import Placement
-from fusion.positions import grids_from, mrope_positions
+from fusion.positions import MediaGrids, mrope_positions
 
 
 class FusionHook(Protocol):
@@ -38,29 +40,117 @@ class FusionHook(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class MRopeInput:
+    """Where an encoder's input keeps what its M-RoPE positions need.
+
+    Attributes:
+        encoder: the encoder name (a shared entry too, :class:`fusion.SharedEncoder`).
+        grids: the key of its ``[n, 3]`` (t, h, w) grids.
+        tokens_per_second: None: the temporal row is the frame index (images, Qwen2-VL's
+            videos). A number: it steps by ``tokens_per_second * seconds`` per temporal grid
+            step (Qwen2.5-VL's videos), ``seconds`` taken from the input's ``seconds`` key
+            (1 per media where the input has none, as transformers defaults it).
+        seconds: the key of the ``[n]`` seconds one temporal grid step spans (a tensor, as
+            the processor's ``second_per_grid_ts``; a sequence is taken as float32, as
+            transformers' ``BatchFeature`` converts it).
+        split_frames: each temporal patch of a media is a media of its own (t = 1), as
+            Qwen3-VL's per-frame timestamps separate a video's frames (the grids are read on
+            the host for it: keep them on the CPU, as the processors give them).
+    """
+
+    encoder: str
+    grids: str = "image_grid_thw"
+    tokens_per_second: float | None = None
+    seconds: str = "second_per_grid_ts"
+    split_frames: bool = False
+
+    def media(self, value: Mapping[str, Any], placeholder_id: int) -> MediaGrids:
+        """The :class:`~fusion.positions.MediaGrids` of this encoder's input ``value``.
+
+        Raises:
+            ValueError: ``seconds`` that are not one real number per grid row.
+        """
+        grids = value.get(self.grids)
+        if (
+            self.split_frames
+            and isinstance(grids, torch.Tensor)
+            and grids.dim() == 2
+            and grids.size(1) == 3
+            and grids.dtype in INDEX_DTYPES
+        ):
+            frames = grids[:, :1]
+            grids = grids.repeat_interleave(frames.flatten(), dim=0)
+            grids = torch.cat([torch.ones_like(grids[:, :1]), grids[:, 1:]], dim=1)
+        if self.tokens_per_second is None or not isinstance(grids, torch.Tensor):
+            return MediaGrids(placeholder_id, grids, None, self.grids)
+        seconds = value.get(self.seconds)
+        where = f"encoder_input[{self.encoder!r}][{self.seconds!r}]"
+        if seconds is None:
+            seconds = torch.ones(grids.size(0), dtype=torch.long)
+        elif not isinstance(seconds, torch.Tensor):
+            try:
+                seconds = torch.tensor(seconds, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(
+                    f"{where}: expected one number per {self.grids} row, got "
+                    f"{type(seconds).__name__}"
+                ) from None
+        if (
+            seconds.shape != (grids.size(0),)
+            or seconds.dtype == torch.bool
+            or seconds.dtype.is_complex
+        ):
+            raise ValueError(
+                f"{where}: expected one number per {self.grids} row, [{grids.size(0)}], got "
+                f"{describe(seconds)}"
+            )
+        return MediaGrids(placeholder_id, grids, self.tokens_per_second * seconds, self.grids)
+
+
 class MRopePositions:
     """[3, b, s] M-RoPE positions for a decoder with multimodal rotary embeddings, derived as
     :func:`fusion.positions.mrope_positions` does from the 1-D ``input_pos`` (or none), the
-    placeholders of ``encoder`` and its input's ``image_grid_thw``; 3-D positions given pass
-    through. With an enabled KV cache they are carried on in the decoder's ``mrope_deltas``,
-    so that decoding steps fed to the decoder continue them.
+    placeholders of ``encoders`` and their inputs' grids (and video seconds); 3-D positions
+    given pass through. With an enabled KV cache they are carried on in the decoder's
+    ``mrope_deltas``, so that decoding steps fed to the decoder continue them.
 
     Args:
-        encoder: the name of the encoder whose rows carry positions of their own.
-        merge_size: its spatial merge size (patches per row side).
+        encoders: the encoders whose rows carry positions of their own: a name (its input's
+            ``image_grid_thw``, the temporal row a frame index), a :class:`MRopeInput`, or
+            a sequence of either (kinds placed on their own, e.g. images and videos).
+        merge_size: the towers' spatial merge size (patches per row side).
     """
 
-    def __init__(self, encoder: str, merge_size: int) -> None:
-        self.encoder, self.merge_size = encoder, merge_size
+    def __init__(
+        self, encoders: str | MRopeInput | Sequence[str | MRopeInput], merge_size: int
+    ) -> None:
+        listed = [encoders] if isinstance(encoders, str | MRopeInput) else list(encoders)
+        self.inputs = tuple(e if isinstance(e, MRopeInput) else MRopeInput(e) for e in listed)
+        self.merge_size = merge_size
 
     def __repr__(self) -> str:
-        return f"MRopePositions({self.encoder!r}, {self.merge_size})"
+        plain = all(i == MRopeInput(i.encoder) for i in self.inputs)
+        names = [i.encoder if plain else i for i in self.inputs]
+        shown = names[0] if len(names) == 1 else names
+        return f"MRopePositions({shown!r}, {self.merge_size})"
+
+    @property
+    def encoder(self) -> str:
+        """The first encoder's name (the image encoder's, for the families)."""
+        return self.inputs[0].encoder
 
     def check(self, decoder: nn.Module, encoder_tokens: Mapping[str, int]) -> None:
-        if not getattr(decoder, "multimodal_rope", False) or self.encoder not in encoder_tokens:
+        names = [i.encoder for i in self.inputs]
+        if (
+            not getattr(decoder, "multimodal_rope", False)
+            or not names
+            or any(name not in encoder_tokens for name in names)
+            or len(set(names)) < len(names)
+        ):
             raise ValueError(
-                "mrope: expected an encoder name of this model over this library's decoder "
-                f"with M-RoPE, got {(self.encoder, self.merge_size)!r}"
+                "mrope: expected distinct encoder names of this model over this library's "
+                f"decoder with M-RoPE, got {self!r}"
             )
 
     def before_decoder(
@@ -75,26 +165,31 @@ class MRopePositions:
     ) -> torch.Tensor | None:
         if isinstance(input_pos, torch.Tensor) and input_pos.dim() == 3:
             return input_pos
-        given = encoder_input.get(self.encoder)
-        if given is not None and not isinstance(given, Mapping):
-            # Rows computed beforehand (encode()) do not say where each image's rows sit.
-            raise ValueError(
-                f"encoder_input[{self.encoder!r}]: rows computed beforehand carry no "
-                "image_grid_thw for the M-RoPE positions; pass the encoder's input "
-                "(pixel_values and image_grid_thw) or [3, b, s] input_pos"
-            )
+        media = []
+        for spec in self.inputs:
+            given = encoder_input.get(spec.encoder)
+            if given is not None and not isinstance(given, Mapping):
+                # Rows computed beforehand (encode()) do not say where each media's rows sit.
+                raise ValueError(
+                    f"encoder_input[{spec.encoder!r}]: rows computed beforehand carry no "
+                    f"{spec.grids} for the M-RoPE positions; pass the encoder's input "
+                    f"(with {spec.grids}) or [3, b, s] input_pos"
+                )
+            media.append(spec.media(given or {}, placeholders[spec.encoder]))
         cached = decoder.caches_are_enabled()
         if input_pos is None and cached:  # the cache's next slots, as the decoder's default
             input_pos = decoder.kv_caches()[0].fill + torch.arange(
                 tokens.size(1), device=tokens.device
             )
+        # Every kind through ``media`` (the positional image kind left empty).
         positions, offsets = mrope_positions(
             tokens,
             input_pos,
-            placeholders[self.encoder],
-            grids_from(encoder_input, self.encoder),
+            media[0].placeholder_id,
+            None,
             self.merge_size,
             carry=decoder.mrope_deltas if cached else None,
+            media=media,
         )
         if cached:
             decoder.mrope_deltas.copy_(offsets)
@@ -102,27 +197,35 @@ class MRopePositions:
 
 
 class DeepStackRows:
-    """For an encoder that returns ``(rows, layer_rows)`` (Qwen3-VL's DeepStack): ``rows``
-    replace its placeholders as any encoder's, and ``layer_rows[k]`` (each shaped like
+    """For encoders that return ``(rows, layer_rows)`` (Qwen3-VL's DeepStack): ``rows``
+    replace their placeholders as any encoder's, and ``layer_rows[k]`` (each shaped like
     ``rows``) is added to the output of decoder layer ``k`` at the same placeholders, through
     the decoder's ``after_layer`` (this library's decoder only; no layer is replaced, no key
     changes).
 
     Args:
-        encoder: the name of that encoder.
+        encoders: the name of such an encoder, or several (e.g. images and the videos that
+            share their tower): one ``after_layer`` adds each one's rows at its own
+            placeholders.
     """
 
-    def __init__(self, encoder: str) -> None:
-        self.encoder = encoder
+    def __init__(self, encoders: str | Sequence[str]) -> None:
+        self.encoders = (encoders,) if isinstance(encoders, str) else tuple(encoders)
 
     def __repr__(self) -> str:
-        return f"DeepStackRows({self.encoder!r})"
+        shown = self.encoders[0] if len(self.encoders) == 1 else list(self.encoders)
+        return f"DeepStackRows({shown!r})"
+
+    @property
+    def encoder(self) -> str:
+        """The first encoder's name (the image encoder's, for the families)."""
+        return self.encoders[0]
 
     def check(self, decoder: nn.Module, encoder_tokens: Mapping[str, int]) -> None:
-        if self.encoder not in encoder_tokens:
+        if not self.encoders or any(name not in encoder_tokens for name in self.encoders):
             raise ValueError(
-                "deepstack: expected an encoder name of this model over this library's "
-                f"decoder, got {self.encoder!r}"
+                "deepstack: expected encoder names of this model over this library's "
+                f"decoder, got {self!r}"
             )
 
     def before_decoder(
@@ -135,22 +238,23 @@ class DeepStackRows:
         input_pos: torch.Tensor | None,
         kwargs: dict[str, Any],
     ) -> torch.Tensor | None:
-        layer_rows = self._split(rows)
-        if layer_rows:
-            placeholder = placeholders[self.encoder]
+        found = [(placeholders[name], self._split(rows, name)) for name in self.encoders]
+        added = [(placeholder, layers) for placeholder, layers in found if layers]
+        if added:
 
             def after_layer(index: int, hidden: torch.Tensor) -> torch.Tensor:
-                if index >= len(layer_rows):
-                    return hidden
-                return add_at_placeholders(hidden, tokens, placeholder, layer_rows[index])
+                for placeholder, layer_rows in added:
+                    if index < len(layer_rows):
+                        hidden = add_at_placeholders(hidden, tokens, placeholder, layer_rows[index])
+                return hidden
 
             kwargs["after_layer"] = after_layer
         return input_pos
 
-    def _split(self, rows: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-        """Take the encoder's ``(rows, layer_rows)`` apart: its ``rows`` stay in ``rows`` for
-        the merge, its layer rows are returned (checked to be shaped alike)."""
-        name = self.encoder
+    @staticmethod
+    def _split(rows: dict[str, Any], name: str) -> tuple[torch.Tensor, ...]:
+        """Take encoder ``name``'s ``(rows, layer_rows)`` apart: its ``rows`` stay in ``rows``
+        for the merge, its layer rows are returned (checked to be shaped alike)."""
         if not isinstance(rows.get(name), tuple):
             return ()
         main, layer_rows = rows[name]

@@ -56,6 +56,9 @@ VISION_CONFIGS = {
     },
 }
 MODEL_TYPES = tuple(VISION_CONFIGS)
+# Qwen2.5-VL's temporal positions per second of video: not transformers' default 4, so that
+# it must be read from config.json.
+TOKENS_PER_SECOND = 3
 
 
 def tiny_hf_qwen(model_type: str = "qwen2_5_vl", seed: int = 0, *, tied: bool = False):
@@ -74,7 +77,8 @@ def tiny_hf_qwen(model_type: str = "qwen2_5_vl", seed: int = 0, *, tied: bool = 
     }[model_type]
     config = config_class(
         text_config=dict(TEXT_CONFIG),
-        vision_config=dict(VISION_CONFIGS[model_type]),
+        vision_config=dict(VISION_CONFIGS[model_type])
+        | ({"tokens_per_second": TOKENS_PER_SECOND} if model_type == "qwen2_5_vl" else {}),
         image_token_id=IMAGE_PAD,
         video_token_id=VIDEO_PAD,
         vision_start_token_id=VISION_START,
@@ -302,3 +306,104 @@ def transformers_first_loss(hf, processor, directory, data, *, thinking: bool = 
         total += loss.item() * sample.num_targets
         targets += sample.num_targets
     return total / targets
+
+
+# Videos: clips drawn here (odd frame counts and rates), patched by fusion's video processor
+# (bitwise transformers' own, tests/preprocessing/test_qwen2_vl_video.py), so that both
+# models see the same pixels without torchvision.
+VIDEO_PIXELS = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 6}
+VIDEO3_PIXELS = {"min_pixels": 32 * 32 * 4, "max_pixels": 32 * 32 * 6}
+
+
+def media_prompt(
+    parts: list[tuple[str, tuple]], text_lengths: list[int], seed: int = 0, *, qwen3: bool = False
+):
+    """One sample: text runs of ``text_lengths`` (one more than ``parts``) around images
+    (``("image", (t, h, w))``, random patches) and videos (``("video", (frames, fps, height,
+    width))``: drawn frames through :class:`Qwen2VLVideoProcessor`, or with ``qwen3``
+    :class:`Qwen3VLVideoProcessor`), each as ``<|vision_start|>`` + placeholders +
+    ``<|vision_end|>``; a Qwen3-VL video's as transformers 5.24 writes them, each temporal
+    patch's run after a timestamp (three random tokens here) and in a start / end pair of its
+    own, inside the chat template's pair. Returns (ids [1, s], image input, video input) in
+    transformers' names: ``pixel_values`` and ``image_grid_thw``; ``pixel_values_videos``,
+    ``video_grid_thw`` and float32 ``second_per_grid_ts``."""
+    from video_helpers import drawn_frames
+
+    from fusion.preprocessing import load_video
+    from fusion.preprocessing.qwen2_vl_video import Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
+
+    assert len(text_lengths) == len(parts) + 1
+    generator = torch.Generator().manual_seed(seed)
+    if qwen3:
+        processor = Qwen3VLVideoProcessor(**VIDEO3_PIXELS)
+        patch_width = 3 * TEMPORAL * 16 * 16
+    else:
+        processor = Qwen2VLVideoProcessor(**VIDEO_PIXELS)
+        patch_width = PATCH_WIDTH
+    pieces, image_grids, clips = [], [], []
+    for i, length in enumerate(text_lengths):
+        pieces.append(torch.randint(3, 140, (length,), generator=generator))
+        if i == len(parts):
+            break
+        kind, spec = parts[i]
+        if kind == "image":
+            image_grids.append(spec)
+            rows = spec[0] * spec[1] * spec[2] // MERGE**2
+            pieces.append(torch.tensor([VISION_START, *[IMAGE_PAD] * rows, VISION_END]))
+            continue
+        frames, fps, height, width = spec
+        clip = load_video(drawn_frames(frames, height, width, seed=seed + i), fps=fps)
+        clips.append(clip)
+        t, h, w = processor.grid(frames, height, width)
+        if not qwen3:
+            rows = t * h * w // MERGE**2
+            pieces.append(torch.tensor([VISION_START, *[VIDEO_PAD] * rows, VISION_END]))
+            continue
+        pieces.append(torch.tensor([VISION_START]))
+        for _ in range(t):
+            pieces.append(torch.randint(3, 140, (3,), generator=generator))
+            pieces.append(torch.tensor([VISION_START, *[VIDEO_PAD] * (h * w // MERGE**2)]))
+            pieces.append(torch.tensor([VISION_END]))
+        pieces.append(torch.tensor([VISION_END]))
+    patches = sum(t * h * w for t, h, w in image_grids)
+    images = {
+        "pixel_values": torch.randn(patches, patch_width, generator=generator),
+        "image_grid_thw": torch.tensor(image_grids, dtype=torch.long).view(-1, 3),
+    }
+    videos = {}
+    if clips:
+        patched = processor(clips)
+        videos = {
+            "pixel_values_videos": patched.pixel_values_videos,
+            "video_grid_thw": patched.video_grid_thw,
+            "second_per_grid_ts": torch.tensor(patched.second_per_grid_ts),
+        }
+    return torch.cat(pieces)[None], images if image_grids else {}, videos
+
+
+def media_token_type_ids(ids: torch.Tensor) -> torch.Tensor:
+    """transformers' ``mm_token_type_ids``: 1 at image placeholders, 2 at video ones."""
+    return (ids == IMAGE_PAD).to(torch.int32) + 2 * (ids == VIDEO_PAD).to(torch.int32)
+
+
+def hf_media_kwargs(hf, images: dict, videos: dict) -> dict:
+    """transformers' keyword arguments for ``images`` and ``videos`` (only Qwen2.5-VL takes
+    ``second_per_grid_ts``)."""
+    kwargs = {**images, **videos}
+    if hf.config.model_type != "qwen2_5_vl":
+        kwargs.pop("second_per_grid_ts", None)
+    return kwargs
+
+
+def our_media_input(images: dict, videos: dict) -> dict:
+    """The same inputs as an ``EarlyFusion`` Qwen model's ``encoder_input``."""
+    return {
+        **({"image": images} if images else {}),
+        **({"video": videos} if videos else {}),
+    }
+
+
+def concat_media(inputs: list[dict]) -> dict:
+    """Several samples' image (or video) inputs as one batch's: each key concatenated."""
+    present = [x for x in inputs if x]
+    return {k: torch.cat([x[k] for x in present]) for k in present[0]} if present else {}

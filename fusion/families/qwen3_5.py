@@ -35,7 +35,12 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
-from fusion.families.qwen_vl import QWEN3_VL_SETTINGS, VISION_DEFAULTS, qwen_vision_kwargs
+from fusion.families.qwen_vl import (
+    QWEN3_VL_SETTINGS,
+    VISION_DEFAULTS,
+    add_video_settings,
+    qwen_vision_kwargs,
+)
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import short_repr
 from fusion.hf.layout import KeyLayout
@@ -48,6 +53,7 @@ ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 # settings, which Qwen3.5's repositories repeat.
 _IDS = {
     "image_token_id": 248_056,
+    "video_token_id": 248_057,
     "vision_start_token_id": 248_053,
     "vision_end_token_id": 248_054,
 }
@@ -287,6 +293,7 @@ class Qwen35Family(Family):
     vision_layers = (r"encoders\.image\.blocks\.(\d{1,9})\.", "depth")
     peft_encoder = (("encoders.image.", "model.visual."),)
     processor = "qwen2_vl"
+    takes_videos = True
     processor_defaults = {MODEL_TYPE: _PROCESSOR}
     refused_model_types = {
         "qwen3_5_moe": "Qwen3.5's mixture-of-experts models are not supported (the dense "
@@ -315,11 +322,16 @@ class Qwen35Family(Family):
         )
         del vision["deepstack_visual_indexes"]
         token_id = read_token_id(config, ("image_token_id",), _IDS["image_token_id"])
-        return ModelSpec(self, MODEL_TYPE, text, vision, token_id, {}, text_config.prefix)
+        video_id = read_token_id(config, ("video_token_id",), _IDS["video_token_id"])
+        options = {"video_token_id": video_id}
+        return ModelSpec(self, MODEL_TYPE, text, vision, token_id, options, text_config.prefix)
 
     def build(self, spec: ModelSpec) -> nn.Module:
         return qwen3_5(
-            text=spec.text, vision=spec.vision, image_token_id=cast(int, spec.image_token_id)
+            text=spec.text,
+            vision=spec.vision,
+            image_token_id=cast(int, spec.image_token_id),
+            **spec.options,
         )
 
     def hf_config(self, model: nn.Module) -> dict[str, Any]:
@@ -338,6 +350,7 @@ class Qwen35Family(Family):
             "vision_config": {"model_type": "qwen3_5_vision", **vision},
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
+        add_video_settings(config, cast(EarlyFusion, model), MODEL_TYPE)
         check_rebuilds(model, config, self)
         return config
 

@@ -37,7 +37,8 @@ from fusion.families.llama_config import hf_config_from_decoder, llama_kwargs
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import short_repr
 from fusion.hf.layout import KeyLayout
-from fusion.models.qwen2_vl import qwen2_vl
+from fusion.hooks import MRopePositions
+from fusion.models.qwen2_vl import TOKENS_PER_SECOND, qwen2_vl
 from fusion.models.qwen3_vl import qwen3_vl
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -176,6 +177,32 @@ def qwen_vision_kwargs(config: ConfigReader, model_type: str) -> dict[str, Any]:
     return kwargs
 
 
+def read_tokens_per_second(config: ConfigReader) -> float:
+    """Qwen2.5-VL's ``vision_config.tokens_per_second`` (transformers' default where absent),
+    as written (an integer stays one)."""
+    vision = config.section("vision_config", "Qwen-VL", {"tokens_per_second": TOKENS_PER_SECOND})
+    value = vision.get(
+        "tokens_per_second",
+        None,
+        lambda v: isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < 2**31,
+        "a positive number",
+    )
+    return cast(float, value)
+
+
+def add_video_settings(config: dict[str, Any], model: EarlyFusion, model_type: str) -> None:
+    """Write into ``config`` (``config.json``'s) what it says of a Qwen-VL model's videos:
+    the ``<|video_pad|>`` id (nothing without a video entry) and, for Qwen2.5-VL,
+    ``vision_config.tokens_per_second`` (the M-RoPE hook's)."""
+    if "video" not in model.shared_encoders:
+        return
+    config["video_token_id"] = model.encoder_tokens["video"]
+    if model_type == "qwen2_5_vl":
+        hook = next(h for h in model.hooks if isinstance(h, MRopePositions))
+        video = next(i for i in hook.inputs if i.encoder == "video")
+        config["vision_config"]["tokens_per_second"] = video.tokens_per_second
+
+
 ARCHITECTURES = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -255,6 +282,7 @@ _TOWER_MODEL_TYPES: dict[type[nn.Module], str] = {
 # to 16777216 pixels, mean and std 0.5).
 QWEN_IDS = {
     "image_token_id": 151_655,
+    "video_token_id": 151_656,
     "vision_start_token_id": 151_652,
     "vision_end_token_id": 151_653,
 }
@@ -289,13 +317,19 @@ class QwenVLFamily(Family):
     vision_layers = (r"encoders\.image\.blocks\.(\d{1,9})\.", "depth")
     peft_encoder = (("encoders.image.", "model.visual."),)
     processor = "qwen2_vl"  # transformers gives all three Qwen2VLImageProcessor
+    takes_videos = True
 
     def read(self, config: ConfigReader) -> ModelSpec:
         model_type = config.values["model_type"]
         text, prefix = qwen_text_kwargs(config, model_type)
         vision = qwen_vision_kwargs(config, model_type)
         token_id = read_token_id(config, ("image_token_id",), QWEN_IDS["image_token_id"])
-        options = {"model_type": model_type} if self is QWEN2_VL else {}
+        video_id = read_token_id(config, ("video_token_id",), QWEN_IDS["video_token_id"])
+        options: dict[str, Any] = {"video_token_id": video_id}
+        if self is QWEN2_VL:
+            options["model_type"] = model_type
+        if model_type == "qwen2_5_vl":
+            options["tokens_per_second"] = read_tokens_per_second(config)
         return ModelSpec(self, model_type, text, vision, token_id, options, prefix)
 
     def build(self, spec: ModelSpec) -> nn.Module:
@@ -318,6 +352,7 @@ class QwenVLFamily(Family):
         rope = decoder.attentions()[0].pos_embeddings
         model_type = _TOWER_MODEL_TYPES[type(encoder)]
         config = hf_config_from_qwen(text, rope, encoder, image_id, model_type)
+        add_video_settings(config, cast(EarlyFusion, model), model_type)
         check_rebuilds(model, config, self)
         return config
 

@@ -27,14 +27,23 @@ import torch
 
 from fusion._arguments import as_device
 from fusion.checkpoint import load_hf_model
+from fusion.checkpoint.hf_vlm import hf_model_kind
 from fusion.families import FAMILIES, family_named
 from fusion.generation.autoregressive import generate_stream
 from fusion.generation.sampling import check_sampling_args
 from fusion.hf.errors import CheckpointError
 from fusion.hf.files import read_bounded, read_tokenizer
 from fusion.padding import left_pad
-from fusion.preprocessing import detect_model_kind, load_image, prepare_inputs
+from fusion.preprocessing import (
+    detect_model_kind,
+    load_image,
+    load_video,
+    prepare_inputs,
+    probe_video,
+    read_video_processor,
+)
 from fusion.preprocessing.processor import KINDS
+from fusion.preprocessing.qwen2_vl_video import QWEN2_VL_VIDEO_MARKER
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_JSON_BYTES = 16 << 20  # config.json and generation_config.json are a few KiB
@@ -85,6 +94,12 @@ def _image_markers() -> str:
     return "; ".join(f"{marker} for {', '.join(names)}" for marker, names in types.items())
 
 
+def _video_markers() -> str:
+    """The video marker and the model types whose models take videos, from the registry."""
+    types = [t for family in FAMILIES if family.takes_videos for t in family.model_types]
+    return f"{QWEN2_VL_VIDEO_MARKER} for {', '.join(types)}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m fusion.generation",
@@ -107,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="an image file for the prompts' image markers, in order (repeatable): "
         f"{_image_markers()}; decoding needs Pillow (the vision extra)",
+    )
+    parser.add_argument(
+        "--video",
+        action="append",
+        type=Path,
+        help="a clip file for the prompts' video markers, in order (repeatable): "
+        f"{_video_markers()}; its frames are kept and sized as the directory's video processor "
+        "says; decoding needs PyAV (the video extra)",
     )
     parser.add_argument(
         "--max-pixels",
@@ -205,6 +228,12 @@ def _run(
         parser.error(f"--image: {directory} holds a text-only model ({what}), taking no images")
     if args.image and args.prompt is None:
         parser.error("--image: images go where <image> markers are in a --prompt text")
+    if args.video and not family_named(hf_model_kind(directory)).takes_videos:
+        parser.error(
+            f"--video: {directory} holds a model that takes no videos ({_video_markers()})"
+        )
+    if args.video and args.prompt is None:
+        parser.error(f"--video: videos go where {QWEN2_VL_VIDEO_MARKER} is in a --prompt text")
     config = _generation_config(directory)
     vocab = _positive_int_or_none(config.get("vocab_size"))
     encoder_input, tokenizer = None, None
@@ -217,15 +246,25 @@ def _run(
                 f"--prompt: text needs a tokenizer, and none could be loaded from {directory} "
                 f"({reason}); pass --prompt-ids instead"
             )
+    max_len = args.max_seq_len or _positive_int_or_none(config.get("max_position_embeddings"))
     if tokenizer is not None and not text_only:
+        video_texts: list[str] = []
+        videos: dict[str, Any] = {}
+        if args.video:
+            video_texts, videos = _videos(directory, args.video, device, max_len)
         images = [_load_image(path, args.max_pixels) for path in args.image or []]
         with _warnings_on_one_line():  # e.g. the image processor defaults
             inputs = prepare_inputs(
-                directory, args.prompt, images, encode=tokenizer.encode, max_pixels=args.max_pixels
+                directory,
+                args.prompt,
+                images,
+                encode=tokenizer.encode,
+                max_pixels=args.max_pixels,
+                video_texts=video_texts,
             )
         prompts = inputs.ids
-        if images:
-            encoder_input = inputs.encoder_input(device=device)
+        if images or videos:
+            encoder_input = {**(inputs.encoder_input(device=device) if images else {}), **videos}
     elif tokenizer is not None:
         prompts = [tokenizer.encode(text) for text in args.prompt]
         for text, ids in zip(args.prompt, prompts, strict=True):
@@ -252,7 +291,6 @@ def _run(
             pad_id = default_pad_id(config, vocab)
     check_sampling_args(args.temperature, args.top_k, args.top_p, vocab or sys.maxsize)
     tokens = left_pad(prompts, pad_id)
-    max_len = args.max_seq_len or _positive_int_or_none(config.get("max_position_embeddings"))
     needed = tokens.size(1) + args.max_new_tokens - 1  # the last new token is never fed back
     if max_len is not None and needed > max_len:
         raise ValueError(
@@ -278,6 +316,42 @@ def _run(
             _print(steps, len(prompts), stop_tokens, tokenizer, out)
     finally:
         steps.close()  # an error while printing still frees the KV cache
+
+
+def _videos(
+    directory: Path, paths: list[Path], device: torch.device, max_len: int | None
+) -> tuple[list[str], dict[str, Any]]:
+    """Each clip's prompt text (for its ``<|video_pad|>``) and the ``"video"`` encoder input
+    of the clips, read with the directory's video processor (the grids and the seconds stay
+    on the CPU, where the positions read them). The rows the clips bring are counted from
+    their containers first: clips that alone pass ``max_len`` are refused before any frame is
+    decoded."""
+    with _warnings_on_one_line():  # e.g. the video processor defaults
+        processor = read_video_processor(directory)
+    rows = 0
+    for path in paths:
+        _, (t, h, w) = processor.plan(probe_video(path))
+        rows += t * h * w // processor.merge_size**2
+    if max_len is not None and rows > max_len:
+        raise ValueError(
+            f"--video: the clips bring {rows} placeholder rows, more than the model's {max_len} "
+            "positions (--max-seq-len, or max_position_embeddings of config.json); nothing "
+            "was decoded"
+        )
+    clips = [load_video(path, sampler=processor.sampler) for path in paths]
+    patched = processor(clips)
+    grids = patched.video_grid_thw
+    texts = [
+        processor.video_text(grid, metadata)
+        for grid, metadata in zip(grids.tolist(), patched.metadata, strict=True)
+    ]
+    video = {
+        "pixel_values_videos": patched.pixel_values_videos.to(device),
+        "video_grid_thw": grids,
+        # float32, as transformers' processors return them
+        "second_per_grid_ts": torch.tensor(patched.second_per_grid_ts, dtype=torch.float32),
+    }
+    return texts, {"video": video}
 
 
 @contextlib.contextmanager

@@ -156,15 +156,27 @@ def qwen3_5_text(
 
 
 def qwen3_5(
-    *, text: Mapping[str, Any], vision: Mapping[str, Any], image_token_id: int
+    *,
+    text: Mapping[str, Any],
+    vision: Mapping[str, Any],
+    image_token_id: int,
+    video_token_id: int | None = None,
 ) -> EarlyFusion:
     """A Qwen3.5 model: ``EarlyFusion(decoder, {"image": tower}, {"image": image_token_id},
     hooks=[MRopePositions(...)])``, the decoder :func:`qwen3_5_text`, the tower
     :class:`~fusion.encoders.Qwen35VisionTransformer` (its merger registered with
-    :func:`fusion.register_fusion_module`).
+    :func:`fusion.register_fusion_module`); with ``video_token_id``, a ``"video"`` entry
+    sharing the tower, each temporal patch of a video a media of its own in the positions
+    (as Qwen3-VL's per-frame timestamps separate them; see :func:`qwen_fusion`).
 
     Raises:
         ValueError: a tower whose output width is not the decoder's, or any argument the
             parts refuse.
     """
-    return qwen_fusion(qwen3_5_text(**text), Qwen35VisionTransformer(**vision), image_token_id)
+    return qwen_fusion(
+        qwen3_5_text(**text),
+        Qwen35VisionTransformer(**vision),
+        image_token_id,
+        video_token_id=video_token_id,
+        split_frames=True,
+    )

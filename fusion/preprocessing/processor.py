@@ -345,19 +345,30 @@ class VisionLanguageProcessor:
         ]
         return expand_markers(prompts, texts, self.marker), tiles
 
-    def __call__(self, prompts: str | Sequence[str], images: Sequence[object] = ()) -> VisionInputs:
+    def __call__(
+        self,
+        prompts: str | Sequence[str],
+        images: Sequence[object] = (),
+        *,
+        video_texts: Sequence[str] = (),
+    ) -> VisionInputs:
         """Expand, tokenize and process.
 
         Args:
             prompts: one prompt or several; each :attr:`marker` marks where an image goes.
             images: the images, in the order of the markers (through the first prompt, then
                 the next...): uint8 tensors [1, 3 or 4, h, w] (L, RGB, RGBA) or Pillow images.
+            video_texts: for kinds taking videos (Qwen2-VL's), each video's text (its
+                video processor's ``video_text``), replacing the prompts' video placeholders
+                in order; their patches are the video processor's to make.
 
         Raises:
             TypeError: ``prompts`` not strings; ``images`` not a sequence.
             ValueError: before any image is processed, a number of markers other than the
-                number of images, or a prompt the kind refuses (e.g. a placeholder outside a
-                marker, a video's placeholder); an image that cannot be taken (named by its
+                number of images (or of video placeholders other than of ``video_texts``),
+                or a prompt the kind refuses (e.g. a placeholder outside a marker, a video's
+                placeholder without ``video_texts``; ``video_texts`` for a kind taking no
+                videos); an image that cannot be taken (named by its
                 index, e.g. a 16-bit or 2-channel one); a cap exceeded (see :meth:`plan`);
                 images processed to a size the vision tower does not take (an image processor
                 at odds with the model); an empty prompt; placeholder ids in the tokenized
@@ -370,8 +381,10 @@ class VisionLanguageProcessor:
         if not isinstance(images, Sequence) or isinstance(images, str | bytes):
             raise TypeError(f"images: expected a sequence of images, got {type(images).__name__}")
         check_marker_count(prompts, len(images), self.marker)
-        self._check_prompts(prompts)
+        self._check_prompts(prompts, videos=bool(video_texts))
         texts, tiles = self.expand(prompts, images)
+        if video_texts:
+            texts = self._expand_videos(texts, video_texts)
         pixel_values, grids = self.pixels(images)
         ids = []
         for i, text in enumerate(texts):
@@ -433,9 +446,14 @@ class VisionLanguageProcessor:
         assert tokens_per_image is not None and image_size is not None  # checked
         return tokens_per_image, image_size
 
-    def _check_prompts(self, prompts: Sequence[str]) -> None:
+    def _check_prompts(self, prompts: Sequence[str], videos: bool = False) -> None:
         """Refuse (``ValueError``) prompts the kind cannot take, before any image is
-        planned."""
+        planned (``videos``: video texts are given for the prompts' video placeholders)."""
+
+    def _expand_videos(self, texts: list[str], video_texts: Sequence[str]) -> list[str]:
+        """The prompts with each video's placeholder replaced by its text (kinds taking
+        videos)."""
+        raise ValueError(f"video_texts: the {self.kind} processor takes no videos")
 
     def _plan_image(self, image: object, name: str) -> int:
         """One image's tiles, every cap checked from its size."""
@@ -590,11 +608,12 @@ def prepare_inputs(
     max_pixels: int | None = None,
     max_tiles_per_image: int = MAX_TILES_PER_IMAGE,
     max_image_rows: int = MAX_IMAGE_ROWS,
+    video_texts: Sequence[str] = (),
 ) -> VisionInputs:
     """``VisionLanguageProcessor.from_directory(directory, ...)(prompts, images)``: what a
     command line needs to run a vision-language directory on image files (decode them with
-    :func:`fusion.preprocessing.load_image`, with the same ``max_pixels``). Raises as those
-    two do."""
+    :func:`fusion.preprocessing.load_image`, with the same ``max_pixels``; ``video_texts`` as
+    the processor's call takes them). Raises as those two do."""
     processor = VisionLanguageProcessor.from_directory(
         directory,
         encode=encode,
@@ -602,4 +621,4 @@ def prepare_inputs(
         max_tiles_per_image=max_tiles_per_image,
         max_image_rows=max_image_rows,
     )
-    return processor(prompts, images)
+    return processor(prompts, images, video_texts=video_texts)

@@ -40,6 +40,7 @@ from fusion.preprocessing.processor import (
     _image_processor_settings,
     _warn_defaults,
 )
+from fusion.preprocessing.prompts import expand_markers
 from fusion.preprocessing.resize import (
     BICUBIC,
     FILTER_NAMES,
@@ -659,9 +660,9 @@ class Qwen2VLProcessor(VisionLanguageProcessor):
         }
         return image_processor, model
 
-    def _check_prompts(self, prompts: Sequence[str]) -> None:
+    def _check_prompts(self, prompts: Sequence[str], videos: bool = False) -> None:
         for i, prompt in enumerate(prompts):
-            if prompt.count(VIDEO_PAD):
+            if prompt.count(VIDEO_PAD) and not videos:
                 raise ValueError(
                     f"prompts[{i}]: holds {VIDEO_PAD!r}, a video's placeholder; videos are not "
                     f"taken (mark each image with {QWEN2_VL_IMAGE_MARKER!r})"
@@ -673,6 +674,9 @@ class Qwen2VLProcessor(VisionLanguageProcessor):
                     f"prompts[{i}]: holds {IMAGE_PAD!r} outside the image marker "
                     f"{QWEN2_VL_IMAGE_MARKER!r}; write the whole marker where each image goes"
                 )
+
+    def _expand_videos(self, texts: list[str], video_texts: Sequence[str]) -> list[str]:
+        return expand_markers(texts, video_texts, VIDEO_PAD, "video")
 
     def _plan_image(self, image: object, name: str) -> int:
         t, h, w = self.image_processor.check(image, name)

@@ -115,7 +115,9 @@ def test_family_of_config_and_model(built, model_type):
     if family.encoder_types:
         assert type(b.model) is EarlyFusion and set(b.model.encoders) == {"image"}
         assert isinstance(b.model.encoders["image"], family.encoder_types)
-        assert b.model.encoder_tokens == {"image": spec.image_token_id}
+        # a video entry shares the image tower (Qwen2-VL, Qwen2.5-VL): no module of its own
+        videos = {"video": spec.options["video_token_id"]} if b.model.shared_encoders else {}
+        assert b.model.encoder_tokens == {"image": spec.image_token_id, **videos}
     else:
         assert type(b.model) is TransformerDecoder
 
