@@ -15,8 +15,10 @@ For the model, samples and steps of ``finetune.py`` (same flags), in this proces
 - **memory floor** of ``fusion_packed``: the resident set of this process before any model
   (torch and the library imported), plus the model's parameters, plus the trained
   parameters' AdamW state (created by the first step, resident from then on), plus the
-  activations its forward saves for the backward pass (measured with saved-tensor hooks; the
-  weights themselves are not counted again): all live at once when the backward pass starts.
+  larger of the activations its forward saves for the backward pass (measured with
+  saved-tensor hooks; the weights themselves are not counted again), all live when the
+  backward pass starts, and the trained parameters' gradients, all live when the optimizer
+  steps.
 
 With ``--results`` (a ``finetune.json`` measured on this machine, whose settings are taken)
 the floors are set against the measured medians: the best ratio ``fusion_packed`` could reach
@@ -228,8 +230,12 @@ def main(argv: list[str] | None = None) -> dict:
         "parameters_mib": weights / MiB,
         "adamw_state_mib": 2 * trained / MiB,
         "saved_activations_mib": activations,
+        "gradients_mib": trained / MiB,
     }
-    memory["floor_mib"] = sum(memory.values())
+    resident = ("process_before_load_mib", "parameters_mib", "adamw_state_mib")
+    memory["floor_mib"] = sum(memory[key] for key in resident) + max(
+        activations, memory["gradients_mib"]
+    )
     report |= {"gemm_gflops": rates, "rate_gflops": rate, "work": work, "memory": memory}
     packed = work["fusion_packed"]
     lines = [
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     lines.append(
         f"fusion_packed memory floor {memory['floor_mib']:.0f} MiB = process "
         f"{baseline_mib:.0f} + parameters {memory['parameters_mib']:.0f} + AdamW state "
-        f"{memory['adamw_state_mib']:.0f} + saved activations {activations:.0f}"
+        f"{memory['adamw_state_mib']:.0f} + the larger of saved activations "
+        f"{activations:.0f} and gradients {memory['gradients_mib']:.0f}"
     )
     if args.results is not None:
         seen = measured(json.loads(args.results.read_text()))

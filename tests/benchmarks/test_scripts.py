@@ -159,9 +159,11 @@ def test_finetune_quick(tmp_path):
     memory = floor["memory"]
     parts = ("process_before_load_mib", "parameters_mib", "adamw_state_mib")
     assert memory["floor_mib"] == pytest.approx(
-        sum(memory[k] for k in parts) + memory["saved_activations_mib"]
+        sum(memory[k] for k in parts)
+        + max(memory["saved_activations_mib"], memory["gradients_mib"])
     )
     assert memory["saved_activations_mib"] > 0
+    assert memory["gradients_mib"] == pytest.approx(memory["adamw_state_mib"] / 2)
     step = results["transformers_padded"]["step_s"][0]  # one round: its first timed step
     bound = floor["bounds"]["fusion_packed / transformers_padded (tokens/s, at most)"]
     assert bound == pytest.approx(step / work["fusion_packed"]["floor_s"])
