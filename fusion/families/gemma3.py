@@ -56,6 +56,7 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
+from fusion.families.llama_config import DECODER_SIZES, read_sizes
 from fusion.families.vit_config import VISION_LAYERS, read_vision, tower_config
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import short_repr
@@ -83,17 +84,6 @@ _DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-# The sizes read as integers, config key -> the builder's argument.
-_SIZES = {
-    "vocab_size": "vocab_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads",
-    "num_key_value_heads": "num_kv_heads",
-    "hidden_size": "embed_dim",
-    "intermediate_size": "intermediate_dim",
-    "max_position_embeddings": "max_seq_len",
-    "head_dim": "head_dim",
-}
 # Ids a config may hold, each refused outside the vocabulary (a tokenizer's pad or end id
 # that the embedding has no row for). transformers' defaults: pad 0, eos 1, bos 2.
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -133,11 +123,8 @@ def gemma3_text_kwargs(config: ConfigReader) -> dict[str, Any]:
             f"expected null, got {short_repr(values['attn_logit_softcapping'])}: transformers' "
             "Gemma 3 never applies it, so no model here could match it",
         )
-    sizes = {
-        key: text.integer(key, values["num_attention_heads"] if key.startswith("num_k") else None)
-        for key in _SIZES
-    }
-    kwargs: dict[str, Any] = {_SIZES[key]: value for key, value in sizes.items()}
+    sizes = read_sizes(text, DECODER_SIZES)
+    kwargs: dict[str, Any] = {DECODER_SIZES[key]: value for key, value in sizes.items()}
     if sizes["num_attention_heads"] % sizes["num_key_value_heads"]:
         raise text.fail(
             "num_key_value_heads",

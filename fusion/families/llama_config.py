@@ -267,3 +267,29 @@ def _is_llama_layer(layer: torch.nn.Module) -> TypeGuard[TransformerSelfAttentio
         and isinstance(layer.sa_norm, RMSNorm)
         and isinstance(layer.mlp_norm, RMSNorm)
     )
+
+
+#: The sizes of a text config that this library's text builders take, config key -> the
+#: builder's argument (Gemma 3's and Qwen3.5's readers; a family adds its own).
+DECODER_SIZES: Mapping[str, str] = {
+    "vocab_size": "vocab_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "hidden_size": "embed_dim",
+    "intermediate_size": "intermediate_dim",
+    "max_position_embeddings": "max_seq_len",
+    "head_dim": "head_dim",
+}
+
+
+def read_sizes(text: ConfigReader, keys: Mapping[str, str]) -> dict[str, int]:
+    """The integer sizes of ``keys`` (config key -> builder argument) in ``text``, by config
+    key; ``num_key_value_heads`` defaults to ``num_attention_heads``, as transformers' configs
+    do.
+
+    Raises:
+        CheckpointError: naming the file and key of a size missing or not an integer.
+    """
+    heads = text.values["num_attention_heads"]
+    return {key: text.integer(key, heads if key == "num_key_value_heads" else None) for key in keys}

@@ -35,6 +35,7 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
+from fusion.families.llama_config import DECODER_SIZES, read_sizes
 from fusion.families.qwen_vl import (
     QWEN3_VL_SETTINGS,
     VISION_DEFAULTS,
@@ -83,14 +84,7 @@ _TEXT_DEFAULTS: dict[str, Any] = {
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # The sizes read as integers, config key -> the builder's argument.
 _SIZES = {
-    "vocab_size": "vocab_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads",
-    "num_key_value_heads": "num_kv_heads",
-    "hidden_size": "embed_dim",
-    "intermediate_size": "intermediate_dim",
-    "max_position_embeddings": "max_seq_len",
-    "head_dim": "head_dim",
+    **DECODER_SIZES,
     "linear_num_key_heads": "linear_num_key_heads",
     "linear_num_value_heads": "linear_num_value_heads",
     "linear_key_head_dim": "linear_key_head_dim",
@@ -142,10 +136,7 @@ def qwen3_5_text_kwargs(text: ConfigReader, *, mrope: bool = True) -> dict[str, 
     for key, expected in (("attention_bias", False), ("hidden_act", "silu")):
         if values.get(key, expected) != expected:
             raise text.fail(key, f"expected {expected!r}, got {short_repr(values[key])}")
-    sizes = {
-        key: text.integer(key, values["num_attention_heads"] if key.startswith("num_k") else None)
-        for key in _SIZES
-    }
+    sizes = read_sizes(text, _SIZES)
     kwargs: dict[str, Any] = {_SIZES[key]: value for key, value in sizes.items()}
     for heads, groups in (
         ("num_attention_heads", "num_key_value_heads"),
