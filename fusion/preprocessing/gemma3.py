@@ -10,14 +10,11 @@ stands for in a prompt, as ``Gemma3Processor`` writes it, and Gemma 3's
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from fusion.checkpoint.hf_vlm import VlmImageLayout
 from fusion.hf.config import ConfigReader
-from fusion.hf.errors import CheckpointError
 from fusion.preprocessing.images import (
     STANDARD_MEAN,
     STANDARD_STD,
@@ -217,6 +214,7 @@ class Gemma3Processor(SquareImagesProcessor):
     image_processor_type = Gemma3ImageProcessor
     marker = START_OF_IMAGE
     placeholder = IMAGE_SOFT_TOKEN
+    rows_key = "image_seq_length"
 
     @staticmethod
     def tower_image_size(encoder: Any) -> int:
@@ -243,15 +241,3 @@ class Gemma3Processor(SquareImagesProcessor):
                 f"takes {side} x {side}"
             )
         return "size", (processor.height, processor.width)
-
-    @classmethod
-    def _check_processor_config(
-        cls, config: dict[str, Any], file: Path, layout: VlmImageLayout
-    ) -> None:
-        rows = config.get("image_seq_length")
-        if rows not in (None, layout.tokens_per_image):
-            raise CheckpointError(
-                file,
-                "image_seq_length",
-                f"{rows!r}, but the model gives {layout.tokens_per_image} rows per image",
-            )

@@ -5,14 +5,11 @@ the prompt text each image expands to, in torch; their
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from fusion.checkpoint.hf_vlm import VlmImageLayout
 from fusion.hf.config import ConfigReader
-from fusion.hf.errors import CheckpointError
 from fusion.preprocessing.images import (
     STANDARD_MEAN,
     STANDARD_STD,
@@ -247,6 +244,7 @@ class Idefics3Processor(SquareImagesProcessor):
 
     kind = "idefics3"
     image_processor_type = Idefics3ImageProcessor
+    rows_key, rows_per = "image_seq_len", "tile"
 
     @staticmethod
     def tower_image_size(encoder: Any) -> int:
@@ -270,15 +268,3 @@ class Idefics3Processor(SquareImagesProcessor):
         cls, processor: Any, side: int, where: str
     ) -> tuple[str, tuple[int | None, int | None]]:
         return "max_image_size.longest_edge", (processor.max_image_size,) * 2
-
-    @classmethod
-    def _check_processor_config(
-        cls, config: dict[str, Any], file: Path, layout: VlmImageLayout
-    ) -> None:
-        seq_len = config.get("image_seq_len")
-        if seq_len not in (None, layout.tokens_per_image):
-            raise CheckpointError(
-                file,
-                "image_seq_len",
-                f"{seq_len!r}, but the model gives {layout.tokens_per_image} rows per tile",
-            )

@@ -473,6 +473,9 @@ class SquareImagesProcessor(VisionLanguageProcessor):
 
     takes = ("tokens_per_image", "image_size")
     for_models = True
+    # The processor_config.json key giving the rows per image or tile, and which of the two.
+    rows_key: ClassVar[str | None] = None
+    rows_per: ClassVar[str] = "image"
 
     def _plan_image(self, image: object, name: str) -> int:
         height, width = image_size(image, name)
@@ -546,7 +549,14 @@ class SquareImagesProcessor(VisionLanguageProcessor):
     ) -> None:
         """Refuse (``CheckpointError``, naming ``file`` and the key) a top level of
         ``processor_config.json`` (the processor's own arguments) at odds with the model's
-        rows per image or tile."""
+        rows per image or tile: by default its :attr:`rows_key`, where it says."""
+        rows = config.get(cls.rows_key) if cls.rows_key else None
+        if rows not in (None, layout.tokens_per_image):
+            raise CheckpointError(
+                file,
+                cast(str, cls.rows_key),
+                f"{rows!r}, but the model gives {layout.tokens_per_image} rows per {cls.rows_per}",
+            )
 
 
 def _processed_families() -> tuple[Family, ...]:
