@@ -149,7 +149,7 @@ from fusion.data import (
     collate_padded,
     pack_samples,
 )
-from fusion.models.idefics3 import (
+from fusion.families.idefics3.builders import (
     SMOLVLM_256M_IMAGE_TOKEN_ID,
     SMOLVLM_256M_SCALE_FACTOR,
     SMOLVLM_256M_TEXT,

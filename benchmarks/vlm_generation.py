@@ -57,13 +57,13 @@ from common import add_out_argument, idefics3_hf_config, output_dir
 from finetune import qwen_chat_ids, qwen_hf_config
 
 from fusion.checkpoint.hf_vlm import load_hf_idefics3, load_hf_vlm
-from fusion.generation import generate_stream
-from fusion.models.idefics3 import (
+from fusion.families.idefics3.builders import (
     SMOLVLM_256M_IMAGE_TOKEN_ID,
     SMOLVLM_256M_SCALE_FACTOR,
     SMOLVLM_256M_TEXT,
     SMOLVLM_256M_VISION,
 )
+from fusion.generation import generate_stream
 from fusion.preprocessing import (
     Idefics3ImageProcessor,
     Qwen2VLImageProcessor,

@@ -329,8 +329,8 @@ def media_prompt(
     ``video_grid_thw`` and float32 ``second_per_grid_ts``."""
     from video_helpers import drawn_frames
 
+    from fusion.families.qwen_vl.video import Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
     from fusion.preprocessing import load_video
-    from fusion.preprocessing.qwen2_vl_video import Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
 
     assert len(text_lengths) == len(parts) + 1
     generator = torch.Generator().manual_seed(seed)

@@ -1,8 +1,8 @@
 """Deprecated location of the Llama ``config.json`` mapping, now
-:mod:`fusion.families.llama_config` (and of the config reader, now :mod:`fusion.hf.config`);
+:mod:`fusion.families.llama.config` (and of the config reader, now :mod:`fusion.hf.config`);
 the names stay importable from here."""
 
-from fusion.families.llama_config import (
+from fusion.families.llama.config import (
     hf_config_from_decoder,
     llama3_2_kwargs_from_hf_config,
     llama_kwargs,

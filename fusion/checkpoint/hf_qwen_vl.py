@@ -1,6 +1,6 @@
 """Deprecated location of the Qwen-VL config mapping, now :mod:`fusion.families.qwen_vl`."""
 
-from fusion.families.qwen_vl import (
+from fusion.families.qwen_vl.family import (
     ARCHITECTURES,
     MODEL_TYPES,
     QWEN3_MODEL_TYPES,

@@ -30,8 +30,8 @@ image data); a ``save_to_disk`` directory is memory-mapped.
 
 Untrusted input: a row group's declared size is checked before it is read
 (:data:`MAX_ROW_GROUP_BYTES`), an image's bytes before they are decoded
-(:data:`fusion.preprocessing.images.MAX_IMAGE_BYTES`), its pixel count from its header before
-its pixels are (Pillow's decompression-bomb guard, :func:`fusion.preprocessing.images.
+(:data:`fusion.media.images.MAX_IMAGE_BYTES`), its pixel count from its header before
+its pixels are (Pillow's decompression-bomb guard, :func:`fusion.media.images.
 decode_image`).
 
 ``pyarrow`` (and ``datasets`` for ``save_to_disk`` directories) come with the ``data`` extra,
@@ -200,7 +200,7 @@ def _row_images(
         ValueError: naming the image (``images[k]``): neither bytes nor a path, not an
             image, too large, ...
     """
-    from fusion.preprocessing.images import decode_image
+    from fusion.media.images import decode_image
 
     found: list[ConversationImage] = []
     for index, item in enumerate(_image_list(value, column)):

@@ -22,7 +22,7 @@ from fusion.checkpoint.errors import short_repr
 from fusion.errors import FusionError
 
 IMAGE_MARKER = "<image>"
-_LLAVA_ROLES = {
+_SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
     "gpt": "assistant",
@@ -131,13 +131,13 @@ class EmbeddedImage:
         return data
 
     def load(self) -> torch.Tensor:
-        """Its pixels, uint8 [c, h, w] (:func:`fusion.preprocessing.images.decode_image`).
+        """Its pixels, uint8 [c, h, w] (:func:`fusion.media.images.decode_image`).
 
         Raises:
             ValueError: naming the image: unreadable, more than ``MAX_IMAGE_BYTES``, not an
                 image, corrupt, or more pixels than the decompression-bomb limit.
         """
-        from fusion.preprocessing.images import decode_image
+        from fusion.media.images import decode_image
 
         return decode_image(self.read(), self.name)
 
@@ -238,7 +238,7 @@ def parse_conversation(
         else:
             found = tuple(path for path in paths if path is not None)
     elif "conversations" in record:
-        messages, found = _llava_messages(record, base, images, images_key)
+        messages, found = _sharegpt_messages(record, base, images, images_key)
     else:
         raise ValueError(
             "expected a 'messages' list (Hugging Face's format) or a 'conversations' list "
@@ -318,7 +318,7 @@ def _hf_messages(
     return messages, tuple(images)
 
 
-def _llava_messages(
+def _sharegpt_messages(
     record: dict[str, Any],
     base: Path,
     embedded: Sequence[ConversationImage] | None = None,
@@ -344,9 +344,10 @@ def _llava_messages(
         if not isinstance(turn, dict):
             raise ValueError(f"{where}: expected an object, got {short_repr(turn, 80)}")
         speaker = turn.get("from")
-        if not isinstance(speaker, str) or speaker not in _LLAVA_ROLES:
+        if not isinstance(speaker, str) or speaker not in _SHAREGPT_ROLES:
             raise ValueError(
-                f"{where}: 'from' must be one of {sorted(_LLAVA_ROLES)}, got {short_repr(speaker)}"
+                f"{where}: 'from' must be one of {sorted(_SHAREGPT_ROLES)}, got "
+                f"{short_repr(speaker)}"
             )
         value = turn.get("value")
         if not isinstance(value, str):
@@ -362,7 +363,7 @@ def _llava_messages(
             if piece:
                 items.append({"type": "text", "text": piece})
         markers += len(pieces) - 1
-        messages.append({"role": _LLAVA_ROLES[speaker], "content": items})
+        messages.append({"role": _SHAREGPT_ROLES[speaker], "content": items})
     if markers != len(names):
         raise ValueError(
             f"{markers} image marker(s) {IMAGE_MARKER!r} in the conversation, but "

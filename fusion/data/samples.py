@@ -250,7 +250,7 @@ class ConversationEncoder:
                 token left (e.g. an empty answer).
             RuntimeError: a ``processor`` whose ``encode`` is not this encoder's.
         """
-        from fusion.preprocessing.images import image_size
+        from fusion.media.images import image_size
 
         if self.processor is None and images:
             raise ValueError(

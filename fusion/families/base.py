@@ -96,8 +96,8 @@ class Family:
         processor_defaults: per ``config.json`` model type, what its processor takes for the
             settings a directory leaves out (the keys that processor reads: ids, patch sizes,
             image settings), so that preprocessing holds no table of model types.
-        takes_videos: its models have a ``"video"`` entry for ``<|video_pad|>`` placeholders
-            (the command line's ``--video``).
+        video_marker: what a prompt marks each video with, for a family whose models have a
+            ``"video"`` entry (the command line's ``--video``); None: they take no videos.
         refused_model_types: model types of the family's relatives it does not read, each
             with the reason the error gives (Qwen3.5's mixture-of-experts variant).
     """
@@ -113,7 +113,7 @@ class Family:
     square_images: bool = False  # the tower takes square images or tiles of one size
     processor: str | None = None
     processor_defaults: Mapping[str, Mapping[str, Any]] = {}
-    takes_videos: bool = False
+    video_marker: str | None = None
     # Model types of the family's relatives that it does not read, and why (named in errors).
     refused_model_types: Mapping[str, str] = {}
 
@@ -132,6 +132,11 @@ class Family:
         without encoders) is one of this family's models (the Llama family, the registry's
         fallback, describes or refuses any other)."""
         return False
+
+    @property
+    def takes_videos(self) -> bool:
+        """Whether its models take videos (it has a :attr:`video_marker`)."""
+        return self.video_marker is not None
 
     @property
     def model_types(self) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ from typing import Any, cast
 from fusion.encoders.clip import ClipVisionTransformer
 from fusion.encoders.siglip import SiglipVisionTransformer
 from fusion.encoders.vit_blocks import ACTIVATIONS, VisionEncoderLayer
-from fusion.families.llama_config import llama_kwargs
+from fusion.families.llama.config import llama_kwargs
 from fusion.hf.config import ConfigReader
 
 # transformers' defaults for keys a sub-config leaves out (configs written by transformers 4.x

@@ -29,6 +29,7 @@ from fusion._arguments import as_device
 from fusion.checkpoint import load_hf_model
 from fusion.checkpoint.hf_vlm import hf_model_kind
 from fusion.families import FAMILIES, family_named
+from fusion.families.processor import KINDS
 from fusion.generation.autoregressive import generate_stream
 from fusion.generation.sampling import check_sampling_args
 from fusion.hf.errors import CheckpointError
@@ -42,8 +43,6 @@ from fusion.preprocessing import (
     probe_video,
     read_video_processor,
 )
-from fusion.preprocessing.processor import KINDS
-from fusion.preprocessing.qwen2_vl_video import QWEN2_VL_VIDEO_MARKER
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_JSON_BYTES = 16 << 20  # config.json and generation_config.json are a few KiB
@@ -95,9 +94,12 @@ def _image_markers() -> str:
 
 
 def _video_markers() -> str:
-    """The video marker and the model types whose models take videos, from the registry."""
-    types = [t for family in FAMILIES if family.takes_videos for t in family.model_types]
-    return f"{QWEN2_VL_VIDEO_MARKER} for {', '.join(types)}"
+    """Each video marker and the model types whose models take videos, from the registry."""
+    types: dict[str, list[str]] = {}
+    for family in FAMILIES:
+        if family.video_marker is not None:
+            types.setdefault(family.video_marker, []).extend(family.model_types)
+    return "; ".join(f"{marker} for {', '.join(names)}" for marker, names in types.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,12 +230,13 @@ def _run(
         parser.error(f"--image: {directory} holds a text-only model ({what}), taking no images")
     if args.image and args.prompt is None:
         parser.error("--image: images go where <image> markers are in a --prompt text")
-    if args.video and not family_named(hf_model_kind(directory)).takes_videos:
+    video_marker = family_named(hf_model_kind(directory)).video_marker if args.video else None
+    if args.video and video_marker is None:
         parser.error(
             f"--video: {directory} holds a model that takes no videos ({_video_markers()})"
         )
     if args.video and args.prompt is None:
-        parser.error(f"--video: videos go where {QWEN2_VL_VIDEO_MARKER} is in a --prompt text")
+        parser.error(f"--video: videos go where {video_marker} is in a --prompt text")
     config = _generation_config(directory)
     vocab = _positive_int_or_none(config.get("vocab_size"))
     encoder_input, tokenizer = None, None

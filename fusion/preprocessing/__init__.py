@@ -21,10 +21,27 @@ decoded frames, sampled and bounded before decoding; :class:`Qwen2VLVideoProcess
 :class:`Qwen3VLVideoProcessor` make their patches and prompt text.
 """
 
-from fusion.preprocessing.clip import ClipImageProcessor
-from fusion.preprocessing.gemma3 import Gemma3ImageProcessor, Gemma3Processor, gemma3_image_text
-from fusion.preprocessing.idefics3 import Idefics3ImageProcessor, TiledImage, idefics3_image_text
-from fusion.preprocessing.images import (
+from fusion.families.gemma3 import Gemma3ImageProcessor, Gemma3Processor, gemma3_image_text
+from fusion.families.idefics3 import Idefics3ImageProcessor, TiledImage, idefics3_image_text
+from fusion.families.llava import ClipImageProcessor
+from fusion.families.processor import (
+    VisionInputs,
+    VisionLanguageProcessor,
+    detect_model_kind,
+    prepare_inputs,
+)
+from fusion.families.qwen_vl import (
+    PatchedImages,
+    PatchedVideos,
+    Qwen2VLImageProcessor,
+    Qwen2VLVideoProcessor,
+    Qwen3VLVideoProcessor,
+    expand_video_pads,
+    qwen2_vl_image_text,
+    read_video_processor,
+    smart_resize,
+)
+from fusion.media.images import (
     as_uint8_image,
     default_max_pixels,
     from_pil,
@@ -33,28 +50,9 @@ from fusion.preprocessing.images import (
     rescale,
     to_rgb,
 )
-from fusion.preprocessing.processor import (
-    VisionInputs,
-    VisionLanguageProcessor,
-    detect_model_kind,
-    prepare_inputs,
-)
-from fusion.preprocessing.prompts import expand_markers
-from fusion.preprocessing.qwen2_vl import (
-    PatchedImages,
-    Qwen2VLImageProcessor,
-    qwen2_vl_image_text,
-    smart_resize,
-)
-from fusion.preprocessing.qwen2_vl_video import (
-    PatchedVideos,
-    Qwen2VLVideoProcessor,
-    Qwen3VLVideoProcessor,
-    expand_video_pads,
-    read_video_processor,
-)
-from fusion.preprocessing.resize import resize
-from fusion.preprocessing.video import (
+from fusion.media.prompts import expand_markers
+from fusion.media.resize import resize
+from fusion.media.video import (
     Video,
     VideoBounds,
     VideoError,

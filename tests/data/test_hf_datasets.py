@@ -265,7 +265,7 @@ def test_images_are_read_again_per_batch_from_few_row_groups(model_dirs, tmp_pat
 
 
 def test_decode_image_bounds_bytes_first():
-    from fusion.preprocessing.images import decode_image
+    from fusion.media.images import decode_image
 
     data = png(20, 30, 3)
     with pytest.raises(ValueError, match=r"x: \d+ bytes of encoded image, more than max_bytes=100"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fusion.preprocessing.gemma3 import (
+from fusion.families.gemma3.images import (
     END_OF_IMAGE,
     IMAGE_SOFT_TOKEN,
     START_OF_IMAGE,

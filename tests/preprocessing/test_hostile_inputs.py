@@ -16,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
+from fusion.media.images import PILLOW_MAX_PIXELS, default_max_pixels
 from fusion.preprocessing import VisionLanguageProcessor, load_image
-from fusion.preprocessing.images import PILLOW_MAX_PIXELS, default_max_pixels
 from helpers import run_bounded
 from vlm_helpers import CLIP_CONFIG, IDEFICS3_VISION_CONFIG, IMAGE_ID, TEXT_CONFIG, make_image
 

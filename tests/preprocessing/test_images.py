@@ -108,7 +108,7 @@ def test_tensors_that_cannot_be_taken(image, error, match):
 
 @pytest.mark.parametrize("normalise", [True, False])
 def test_rescale_normalize_in_one_pass_equals_the_two_steps(normalise):
-    from fusion.preprocessing.images import CLIP_MEAN, CLIP_STD, rescale_normalize
+    from fusion.media.images import CLIP_MEAN, CLIP_STD, rescale_normalize
 
     generator = torch.Generator().manual_seed(0)
     image = torch.randint(0, 256, (5, 3, 17), dtype=torch.uint8, generator=generator)

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from fusion.checkpoint import CheckpointError
+from fusion.families.qwen_vl.images import MAX_IMAGE_PIXELS, read_qwen2_vl_layout
 from fusion.preprocessing import (
     Qwen2VLImageProcessor,
     VisionLanguageProcessor,
@@ -21,7 +22,6 @@ from fusion.preprocessing import (
     qwen2_vl_image_text,
     smart_resize,
 )
-from fusion.preprocessing.qwen2_vl import MAX_IMAGE_PIXELS, read_qwen2_vl_layout
 from helpers import run_bounded
 from vlm_helpers import (
     QWEN_IMAGE_MARKER,

@@ -12,13 +12,13 @@ import pytest
 import torch
 from video_helpers import drawn_frames, hf_video_outputs, hf_video_settings, write_clip
 
-from fusion.preprocessing.qwen2_vl_video import (
+from fusion.families.qwen_vl.video import (
     PatchedVideos,
     Qwen2VLVideoProcessor,
     Qwen3VLVideoProcessor,
     read_video_processor,
 )
-from fusion.preprocessing.video import VideoMetadata, load_video, probe_video
+from fusion.media.video import VideoMetadata, load_video, probe_video
 
 SMALL = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 20}
 SMALL3 = {"min_pixels": 32 * 32 * 4, "max_pixels": 32 * 32 * 60}

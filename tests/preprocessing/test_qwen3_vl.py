@@ -13,13 +13,13 @@ import torch
 from PIL import Image
 
 from fusion.families.qwen_vl import QWEN3_VL_SETTINGS
+from fusion.families.qwen_vl.images import read_qwen2_vl_layout
 from fusion.preprocessing import (
     Qwen2VLImageProcessor,
     VisionLanguageProcessor,
     detect_model_kind,
     prepare_inputs,
 )
-from fusion.preprocessing.qwen2_vl import read_qwen2_vl_layout
 from qwen3_helpers import QWEN3_PREPROCESSOR, TEXT_CONFIG, VISION_CONFIG
 from vlm_helpers import (
     QWEN_IMAGE_MARKER,

@@ -10,13 +10,13 @@ import pytest
 import torch
 from video_helpers import drawn_frames, hf_video_outputs, hf_video_settings, write_clip
 
-from fusion.preprocessing.qwen2_vl_video import (
+from fusion.families.qwen_vl.video import (
     QWEN2_VL_VIDEO_MARKER,
     Qwen2VLVideoProcessor,
     Qwen3VLVideoProcessor,
     expand_video_pads,
 )
-from fusion.preprocessing.video import VideoMetadata, load_video
+from fusion.media.video import VideoMetadata, load_video
 from vlm_helpers import CHARS, QWEN_SPECIAL_IDS, qwen_hf_tokenizer
 
 MARKER = QWEN2_VL_VIDEO_MARKER

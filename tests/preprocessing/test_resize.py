@@ -7,8 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from fusion.preprocessing import resize
-from fusion.preprocessing.resize import (
+from fusion.media.resize import (
     BICUBIC,
     BILINEAR,
     BOX,
@@ -16,6 +15,7 @@ from fusion.preprocessing.resize import (
     LANCZOS,
     NEAREST,
 )
+from fusion.preprocessing import resize
 from vlm_helpers import as_tensor, make_image
 
 # (in height, in width, out height, out width): up, down, mixed, extreme ratios, one pixel, and

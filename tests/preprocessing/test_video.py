@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from PIL import Image
 from video_helpers import drawn_frames, write_clip
 
-import fusion.preprocessing.video as video_module
-from fusion.preprocessing.video import (
+import fusion.media.video as video_module
+from fusion.media.video import (
     VideoBounds,
     VideoError,
     VideoMetadata,

@@ -35,17 +35,18 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
-from fusion.families.llama_config import DECODER_SIZES, read_sizes
-from fusion.families.qwen_vl import (
+from fusion.families.llama.config import DECODER_SIZES, read_sizes
+from fusion.families.qwen3_5.builders import LAYER_TYPES, default_layer_types, qwen3_5, qwen3_5_text
+from fusion.families.qwen_vl.family import (
     QWEN3_VL_SETTINGS,
     VISION_DEFAULTS,
     add_video_settings,
     qwen_vision_kwargs,
 )
+from fusion.families.qwen_vl.video import QWEN2_VL_VIDEO_MARKER
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import short_repr
 from fusion.hf.layout import KeyLayout
-from fusion.models.qwen3_5 import LAYER_TYPES, default_layer_types, qwen3_5, qwen3_5_text
 
 MODEL_TYPE = "qwen3_5"
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
@@ -284,7 +285,7 @@ class Qwen35Family(Family):
     vision_layers = (r"encoders\.image\.blocks\.(\d{1,9})\.", "depth")
     peft_encoder = (("encoders.image.", "model.visual."),)
     processor = "qwen2_vl"
-    takes_videos = True
+    video_marker = QWEN2_VL_VIDEO_MARKER
     processor_defaults = {MODEL_TYPE: _PROCESSOR}
     refused_model_types = {
         "qwen3_5_moe": "Qwen3.5's mixture-of-experts models are not supported (the dense "

@@ -27,15 +27,15 @@ from typing import Any, ClassVar, cast
 import torch
 
 from fusion._validation import check_int
-from fusion.checkpoint import CheckpointError, read_hf_config
-from fusion.checkpoint.hf_model import HfDirectory
-from fusion.checkpoint.hf_vlm import VlmImageLayout, hf_model_kind, read_hf_vlm_layout
 from fusion.early_fusion import EarlyFusion
-from fusion.families import FAMILIES, Family, family_named, family_of
+from fusion.families.base import Family
+from fusion.families.directory import HfDirectory, VlmImageLayout, hf_model_kind, read_hf_vlm_layout
+from fusion.hf.config import read_hf_config
+from fusion.hf.errors import CheckpointError
 from fusion.hf.files import read_tokenizer
+from fusion.media.images import check_max_pixels, check_pixels, image_size
+from fusion.media.prompts import check_marker_count, count_markers, expand_markers
 from fusion.padding import left_pad
-from fusion.preprocessing.images import check_max_pixels, check_pixels, image_size
-from fusion.preprocessing.prompts import check_marker_count, count_markers, expand_markers
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 PROCESSOR_CONFIG = "processor_config.json"
@@ -58,6 +58,8 @@ def detect_model_kind(directory: str | bytes | os.PathLike) -> str:
     family takes, or the family's name for a text-only one (``"llama"``): what it describes,
     as preprocessing sees it (see :func:`fusion.checkpoint.hf_vlm.hf_model_kind`, whose
     errors it raises)."""
+    from fusion.families import family_named
+
     family = family_named(hf_model_kind(directory))
     return family.processor or family.name
 
@@ -125,7 +127,7 @@ class VisionLanguageProcessor:
             it.
         encode: text -> ids, special tokens (BOS) added as the model expects.
         max_pixels: the most pixels an image may have, as given or at any step of its
-            processing (None: :func:`fusion.preprocessing.images.default_max_pixels`,
+            processing (None: :func:`fusion.media.images.default_max_pixels`,
             Pillow's decompression-bomb limit). Not an image processor's own ``max_pixels``
             setting.
         max_tiles_per_image: the most tiles one image may be split into.
@@ -289,6 +291,8 @@ class VisionLanguageProcessor:
                 key, e.g. a size above 4096, or a ``max_pixels`` above 4096 * 4096); patch
                 sizes other than the tower's; a bad cap.
         """
+        from fusion.families import family_of
+
         hf = HfDirectory.of(directory, "directory")
         family = family_of(hf.config, source=hf.config_file, among=_processed_families())
         kind = KINDS[cast(str, family.processor)]
@@ -561,6 +565,8 @@ class SquareImagesProcessor(VisionLanguageProcessor):
 
 def _processed_families() -> tuple[Family, ...]:
     """The registered families a processor kind is registered for."""
+    from fusion.families import FAMILIES
+
     return tuple(f for f in FAMILIES if f.processor in KINDS)
 
 

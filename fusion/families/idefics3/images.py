@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from fusion.families.processor import IMAGE_TOKEN, SquareImagesProcessor
 from fusion.hf.config import ConfigReader
-from fusion.preprocessing.images import (
+from fusion.media.images import (
     STANDARD_MEAN,
     STANDARD_STD,
     as_uint8_image,
@@ -19,8 +20,7 @@ from fusion.preprocessing.images import (
     rescale_normalize,
     to_rgb,
 )
-from fusion.preprocessing.processor import IMAGE_TOKEN, SquareImagesProcessor
-from fusion.preprocessing.resize import (
+from fusion.media.resize import (
     FILTER_NAMES,
     LANCZOS,
     resize,

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from fusion._validation import is_int
-from fusion.checkpoint.hf_vlm import VlmImageLayout
+from fusion.families.directory import VlmImageLayout
+from fusion.families.llava.builders import rows_per_image
+from fusion.families.processor import IMAGE_TOKEN, SquareImagesProcessor
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import CheckpointError
-from fusion.models.llava import rows_per_image
-from fusion.preprocessing.images import (
+from fusion.media.images import (
     CLIP_MEAN,
     CLIP_STD,
     as_uint8_image,
@@ -24,8 +25,7 @@ from fusion.preprocessing.images import (
     rescale_normalize,
     to_rgb,
 )
-from fusion.preprocessing.processor import IMAGE_TOKEN, SquareImagesProcessor
-from fusion.preprocessing.resize import BICUBIC, FILTER_NAMES, resize
+from fusion.media.resize import BICUBIC, FILTER_NAMES, resize
 
 
 @dataclass(frozen=True)

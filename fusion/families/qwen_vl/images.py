@@ -19,11 +19,15 @@ from typing import Any, Protocol
 import torch
 
 from fusion._validation import check_int, is_int
-from fusion.checkpoint.hf_model import HfDirectory
-from fusion.families import FAMILIES
+from fusion.families.directory import HfDirectory
+from fusion.families.processor import (
+    VisionLanguageProcessor,
+    _image_processor_settings,
+    _warn_defaults,
+)
 from fusion.hf.config import CONFIG_NAME, MAX_SIDE, ConfigReader, read_hf_config
 from fusion.hf.errors import CheckpointError, as_path, short_repr
-from fusion.preprocessing.images import (
+from fusion.media.images import (
     CLIP_MEAN,
     CLIP_STD,
     as_uint8_image,
@@ -35,13 +39,8 @@ from fusion.preprocessing.images import (
     rescale_normalize,
     to_rgb,
 )
-from fusion.preprocessing.processor import (
-    VisionLanguageProcessor,
-    _image_processor_settings,
-    _warn_defaults,
-)
-from fusion.preprocessing.prompts import expand_markers
-from fusion.preprocessing.resize import (
+from fusion.media.prompts import expand_markers
+from fusion.media.resize import (
     BICUBIC,
     FILTER_NAMES,
     resize,
@@ -253,7 +252,7 @@ class Qwen2VLImageProcessor:
 
     Attributes:
         pixel_limit: the most pixels an image may hold as given and as resized (None:
-            :func:`fusion.preprocessing.images.default_max_pixels`, Pillow's
+            :func:`fusion.media.images.default_max_pixels`, Pillow's
             decompression-bomb limit): a safety cap, not one of transformers' settings
             (``VisionLanguageProcessor``'s ``max_pixels=`` sets it).
 
@@ -489,6 +488,8 @@ class Qwen2VLLayout:
 def _processor_defaults(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
     """``config``'s model type and what its family gives this processor for settings left
     out, when its family's images are this processor's; else None."""
+    from fusion.families import FAMILIES
+
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         return None
@@ -499,6 +500,8 @@ def _processor_defaults(config: Mapping[str, Any]) -> tuple[str, Mapping[str, An
 
 
 def _model_types() -> list[str]:
+    from fusion.families import FAMILIES
+
     return [
         model_type
         for family in FAMILIES

@@ -9,7 +9,7 @@ from torch import nn
 from fusion.early_fusion import EarlyFusion, register_fusion_module
 from fusion.encoders.clip import ClipVisionTransformer
 from fusion.encoders.connectors import LlavaProjector
-from fusion.models.llama3_2 import llama3_2
+from fusion.families.llama.builders import llama3_2
 
 FEATURE_STRATEGIES = ("default", "full")
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from fusion._validation import is_int
-from fusion.preprocessing.images import from_pil, is_pil_image
+from fusion.media.images import from_pil, is_pil_image
 
 # Pillow's resampling filter numbers, which image processor configs store (``resample``).
 NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING = 0, 1, 2, 3, 4, 5

@@ -20,7 +20,8 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
-from fusion.families.llama_config import hf_config_from_decoder
+from fusion.families.idefics3.builders import Idefics3ImageEncoder, idefics3
+from fusion.families.llama.config import hf_config_from_decoder
 from fusion.families.vit_config import (
     VISION_DEFAULTS,
     VISION_LAYERS,
@@ -31,7 +32,6 @@ from fusion.families.vit_config import (
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import CheckpointError
 from fusion.hf.layout import KeyLayout
-from fusion.models.idefics3 import Idefics3ImageEncoder, idefics3
 
 _VISION_TYPES = ("idefics3_vision", "smolvlm_vision")
 

@@ -33,13 +33,13 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
-from fusion.families.llama_config import hf_config_from_decoder, llama_kwargs
+from fusion.families.llama.config import hf_config_from_decoder, llama_kwargs
+from fusion.families.qwen_vl.builders import TOKENS_PER_SECOND, qwen2_vl, qwen3_vl
+from fusion.families.qwen_vl.video import QWEN2_VL_VIDEO_MARKER
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import short_repr
 from fusion.hf.layout import KeyLayout
 from fusion.hooks import MRopePositions
-from fusion.models.qwen2_vl import TOKENS_PER_SECOND, qwen2_vl
-from fusion.models.qwen3_vl import qwen3_vl
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 QWEN3_MODEL_TYPES = ("qwen3_vl",)
@@ -215,7 +215,7 @@ def hf_config_from_qwen(
 ) -> dict[str, Any]:
     """The ``config.json`` transformers 5.24's ``save_pretrained`` writes (nested
     ``text_config``, ``rope_parameters``), from the decoder's config ``llama`` (as
-    :func:`~fusion.families.llama_config.hf_config_from_decoder` writes it with ``qwen=True``),
+    :func:`~fusion.families.llama.config.hf_config_from_decoder` writes it with ``qwen=True``),
     its rotary embeddings ``rope`` and the vision ``tower``'s settings."""
     text_keys = (
         "vocab_size",
@@ -317,7 +317,7 @@ class QwenVLFamily(Family):
     vision_layers = (r"encoders\.image\.blocks\.(\d{1,9})\.", "depth")
     peft_encoder = (("encoders.image.", "model.visual."),)
     processor = "qwen2_vl"  # transformers gives all three Qwen2VLImageProcessor
-    takes_videos = True
+    video_marker = QWEN2_VL_VIDEO_MARKER
 
     def read(self, config: ConfigReader) -> ModelSpec:
         model_type = config.values["model_type"]

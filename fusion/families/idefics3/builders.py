@@ -10,7 +10,7 @@ from torch import nn
 from fusion.early_fusion import EarlyFusion, register_fusion_module
 from fusion.encoders.connectors import Idefics3Connector
 from fusion.encoders.siglip import SiglipVisionTransformer
-from fusion.models.llama3_2 import llama3_2
+from fusion.families.llama.builders import llama3_2
 
 # SmolVLM-256M's shape: SmolLM2-135M's decoder, SigLIP base patch-16/512, 4x4 pixel shuffle
 # (64 rows per 512 x 512 tile).

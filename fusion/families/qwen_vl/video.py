@@ -2,9 +2,9 @@
 ``Qwen2VLVideoProcessor`` and ``Qwen3VLVideoProcessor`` compute them: which frames of a clip
 are kept, the size frames are resized to, and the patches and grids the vision tower takes.
 
-The patch layout, the pixel range's arithmetic (:func:`~fusion.preprocessing.qwen2_vl.smart_resize`)
-and the settings are the image processor's (:mod:`fusion.preprocessing.qwen2_vl`); the pixels
-differ because transformers' video processors run on torchvision, not Pillow: frames are
+The patch layout, the pixel range's arithmetic (:func:`~.images.smart_resize`) and the
+settings are the image processor's (:mod:`fusion.families.qwen_vl.images`); the pixels differ
+because transformers' video processors run on torchvision, not Pillow: frames are
 resized by torch's antialiased interpolation on the uint8 frames (what torchvision calls on
 CPU), then rescaled and normalised in one float32 step, ``(x - mean / factor) / (std /
 factor)``. Frames are padded to a multiple of the temporal patch by repeating the last one.
@@ -25,12 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from fusion._validation import check_int
-from fusion.hf.config import ConfigReader, read_hf_config
-from fusion.hf.errors import CheckpointError
-from fusion.preprocessing.images import CLIP_MEAN, CLIP_STD, STANDARD_MEAN, STANDARD_STD
-from fusion.preprocessing.processor import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG
-from fusion.preprocessing.prompts import expand_markers
-from fusion.preprocessing.qwen2_vl import (
+from fusion.families.processor import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG
+from fusion.families.qwen_vl.images import (
     MAX_IMAGE_PIXELS,
     VIDEO_PAD,
     VISION_END,
@@ -42,8 +38,12 @@ from fusion.preprocessing.qwen2_vl import (
     smart_resize,
     write_patches,
 )
-from fusion.preprocessing.resize import BICUBIC, BILINEAR, NEAREST
-from fusion.preprocessing.video import (
+from fusion.hf.config import ConfigReader, read_hf_config
+from fusion.hf.errors import CheckpointError
+from fusion.media.images import CLIP_MEAN, CLIP_STD, STANDARD_MEAN, STANDARD_STD
+from fusion.media.prompts import expand_markers
+from fusion.media.resize import BICUBIC, BILINEAR, NEAREST
+from fusion.media.video import (
     Sampler,
     Video,
     VideoMetadata,
@@ -178,7 +178,7 @@ class Qwen2VLVideoProcessor:
     ) -> "Qwen2VLVideoProcessor":
         """From a video processor config (or, as transformers falls back to it, the image
         processor's ``preprocessor_config.json``), read as transformers 5.24 reads it: the
-        image processor's keys (:func:`~fusion.preprocessing.qwen2_vl.read_patch_settings`,
+        image processor's keys (:func:`~fusion.families.qwen_vl.images.read_patch_settings`,
         with this class's pixel range when ``size`` and the legacy keys are absent), then
         ``do_sample_frames``, ``fps``, ``num_frames``, ``min_frames``, ``max_frames``,
         ``cap_pixels_per_frame`` and ``max_video_tokens``.

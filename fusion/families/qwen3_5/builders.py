@@ -19,7 +19,7 @@ from fusion.decoder import (
 )
 from fusion.early_fusion import EarlyFusion
 from fusion.encoders.qwen_vision import Qwen35VisionTransformer
-from fusion.models.qwen2_vl import qwen_fusion
+from fusion.families.qwen_vl.builders import qwen_fusion
 
 #: The layer kinds of ``layer_types``, as Hugging Face's configs name them.
 LAYER_TYPES = ("linear_attention", "full_attention")

@@ -36,7 +36,7 @@ import torch
 from fusion._io import NotRegularFile, open_regular
 from fusion._validation import check_int, is_int
 from fusion.errors import FusionError
-from fusion.preprocessing.images import is_pil_image, load_image
+from fusion.media.images import is_pil_image, load_image
 
 EXTRA = "pip install 'torch-early-fusion[video]'"
 # The frame files a directory of frames is read for (LLaVA-Video-style data sets store JPEGs).

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from fusion.families.processor import SquareImagesProcessor
 from fusion.hf.config import ConfigReader
-from fusion.preprocessing.images import (
+from fusion.media.images import (
     STANDARD_MEAN,
     STANDARD_STD,
     as_uint8_image,
@@ -24,8 +25,7 @@ from fusion.preprocessing.images import (
     rescale_normalize,
     to_rgb,
 )
-from fusion.preprocessing.processor import SquareImagesProcessor
-from fusion.preprocessing.resize import BILINEAR, FILTER_NAMES, resize
+from fusion.media.resize import BILINEAR, FILTER_NAMES, resize
 
 # The tokenizer's markers of an image's rows (Gemma 3's tokenizer_config.json).
 START_OF_IMAGE, IMAGE_SOFT_TOKEN, END_OF_IMAGE = (

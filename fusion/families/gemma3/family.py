@@ -56,18 +56,18 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
-from fusion.families.llama_config import DECODER_SIZES, read_sizes
-from fusion.families.vit_config import VISION_LAYERS, read_vision, tower_config
-from fusion.hf.config import ConfigReader
-from fusion.hf.errors import short_repr
-from fusion.hf.layout import KeyLayout
-from fusion.models.gemma3 import (
+from fusion.families.gemma3.builders import (
     LAYER_TYPES,
     Gemma3ImageEncoder,
     default_layer_types,
     gemma3,
     gemma3_text,
 )
+from fusion.families.llama.config import DECODER_SIZES, read_sizes
+from fusion.families.vit_config import VISION_LAYERS, read_vision, tower_config
+from fusion.hf.config import ConfigReader
+from fusion.hf.errors import short_repr
+from fusion.hf.layout import KeyLayout
 
 MODEL_TYPE = "gemma3_text"
 ARCHITECTURE = "Gemma3ForCausalLM"

@@ -7,10 +7,10 @@ from torch import nn
 
 from fusion.decoder import TransformerDecoder
 from fusion.families.base import Family, ModelSpec
-from fusion.families.llama_config import hf_config_from_decoder, llama_kwargs
+from fusion.families.llama.builders import llama3_2
+from fusion.families.llama.config import hf_config_from_decoder, llama_kwargs
 from fusion.hf.config import ConfigReader
 from fusion.hf.layout import KeyLayout
-from fusion.models import llama3_2
 
 
 class LlamaFamily(Family):

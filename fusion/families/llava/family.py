@@ -24,7 +24,13 @@ from fusion.families.base import (
     check_rebuilds,
     read_token_id,
 )
-from fusion.families.llama_config import hf_config_from_decoder
+from fusion.families.llama.config import hf_config_from_decoder
+from fusion.families.llava.builders import (
+    FEATURE_STRATEGIES,
+    LlavaImageEncoder,
+    llava,
+    rows_per_image,
+)
 from fusion.families.vit_config import (
     VISION_DEFAULTS,
     VISION_LAYERS,
@@ -34,7 +40,6 @@ from fusion.families.vit_config import (
 )
 from fusion.hf.config import ConfigReader
 from fusion.hf.layout import KeyLayout
-from fusion.models.llava import FEATURE_STRATEGIES, LlavaImageEncoder, llava, rows_per_image
 
 _VISION_TYPES = ("clip_vision_model",)
 
