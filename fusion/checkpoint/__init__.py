@@ -4,9 +4,8 @@ and torch files.
 - :func:`load_hf_model` / :func:`save_hf_model`: a Hugging Face directory of any registered
   family (:data:`fusion.families.FAMILIES`) <-> a text decoder or a ready ``EarlyFusion``.
 - :func:`load_hf_llama` / :func:`save_hf_llama`: the same for a Llama directory only (config,
-  key names and the q/k rotary row permutation). The per-family ``load_hf_llava``,
-  ``load_hf_idefics3``, ``load_hf_vlm``, ``save_hf_llava``, ``save_hf_idefics3``,
-  ``save_hf_qwen2_vl`` and ``save_hf_qwen3_vl`` are deprecated aliases, kept for one
+  key names and the q/k rotary row permutation). The per-family loaders and savers of
+  earlier releases (:mod:`fusion.checkpoint.hf_vlm`) are deprecated aliases, kept for one
   release.
 - :func:`export_hf`: a trained model (LoRA merged) as a Hugging Face directory with the
   source directory's tokenizer, processor, chat-template and generation-config files, written

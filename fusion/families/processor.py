@@ -5,15 +5,14 @@ from_directory` and one ``__call__`` (markers checked, every image planned from 
 the markers expanded, the images processed, the prompts tokenized and their placeholder ids
 checked). What differs between families is a subclass's few hooks: its marker and
 placeholder text, the rows an image of a given size gives, the pixels, the id check and how a
-directory's settings are read. Each family's module of this package defines its subclass
-beside its image processor, registered in :data:`KINDS` under its ``kind``; a family
-(:mod:`fusion.families`) names that kind as data (:attr:`fusion.families.Family.processor`).
+directory's settings are read. Each family's home defines its subclass beside its image
+processor (e.g. :mod:`fusion.families.qwen_vl.processor`), registered in :data:`KINDS` under
+its ``kind``, and the family names that kind (:attr:`fusion.families.Family.processor`).
 
-Why this way round: the image processors are pixels and arithmetic, and this package stands
-above :mod:`fusion.families` (a directory's family is looked up in the registry, through
-:class:`fusion.checkpoint.hf_model.HfDirectory`), so a family refers to its processor only by name;
-a family importing preprocessing would close a circle, and a table here keyed by family
-would be a branch on it.
+This module stands below the families' processors, which subclass its classes; the registry
+(:mod:`fusion.families`), which imports them, is looked up only when a directory's or a
+model's family is asked for (:meth:`~VisionLanguageProcessor.from_directory`,
+:meth:`~VisionLanguageProcessor.for_model`), never when this module is imported.
 """
 
 import dataclasses
@@ -178,7 +177,7 @@ class VisionLanguageProcessor:
         vision_end_token_id: int | None = None,
     ) -> None:
         if kind not in KINDS or not isinstance(self, KINDS[kind]):
-            raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
+            raise ValueError(f"kind: expected one of {sorted(KINDS)}, got {kind!r}")
         if not isinstance(image_processor, self.image_processor_type):
             raise ValueError(
                 f"image_processor: expected a {self.image_processor_type.__name__} for {kind}, "

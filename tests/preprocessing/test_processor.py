@@ -254,7 +254,7 @@ def test_processor_arguments():
     clip = ClipImageProcessor.for_image_size(16)
     ok = {"tokens_per_image": 16, "image_size": 16, "image_token_id": 4, "encode": list}
     with pytest.raises(
-        ValueError, match=r"kind: expected one of \['llava', 'gemma3', 'idefics3', 'qwen2_vl'\]"
+        ValueError, match=r"kind: expected one of \['gemma3', 'idefics3', 'llava', 'qwen2_vl'\]"
     ):
         VisionLanguageProcessor("qwen", clip, **ok)
     with pytest.raises(ValueError, match="image_processor: expected a Idefics3ImageProcessor"):

@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 
 from fusion.checkpoint import CheckpointError
-from fusion.families.qwen_vl.images import MAX_IMAGE_PIXELS, read_qwen2_vl_layout
+from fusion.families.qwen_vl.images import MAX_IMAGE_PIXELS
+from fusion.families.qwen_vl.processor import read_qwen2_vl_layout
 from fusion.preprocessing import (
     Qwen2VLImageProcessor,
     VisionLanguageProcessor,

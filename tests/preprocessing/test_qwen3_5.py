@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from fusion.families.qwen_vl.images import read_qwen2_vl_layout
+from fusion.families.qwen_vl.processor import read_qwen2_vl_layout
 from fusion.preprocessing import detect_model_kind, prepare_inputs
 from qwen3_helpers import (
     QWEN3_5_SPECIAL_IDS,

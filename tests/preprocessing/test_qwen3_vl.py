@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from fusion.families.qwen_vl import QWEN3_VL_SETTINGS
-from fusion.families.qwen_vl.images import read_qwen2_vl_layout
+from fusion.families.qwen_vl.family import QWEN3_VL_SETTINGS
+from fusion.families.qwen_vl.processor import read_qwen2_vl_layout
 from fusion.preprocessing import (
     Qwen2VLImageProcessor,
     VisionLanguageProcessor,

@@ -31,13 +31,12 @@ from fusion.families.qwen_vl.images import (
     VIDEO_PAD,
     VISION_END,
     VISION_START,
-    check_against_tower,
     check_patch_settings,
     read_patch_settings,
-    read_qwen2_vl_layout,
     smart_resize,
     write_patches,
 )
+from fusion.families.qwen_vl.processor import check_against_tower, read_qwen2_vl_layout
 from fusion.hf.config import ConfigReader, read_hf_config
 from fusion.hf.errors import CheckpointError
 from fusion.media.images import CLIP_MEAN, CLIP_STD, STANDARD_MEAN, STANDARD_STD
