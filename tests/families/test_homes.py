@@ -74,8 +74,7 @@ def test_the_check_finds_a_family_named_in_generic_code(tmp_path):
     (tmp_path / "families").mkdir()
     (tmp_path / "families" / "toy.py").write_text('MODEL_TYPE = "toy_vl"\n')
     (tmp_path / "loader.py").write_text(
-        'def load(config):\n    if config["model_type"] == "toy_vl":\n        pass\n'
-        "toy_vlm = 1\n"
+        'def load(config):\n    if config["model_type"] == "toy_vl":\n        pass\ntoy_vlm = 1\n'
     )
     (tmp_path / "__init__.py").write_text(
         'from families.toy import toy_vl_builder\n\n__all__ = ["toy_vl_builder"]\n'
