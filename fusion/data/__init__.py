@@ -26,6 +26,7 @@ from fusion.data.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     RenderedChat,
+    check_template_variables,
     load_chat_template,
     load_special_tokens,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "RenderedChat",
     "Sample",
     "StepBatches",
+    "check_template_variables",
     "collate_packed",
     "collate_padded",
     "encode_conversations",

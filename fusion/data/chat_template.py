@@ -34,6 +34,8 @@ from fusion.hf.files import read_bounded, read_json
 
 MAX_TEMPLATE_BYTES = 2**20  # real templates are a few kilobytes
 MAX_OUTPUT_CHARS = 2**22
+#: The names every render sets itself, which no template variable may take.
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
     "eos_token",
@@ -166,9 +168,16 @@ class ChatTemplate:
         special_tokens: variables every render sees (``bos_token`` and the like, as
             transformers passes its tokenizer's ``special_tokens_map``).
         max_chars: the most characters a render may produce.
+        variables: more variables every render sees, over the special tokens: what
+            transformers' ``apply_chat_template(..., **kwargs)`` passes on to the template
+            (Qwen3's and Qwen3.5's ``{"enable_thinking": False}``). JSON data, under names
+            that are identifiers other than those the render sets itself
+            (:data:`RESERVED_VARIABLES`).
 
     Raises:
-        TypeError: ``source`` not a string.
+        TypeError: ``source`` not a string; ``variables`` not a mapping.
+        ValueError: a variable's name reserved or not an identifier, or its value not JSON
+            data.
         ChatTemplateError: a syntax error (with its line) or a template over
             :data:`MAX_TEMPLATE_BYTES` characters.
     """
@@ -179,6 +188,7 @@ class ChatTemplate:
         *,
         special_tokens: Mapping[str, str] | None = None,
         max_chars: int = MAX_OUTPUT_CHARS,
+        variables: Mapping[str, Any] | None = None,
     ) -> None:
         import jinja2
 
@@ -190,6 +200,7 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens or {})
         self.max_chars = max_chars
+        self.variables = check_template_variables(variables)
         self.has_generation_tags = False
         try:
             self._template = _environment().from_string(source)
@@ -203,14 +214,21 @@ class ChatTemplate:
 
     @classmethod
     def from_directory(
-        cls, directory: str | os.PathLike, *, max_chars: int = MAX_OUTPUT_CHARS
+        cls,
+        directory: str | os.PathLike,
+        *,
+        max_chars: int = MAX_OUTPUT_CHARS,
+        variables: Mapping[str, Any] | None = None,
     ) -> "ChatTemplate":
         """The directory's template (:func:`load_chat_template`) with its special tokens
-        (:func:`load_special_tokens`). Raises as those and the constructor do."""
+        (:func:`load_special_tokens`) and ``variables``. Raises as those and the constructor
+        do."""
+        variables = check_template_variables(variables)  # before any file is read
         return cls(
             load_chat_template(directory),
             special_tokens=load_special_tokens(directory),
             max_chars=max_chars,
+            variables=variables,
         )
 
     def render(
@@ -227,7 +245,8 @@ class ChatTemplate:
             messages: Hugging Face messages; only JSON data (str, int, float, bool, None,
                 lists, dicts) reaches the template.
             add_generation_prompt: end with the header of an assistant turn.
-            variables: more template variables (over the special tokens).
+            variables: more template variables (over the special tokens and the template's
+                own :attr:`variables`).
 
         Raises:
             ChatTemplateError: the template fails (``raise_exception``, a sandbox violation,
@@ -355,6 +374,7 @@ class ChatTemplate:
 
         context = {
             **self.special_tokens,
+            **self.variables,
             **_plain(dict(variables), "variables"),
             "messages": _plain(list(messages), "messages"),
             "tools": None,
@@ -419,6 +439,29 @@ def _common_prefix(a: str, b: str) -> int:
     """The length of the longest common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def check_template_variables(variables: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``variables`` as a template sees them (plain JSON data), every name checked (see
+    :class:`ChatTemplate`'s ``variables``).
+
+    Raises:
+        TypeError: ``variables`` not a mapping.
+        ValueError: a name reserved or not an identifier; a value that is not JSON data.
+    """
+    if variables is None:
+        return {}
+    if not isinstance(variables, Mapping):
+        raise TypeError(
+            f"variables: expected a mapping of names to JSON data, got {type(variables).__name__}"
+        )
+    for name in variables:
+        if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_VARIABLES:
+            raise ValueError(
+                f"variables: expected names that are identifiers other than "
+                f"{sorted(RESERVED_VARIABLES)}, got {name!r}"
+            )
+    return {name: _plain(value, f"variables.{name}") for name, value in variables.items()}
 
 
 def _plain(value: Any, where: str) -> Any:

@@ -27,7 +27,7 @@ plus one batch's pixels, whatever the number of images.
 """
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -204,14 +204,22 @@ class ConversationEncoder:
         self.placeholder_ids = tuple(int(i) for i in placeholder_ids)
 
     @classmethod
-    def from_directory(cls, directory: "str | os.PathLike | HfDirectory") -> "ConversationEncoder":
+    def from_directory(
+        cls,
+        directory: "str | os.PathLike | HfDirectory",
+        *,
+        template_variables: Mapping[str, Any] | None = None,
+    ) -> "ConversationEncoder":
         """For a directory of any registered family (or its
         :class:`~fusion.checkpoint.hf_model.HfDirectory`, whose parsed ``config.json`` is used as it
-        is): its chat template (:meth:`ChatTemplate.from_directory`), ``tokenizer.json`` and,
-        for a family with a processor, its processor
+        is): its chat template (:meth:`ChatTemplate.from_directory`, rendering with
+        ``template_variables``, e.g. Qwen3.5's ``{"enable_thinking": False}``),
+        ``tokenizer.json`` and, for a family with a processor, its processor
         (:meth:`VisionLanguageProcessor.from_directory`).
 
         Raises:
+            TypeError, ValueError: ``template_variables`` that are not a mapping of
+                identifiers to JSON data (before any file is read).
             CheckpointError: no or an unreadable ``tokenizer.json``, a bad ``config.json`` or
                 processor config.
             ChatTemplateError: no template, or one that does not compile.
@@ -221,7 +229,7 @@ class ConversationEncoder:
         from fusion.preprocessing import VisionLanguageProcessor
 
         hf = HfDirectory.of(directory, "directory")
-        template = ChatTemplate.from_directory(hf.path)
+        template = ChatTemplate.from_directory(hf.path, variables=template_variables)
         tokenizer = read_tokenizer(
             hf.path / TOKENIZER_FILE, missing="encoding conversations needs the tokenizer"
         )

@@ -1,10 +1,13 @@
 """The fine-tuning run's configuration: one dataclass, its command-line flags, its checks, and
 what a resumed run takes from its checkpoint."""
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, NoReturn
 
+from fusion.data import check_template_variables
 from fusion.lora import DEFAULT_TARGETS
 from fusion.training import config as shared
 from fusion.training.config import flag_name, option
@@ -58,11 +61,17 @@ class FinetuneConfig:
     seed: int = _data(
         0, "seed of the data order, LoRA's initialisation and dropout", non_negative=True
     )
+    chat_template_kwargs: str | None = _data(
+        None,
+        "a JSON object of variables the chat template renders every conversation with, as "
+        "transformers' apply_chat_template(**kwargs) passes them, e.g. "
+        "'{\"enable_thinking\": false}' for Qwen3.5 answers without reasoning",
+    )
 
     model: str | None = _model(
         None,
         "a Hugging Face model directory: LLaVA, Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL, "
-        "Qwen3-VL or a text-only Llama (required)",
+        "Qwen3-VL, Qwen3.5, Gemma 3, or a text-only Llama, Qwen3.5 or Gemma 3 (required)",
         path=True,
     )
     train: str = _model(
@@ -174,6 +183,11 @@ class FinetuneConfig:
     progress: bool = _session(True, "show the progress bar")
 
     @property
+    def template_variables(self) -> dict[str, Any]:
+        """:attr:`chat_template_kwargs` parsed (checked by :func:`check_config`)."""
+        return {} if self.chat_template_kwargs is None else json.loads(self.chat_template_kwargs)
+
+    @property
     def lora_target_list(self) -> list[str]:
         return [t.strip() for t in self.lora_targets.split(",") if t.strip()]
 
@@ -193,6 +207,10 @@ def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name)
         fail("lora_dropout", "a probability in [0, 1)")
     if config.steps == 0 and config.epochs == 0:
         fail("epochs", f"a positive number of epochs when {name('steps')} is 0")
+    if config.chat_template_kwargs is not None:
+        _check_template_variables(
+            config.chat_template_kwargs, partial(fail, "chat_template_kwargs")
+        )
     targets = config.lora_target_list
     if not targets or len(set(targets)) != len(targets):
         fail("lora_targets", "distinct comma-separated layer names")
@@ -209,13 +227,29 @@ def check_config(config: FinetuneConfig, name: Callable[[str], str] = flag_name)
         raise ValueError(f"{name('resume')}: {expected}")
 
 
+def _check_template_variables(text: str, fail: Callable[[str], NoReturn]) -> None:
+    """Refuse (through ``fail``, given what was expected) ``--chat-template-kwargs`` that is
+    not a JSON object of identifiers to JSON data the template can take."""
+    try:
+        variables = json.loads(text)
+    except json.JSONDecodeError as error:
+        fail(f"a JSON object (not valid JSON: {error.msg} at character {error.pos})")
+    if not isinstance(variables, dict):
+        fail(f"a JSON object, got a JSON {type(variables).__name__}")
+    try:
+        check_template_variables(variables)
+    except ValueError as error:
+        fail(f"template variables ({error})")
+
+
 # The recipe's command line and what its checkpoints store (data, model, optim and run).
 SPEC = shared.ConfigSpec(
     FinetuneConfig,
     prog=PROG,
     description=(
         "Fine-tune a Hugging Face vision-language model (LLaVA, Idefics3, SmolVLM, "
-        "Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or a Llama on your own conversations: packed "
+        "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3) or a text-only Llama, Qwen3.5 or "
+        "Gemma 3 on your own conversations: packed "
         "batches, LoRA or full fine-tuning, "
         "crash-safe checkpoints that resume bit for bit, and at the end "
         "<output-dir>/final/, a Hugging Face directory transformers loads. Runs under "
@@ -226,7 +260,8 @@ SPEC = shared.ConfigSpec(
     fixed_groups=FIXED_GROUPS,
     stored_groups=(*FIXED_GROUPS, "run"),
     required=("model", "data", "output_dir"),  # for a new run (--resume reads them)
-    added={"init_adapter": None},  # added since the first checkpoints: the value they had
+    # added since the first checkpoints: the value they had
+    added={"init_adapter": None, "chat_template_kwargs": None},
 )
 build_parser, parse_args, resumed_config = SPEC.build_parser, SPEC.parse_args, SPEC.resumed
 config_to_json, config_from_json = SPEC.to_json, SPEC.from_json

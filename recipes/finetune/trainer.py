@@ -55,7 +55,9 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
     assert config.model is not None and config.data is not None
     with flag_errors("--model", CheckpointError, data.ChatTemplateError, OSError, ValueError):
         directory = HfDirectory(config.model)  # config.json parsed once, for all of setup
-        encoder = data.ConversationEncoder.from_directory(directory)
+        encoder = data.ConversationEncoder.from_directory(
+            directory, template_variables=config.template_variables
+        )
 
     def read(path: str, flag: str) -> EncodedData:  # the whole file checked
         with flag_errors(flag, data.DataError, ImportError):

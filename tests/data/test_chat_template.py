@@ -280,3 +280,29 @@ def test_special_tokens(tmp_path):
         "pad_token": "<pad>",
     }
     assert load_special_tokens(tmp_path / "nowhere") == {}
+
+
+def test_template_variables_reach_every_render_and_are_checked_first(tmp_path):
+    source = "{{ bos_token }}{% if enable_thinking is false %}no{% endif %}{{ lang }}"
+    template = ChatTemplate(
+        source, special_tokens={"bos_token": "<s>"}, variables={"enable_thinking": False}
+    )
+    assert template.render([]) == "<s>no"
+    assert template.render([], lang="fr", enable_thinking=True) == "<s>fr"  # the call's win
+    marked = SPAN_TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] }}{{ mark }}")
+    rendered = ChatTemplate(marked, variables={"mark": "!"}).render_with_spans(
+        [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    )  # the labelling renders see the variables too
+    assert [rendered.text[a:b] for a, b in rendered.spans] == ["A!</assistant>"]
+    for bad, error, message in [
+        ([("x", 1)], TypeError, "variables: expected a mapping"),
+        ({"messages": []}, ValueError, "identifiers other than"),
+        ({"not a name": 1}, ValueError, "identifiers other than"),
+        ({1: 1}, ValueError, "identifiers other than"),
+        ({"when": datetime(2026, 1, 1)}, ValueError, "variables.when: expected JSON data"),
+    ]:
+        with pytest.raises(error, match=message):
+            ChatTemplate(source, variables=bad)
+        # refused before the directory (here a missing one) is read
+        with pytest.raises(error, match=message):
+            ChatTemplate.from_directory(tmp_path / "missing", variables=bad)

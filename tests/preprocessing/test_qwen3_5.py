@@ -194,6 +194,40 @@ def test_conversation_labels_are_each_turns_answer_as_rendered(qwen3_5_dir, case
         assert "greet" not in text and "old" not in text
 
 
+def test_without_thinking_the_empty_thinking_block_is_prompt_not_target(qwen3_5_dir):
+    """``enable_thinking=False`` (``template_variables``): the template renders a training
+    conversation as before, but a prompt then ends with the empty thinking block, so the
+    answer alone is trained, as the model is prompted at inference without thinking."""
+    from fusion.data import IGNORE_INDEX, ConversationEncoder
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "It?"}]},
+        {"role": "assistant", "content": "a fox"},
+    ]
+    images = [Image.fromarray(make_image(40, 60, 0, 3))]
+    off = {"enable_thinking": False}
+    encoder = ConversationEncoder.from_directory(qwen3_5_dir, template_variables=off)
+    sample = encoder.encode(messages, images)
+    hf = hf_processor(qwen3_5_dir)
+    text = hf.apply_chat_template(messages, tokenize=False, **off)
+    assert text == hf.apply_chat_template(messages, tokenize=False)  # the render is the same
+    assert sample.tokens.tolist() == hf(text=[text], images=images)["input_ids"][0]
+    tokenizer = encoder.tokenizer
+    expected = tokenizer.encode("hello<|im_end|>a fox<|im_end|>").ids
+    assert sample.labels[sample.labels != IGNORE_INDEX].tolist() == expected
+    # the last prompt, as transformers writes it without thinking, is what precedes the answer
+    prompt = hf.apply_chat_template(
+        messages[:-1], tokenize=False, add_generation_prompt=True, **off
+    )
+    assert prompt.endswith("<think>\n\n</think>\n\n") and text.startswith(prompt)
+    with_thinking = ConversationEncoder.from_directory(qwen3_5_dir).encode(messages, images)
+    assert torch.equal(with_thinking.tokens, sample.tokens)
+    assert with_thinking.num_targets > sample.num_targets  # there the block's end is trained
+
+
 WORDS = st.text(alphabet="ab01 ", max_size=6).map(str.strip)  # probe-like edges: 0 and 1
 
 

@@ -65,6 +65,18 @@ def test_flags_fill_the_config():
         ),
         ([*REQUIRED, "--init-adapter", ""], "--init-adapter: expected a path"),
         ([*REQUIRED, "--dtype", "float16"], "--dtype: invalid choice"),
+        (
+            [*REQUIRED, "--chat-template-kwargs", "{enable_thinking: false}"],
+            "--chat-template-kwargs: expected a JSON object (not valid JSON",
+        ),
+        (
+            [*REQUIRED, "--chat-template-kwargs", "[false]"],
+            "--chat-template-kwargs: expected a JSON object, got a JSON list",
+        ),
+        (
+            [*REQUIRED, "--chat-template-kwargs", '{"messages": []}'],
+            "--chat-template-kwargs: expected template variables (variables: expected names",
+        ),
         (["--resume"], "--resume: expected --output-dir"),
     ],
 )
@@ -108,4 +120,12 @@ def test_a_stored_config_is_checked_key_by_key(tmp_path):
 def test_a_checkpoint_from_before_init_adapter_reads_as_none(tmp_path):
     values = config_to_json(parse_args(REQUIRED)[0])
     del values["init_adapter"]  # as checkpoints written before the flag existed
-    assert config_from_json(values, tmp_path / "train_state.json").init_adapter is None
+    del values["chat_template_kwargs"]
+    config = config_from_json(values, tmp_path / "train_state.json")
+    assert config.init_adapter is None and config.chat_template_kwargs is None
+
+
+def test_chat_template_kwargs_are_a_json_object_of_template_variables():
+    config, _ = parse_args([*REQUIRED, "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert config.template_variables == {"enable_thinking": False}
+    assert parse_args(REQUIRED)[0].template_variables == {}

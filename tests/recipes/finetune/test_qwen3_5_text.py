@@ -37,12 +37,12 @@ def setup(tmp_path_factory):
     return directory, data, root
 
 
-def transformers_loss(directory, data) -> float:
+def transformers_loss(directory, data, template_variables=None) -> float:
     """transformers' mean cross-entropy over our samples' targets (our ids)."""
     from transformers import Qwen3_5ForCausalLM
 
     hf = Qwen3_5ForCausalLM.from_pretrained(directory).eval()
-    encoder = ConversationEncoder.from_directory(directory)
+    encoder = ConversationEncoder.from_directory(directory, template_variables=template_variables)
     total = count = 0.0
     for conversation in read_conversations(data).conversations:
         sample = encoder.encode_conversation(conversation)
@@ -74,3 +74,20 @@ def test_first_loss_packed_equals_padded_equals_transformers_and_the_export_load
         torch.testing.assert_close(ours(sample.tokens[None]), theirs, atol=1e-4, rtol=0)
         before = Qwen3_5ForCausalLM.from_pretrained(directory).eval()
         assert (before(input_ids=sample.tokens[None]).logits - theirs).abs().max() > 1e-2
+
+
+def test_without_thinking_the_first_loss_is_transformers_on_the_answers_alone(setup, ft):
+    """``--chat-template-kwargs '{"enable_thinking": false}'``: the empty thinking block is
+    prompt, as transformers' template writes it for a prompt without thinking."""
+    directory, _, root = setup
+    data = root / "no-thinking.jsonl"  # answers without reasoning, as such data sets hold
+    plain = [RECORDS[0], RECORDS[2], {"messages": RECORDS[1]["messages"][:3]}]
+    plain[2]["messages"][2] = {"role": "assistant", "content": "hello"}
+    data.write_text("".join(json.dumps(r) + "\n" for r in plain))
+    off = {"enable_thinking": False}
+    expected = transformers_loss(directory, data, off)
+    assert expected != pytest.approx(transformers_loss(directory, data), rel=1e-3)
+    out = root / "run-no-thinking"
+    argv = ft.recipe_args(directory, data, out, *ARGS, "--train", "lora", "--steps", "1")
+    assert main([*argv, "--chat-template-kwargs", json.dumps(off)]) == 0
+    assert ft.metrics(out)["losses"][0] == pytest.approx(expected, rel=1e-5)
