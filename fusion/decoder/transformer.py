@@ -371,26 +371,29 @@ class TransformerDecoder(nn.Module):
         layout = None
         if any(recurrent):
             layout = self.recurrent_mixers()[0].token_layout(mask, slots)
-        # One mask per kind of attention layer: its window, and whether its cache is a ring
-        # (whose columns hold other positions than a full cache's; every ring of one window
-        # holds the same positions: the same fill level, the same slots).
-        kinds: list[tuple[int | None, bool]] = []
-        rings: dict[tuple[int | None, bool], SlidingWindowKVCache | None] = {}
-        for mixer in self._mixers():
-            cache = getattr(mixer, "kv_cache", None) if slots is not None else None
-            ring = cache if isinstance(cache, SlidingWindowKVCache) else None
-            kind = (getattr(mixer, "sliding_window", None), ring is not None)
-            kinds.append(kind)
-            rings.setdefault(kind, ring)
+        windows = [getattr(mixer, "sliding_window", None) for mixer in self._mixers()]
         masks = {
-            kind: self._layer_mask(mask, kind[0], h, slots, seq_len, ring)
-            for kind, ring in rings.items()
+            window: self._layer_mask(mask, window, h, slots, seq_len) for window in set(windows)
         }
+        # Layers whose cache is a ring (a sliding window's) attend to its columns, which hold
+        # other positions than a full cache's slots: their mask is their window's mask over
+        # positions, taken at those positions. Every ring of one window holds the same ones
+        # (the same fill level, the same slots): one mask per window.
+        rings = [
+            slots is not None and isinstance(getattr(mixer, "kv_cache", None), SlidingWindowKVCache)
+            for mixer in self._mixers()
+        ]
+        ring_masks: dict[int | None, torch.Tensor] = {}
+        for mixer, window, ring in zip(self._mixers(), windows, rings, strict=True):
+            if ring and window not in ring_masks:
+                held = cast(SlidingWindowKVCache, mixer.kv_cache).key_slots(seq_len)
+                ring_masks[window] = _at_positions(cast(torch.Tensor, masks[window]), held)
         hidden = []
         for i, layer in enumerate(self.layers):
             if i in self.output_hidden_states:
                 hidden.append(h)
-            layer_mask = layout if recurrent[i] else masks[kinds[i]]
+            attention_mask = ring_masks[windows[i]] if rings[i] else masks[windows[i]]
+            layer_mask = layout if recurrent[i] else attention_mask
             h = layer(h, mask=layer_mask, input_pos=input_pos)
             if after_layer is not None:
                 h = after_layer(i, h)
@@ -412,17 +415,13 @@ class TransformerDecoder(nn.Module):
         h: torch.Tensor,
         slots: torch.Tensor | None,
         seq_len: int,
-        ring: SlidingWindowKVCache | None = None,
     ) -> torch.Tensor | PackedSegments | None:
         """The mask of the layers attending within ``window`` (None: to all), from the mask
         of this forward: packed segments with the window, resolved for the compute dtype; a
         boolean mask [b or 1, 1, s, kv_len] limited to keys less than ``window`` slots before
         each query (queries at ``slots`` with a cache, at ``0..s-1`` without); for None
         (causal, no cache), the causal band [1, 1, s, s], or None still when the sequence
-        fits in the window. For layers whose cache is the ring ``ring``, the mask over
-        positions is taken at the positions its columns hold (``ring.key_slots``: [b or 1,
-        1, s, window] or [.., window + s]), a column holding none masked. Made once per
-        forward and kind of layer, on the device, no sync."""
+        fits in the window. Made once per forward and window, on the device, no sync."""
         if isinstance(mask, PackedSegments):
             segments = mask if window is None else mask.with_window(window)
             return prepare(segments, self._compute_dtype(h), dropout=self._dropout())
@@ -431,10 +430,6 @@ class TransformerDecoder(nn.Module):
         if mask is None:
             return causal_band(seq_len, window, h.device)[None, None]
         queries = torch.arange(seq_len, device=h.device) if slots is None else slots
-        if ring is not None:  # with a cache, so mask is a tensor over positions
-            keys = ring.key_slots(seq_len)  # [kv_len]; -1: a slot holding nothing yet
-            held = mask.index_select(-1, keys.clamp_min(0)) & (keys >= 0)
-            return held & (queries[:, None] - keys[None, :] < window)
         keys = torch.arange(mask.size(-1), device=h.device)
         return mask & (queries[:, None] - keys[None, :] < window)
 
@@ -695,6 +690,13 @@ def _with_blocks(
         keys = blocks.new_zeros(blocks.size(0), mask.size(-1)).index_copy(1, slots, blocks)
     same = (blocks[:, :, None] == keys[:, None, :]) & (blocks[:, :, None] > 0)  # [b, s, kv]
     return mask | same[:, None]
+
+
+def _at_positions(mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``mask`` [.., kv_len] over cache positions, taken at ``positions`` [n] (a ring's
+    columns: :meth:`SlidingWindowKVCache.key_slots`, -1 for a column holding none, which is
+    masked): [.., n]. On the device, no sync (an integer gather)."""
+    return mask.index_select(-1, positions.clamp_min(0)) & (positions >= 0)
 
 
 def _without_unfilled_slots(mask: torch.Tensor, filled: int) -> torch.Tensor:
