@@ -319,7 +319,10 @@ class TransformerDecoder(nn.Module):
         ``torch.compile``, the decoder sees the same shapes and constants at every step, so
         it compiles once, and nothing in it synchronises with the host. There every call
         attends to the whole cache; eagerly on CPU, where reading the fill level is free,
-        only to its filled slots (unless ``mask`` allows an empty one).
+        only to its filled slots (unless ``mask`` allows an empty one). A sliding-window
+        layer's cache is a ring of its window
+        (:class:`~fusion.decoder.kv_cache.SlidingWindowKVCache`); ``mask`` is given over
+        positions all the same, and that layer gets it at the positions its ring holds.
 
         Raises:
             ValueError: bad shapes, dtypes, ids or positions, too long a sequence, or more
