@@ -156,7 +156,7 @@ class SlidingWindowKVCache(KVCache):
         kv_len, head_dim] in ``k``'s dtype, their columns' positions as :meth:`key_slots`
         says (read before this call)."""
         s = k.size(2)
-        dtype = self.k_cache.dtype
+        dtype, out_dtype = self.k_cache.dtype, k.dtype
         if s == 1:
             slot = torch.remainder(self.fill, self.window)[None]
             self.k_cache.index_copy_(2, slot, k.to(dtype))
@@ -164,13 +164,15 @@ class SlidingWindowKVCache(KVCache):
             self.fill.add_(1)
             return self.k_cache.to(k.dtype), self.v_cache.to(v.dtype)
         # The ring before the write, then the new keys: a copy (``cat``) made before the ring
-        # is overwritten below.
-        keys = torch.cat([self.k_cache.to(k.dtype), k], dim=2)
-        values = torch.cat([self.v_cache.to(v.dtype), v], dim=2)
+        # is overwritten below. The new keys pass through the cache's dtype, as a full cache
+        # returns them (written, then read): the same attention in any cache dtype.
+        k, v = k.to(dtype), v.to(dtype)
+        keys = torch.cat([self.k_cache, k], dim=2).to(out_dtype)
+        values = torch.cat([self.v_cache, v], dim=2).to(out_dtype)
         kept = min(s, self.window)  # distinct slots: no index written twice
         first = self.fill + (s - kept)
         slots = torch.remainder(first + torch.arange(kept, device=self.fill.device), self.window)
-        self.k_cache.index_copy_(2, slots, k[:, :, s - kept :].to(dtype))
-        self.v_cache.index_copy_(2, slots, v[:, :, s - kept :].to(dtype))
+        self.k_cache.index_copy_(2, slots, k[:, :, s - kept :])
+        self.v_cache.index_copy_(2, slots, v[:, :, s - kept :])
         self.fill.add_(s)
         return keys, values

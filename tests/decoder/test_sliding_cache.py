@@ -46,9 +46,19 @@ def test_a_sliding_layer_caches_its_window_only():
     assert (ring.max_seq_len, ring.num_slots, full.num_slots) == (40, 5, 40)
     assert ring.fill.dtype == torch.long and ring.fill.dim() == 0
     assert decoder.decoder_max_cache_seq_len == 40  # positions taken, not slots held
+    ids = torch.randint(1, VOCAB, (3, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        decoder(torch.randint(1, VOCAB, (3, 12)))  # past the window: the ring wrapped
-    assert ring.size == full.size == 12 and ring.k_cache.any()
+        # float32 in, bfloat16 kept: converted on write and read, as a full cache does
+        logits = [decoder(ids[:, :7]), *(decoder(ids[:, i : i + 1]) for i in range(7, 12))]
+        assert ring.size == full.size == 12 and ring.k_cache.any()  # past the window: wrapped
+        decoder.setup_caches(3, torch.bfloat16, decoder_max_seq_len=40)
+        use_full_caches(decoder)
+        expected = [decoder(ids[:, :7]), *(decoder(ids[:, i : i + 1]) for i in range(7, 12))]
+    torch.testing.assert_close(torch.cat(logits, 1), torch.cat(expected, 1))
+    decoder.setup_caches(3, torch.bfloat16, decoder_max_seq_len=40)
+    ring = decoder.kv_caches()[0]
+    with torch.no_grad():
+        decoder(ids)
     decoder.reset_caches()
     assert ring.size == 0 and not ring.k_cache.any() and not ring.v_cache.any()
     # A window as long as the cache: a plain cache holds every position in no more slots.
