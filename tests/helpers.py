@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fusion import EarlyFusion, register_fusion_module
-from fusion.decoder import TransformerDecoder
+from fusion.decoder import KVCache, TransformerDecoder
 from fusion.models import llama3_2
 
 VOCAB = 64
@@ -44,6 +44,23 @@ def lively_decoder(seed: int = 0) -> TransformerDecoder:
             if param.dim() == 2:
                 param.mul_(3)
     return decoder.eval()
+
+
+def use_full_caches(decoder: TransformerDecoder) -> None:
+    """Replace the set-up caches of ``decoder``'s sliding-window layers (rings of their window)
+    by caches of the whole length: the path before rings, where every layer kept every
+    position."""
+    for attn in decoder.attentions():
+        cache = attn.kv_cache
+        assert cache is not None, "set up the caches first"
+        attn.kv_cache = KVCache(
+            cache.batch_size,
+            cache.max_seq_len,
+            attn.num_kv_heads,
+            attn.head_dim,
+            cache.k_cache.dtype,
+            cache.k_cache.device,
+        )
 
 
 IMAGE_ID = VOCAB + 5  # outside the vocabulary

@@ -12,7 +12,7 @@ from fusion.decoder.delta_rule import (
 from fusion.decoder.embedding import ScaledEmbedding
 from fusion.decoder.feed_forward import FeedForward
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
-from fusion.decoder.kv_cache import KVCache
+from fusion.decoder.kv_cache import KVCache, SlidingWindowKVCache
 from fusion.decoder.packed import PACKED_BACKENDS, PackedSegments
 from fusion.decoder.rms_norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
 from fusion.decoder.rope import RotaryPositionalEmbeddings
@@ -32,6 +32,7 @@ __all__ = [
     "RotaryPositionalEmbeddings",
     "SampleRegions",
     "ScaledEmbedding",
+    "SlidingWindowKVCache",
     "TransformerDecoder",
     "TransformerSelfAttentionLayer",
     "ZeroCenteredRMSNorm",

@@ -3,7 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion._validation import check_int
-from fusion.decoder.kv_cache import KVCache
+from fusion.decoder.kv_cache import KVCache, SlidingWindowKVCache
 from fusion.decoder.packed import PackedSegments
 from fusion.decoder.packed_attention import packed_attention
 from fusion.decoder.rope import RotaryPositionalEmbeddings
@@ -33,7 +33,8 @@ class MultiHeadAttention(nn.Module):
         sliding_window: attend only to the ``sliding_window`` latest positions, this one
             included (Gemma's sliding-attention layers); None for all. The decoder gives such
             a layer its mask with the window applied (see ``TransformerDecoder.forward``);
-            the layer itself attends as its mask says.
+            the layer itself attends as its mask says. Its KV cache keeps only the window
+            (:class:`~fusion.decoder.kv_cache.SlidingWindowKVCache`).
     """
 
     def __init__(
@@ -80,9 +81,17 @@ class MultiHeadAttention(nn.Module):
     def setup_cache(
         self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        self.kv_cache = KVCache(
-            batch_size, max_seq_len, self.num_kv_heads, self.head_dim, dtype, device
-        )
+        """Allocate and enable a KV cache taking ``max_seq_len`` positions for each of
+        ``batch_size`` sequences: a :class:`~fusion.decoder.kv_cache.KVCache` of that many
+        slots, or for a ``sliding_window`` shorter than that, a ring of ``sliding_window``
+        slots (:class:`~fusion.decoder.kv_cache.SlidingWindowKVCache`: the layer never
+        attends further back)."""
+        window = self.sliding_window
+        shape = (self.num_kv_heads, self.head_dim, dtype, device)
+        if window is not None and window < max_seq_len:
+            self.kv_cache = SlidingWindowKVCache(batch_size, max_seq_len, window, *shape)
+        else:
+            self.kv_cache = KVCache(batch_size, max_seq_len, *shape)
         self.cache_enabled = True
 
     def forward(
@@ -97,7 +106,9 @@ class MultiHeadAttention(nn.Module):
         Args:
             mask: boolean [b, 1, s, kv_len], True where attention is allowed; None means causal
                 over ``x`` (only valid without a cache). With a cache, attention reads its
-                first ``kv_len`` slots (the whole cache, or the filled part). Or the
+                first ``kv_len`` slots (the whole cache, or the filled part); with a
+                sliding-window cache, the columns its ``update`` returns (``kv_len`` as its
+                ``key_slots``). Or the
                 segments of packed rows ([b, s], without a cache): causal within each sample,
                 within their ``window`` when they have one.
             input_pos: rotary positions, [b, s] or [s] (M-RoPE: also [3, b, s]).
