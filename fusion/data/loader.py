@@ -67,13 +67,15 @@ def ignored(sample: Sample) -> Sample:
 
 
 def has_images(samples: Sequence[Sample]) -> bool:
-    """Whether any of ``samples`` shows images (loaded or not)."""
-    return any(sample.has_images for sample in samples)
+    """Whether any of ``samples`` shows images or videos (loaded or not): the vision tower
+    runs for either."""
+    return any(sample.has_images or sample.has_videos for sample in samples)
 
 
 def image_filler(samples: Sequence[Sample]) -> Sample | None:
-    """The shortest of ``samples`` with images, with no target; None if none has images."""
-    with_images = [sample for sample in samples if sample.has_images]
+    """The shortest of ``samples`` with images (or videos), with no target; None if none has
+    any."""
+    with_images = [sample for sample in samples if sample.has_images or sample.has_videos]
     return ignored(min(with_images, key=len)) if with_images else None
 
 
@@ -112,7 +114,7 @@ def fill(
         mine.append(ignored(min(everyone, key=len)))
     if not has_images(mine):
         if has_images(everyone):
-            mine.append(ignored(min((s for s in everyone if s.has_images), key=len)))
+            mine.append(ignored(min((s for s in everyone if has_images([s])), key=len)))
         elif filler is not None:
             mine.append(filler)
     return mine
