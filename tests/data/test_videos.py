@@ -8,11 +8,20 @@ sample too long for ``max_seq_len`` is refused or skipped before any frame is de
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
-from video_helpers import drawn_frames, hf_video_outputs, hf_video_settings, write_clip
+from video_helpers import (
+    CLIP_FPS,
+    FRAMES,
+    RECORDS,
+    answer,
+    hf_video_outputs,
+    hf_video_settings,
+    text,
+    user,
+    video,
+    write_media,
+)
 
 import fusion.preprocessing
 from fusion.data import (
@@ -26,9 +35,9 @@ from fusion.data import (
     read_hf_dataset,
 )
 from fusion.preprocessing import VideoError, load_video, read_video_processor
+from qwen3_helpers import QWEN3_PREPROCESSOR, write_qwen3_dir
 from qwen_helpers import PAD, QWEN_PIXELS, VIDEO_PAD, write_qwen_dir
 
-CLIP_FRAMES, CLIP_FPS = 5, 7.0
 KEYS = (
     "tokens",
     "labels",
@@ -40,61 +49,9 @@ KEYS = (
 )  # an odd count: the last frame repeated for the temporal patch
 
 
-def user(*content) -> dict:
-    return {"role": "user", "content": list(content)}
-
-
-def text(value: str) -> dict:
-    return {"type": "text", "text": value}
-
-
-def answer(value: str) -> dict:
-    return {"role": "assistant", "content": [text(value)]}
-
-
-def video(source) -> dict:
-    return {"type": "video", "video": source}
-
-
-FRAMES = ["frames/f0.png", "frames/f1.png", "frames/f2.png"]
-RECORDS = [
-    {"messages": [user(video("clip.mp4"), text("What moves?")), answer("a square")]},
-    {
-        "messages": [
-            user({"type": "image", "path": "img.png"}, video(FRAMES), text("Same?")),
-            answer("no"),
-        ]
-    },
-    {
-        "messages": [
-            user(text("Watch.")),
-            answer("ok"),
-            user(video("clip.mp4"), {"type": "image", "path": "img.png"}, video(FRAMES)),
-            answer("a disc grows"),
-        ]
-    },
-    {"messages": [user(text("Say hi.")), answer("hi")]},
-]
-
-
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory) -> Path:
     return write_qwen_dir(tmp_path_factory.mktemp("qwen") / "qwen2_5_vl", "qwen2_5_vl")
-
-
-def write_media(root: Path) -> None:
-    """A clip (5 frames at 7 fps, the MP4 index first), three frame files, an image."""
-    write_clip(
-        root / "clip.mp4",
-        drawn_frames(CLIP_FRAMES, 40, 60, seed=1),
-        CLIP_FPS,
-        container_options={"movflags": "faststart"},
-    )
-    (root / "frames").mkdir()
-    for i, frame in enumerate(drawn_frames(3, 30, 44, seed=2)):
-        Image.fromarray(frame.permute(1, 2, 0).numpy()).save(root / FRAMES[i])
-    pixels = np.random.default_rng(0).integers(0, 256, (40, 60, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(root / "img.png")
 
 
 @pytest.fixture(scope="module")
@@ -161,28 +118,49 @@ def test_videos_are_planned_from_their_containers_and_decoded_when_collated(
     assert batch.encoder_input["image"]["image_grid_thw"].size(0) == 2
 
 
-def test_ids_and_patches_equal_transformers_processor(qwen_dir, data, tmp_path):
-    """A video conversation's ids, patches, grid and seconds: transformers'
-    ``Qwen2_5_VLProcessor`` on the template's text and the same decoded clip."""
-    encoder = ConversationEncoder.from_directory(qwen_dir)
-    conversation = read_conversations(data).conversations[0]
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_ids_and_patches_equal_transformers_processor(model_type, qwen_dir, data, tmp_path):
+    """A conversation's ids, patches, grids and seconds with a clip and frame files:
+    transformers' processor on the template's text and the same decoded clips (Qwen3-VL's
+    sampling 2 frames a second and writing their timestamps)."""
+    if model_type == "qwen3_vl":
+        directory = write_qwen3_dir(tmp_path / "qwen3_vl")
+        settings = {k: QWEN3_PREPROCESSOR[k] for k in ("size", "patch_size", "image_mean")}
+        settings |= {"image_std": QWEN3_PREPROCESSOR["image_std"]}
+        video_class, processor = "Qwen3VLVideoProcessor", "Qwen3VLProcessor"
+        sample_frames = True
+    else:
+        directory = qwen_dir
+        settings = {
+            **QWEN_PIXELS,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+        }
+        video_class, processor, sample_frames = (
+            "Qwen2VLVideoProcessor",
+            "Qwen2_5_VLProcessor",
+            False,
+        )
+    encoder = ConversationEncoder.from_directory(directory)
+    messages = [user(video("clip.mp4"), video(FRAMES), text("Same?")), answer("no")]
+    file = tmp_path / "train.jsonl"
+    file.write_text(json.dumps({"messages": messages}) + "\n")
+    for name in ("clip.mp4", *FRAMES):  # the media of data's directory
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes((data.parent / name).read_bytes())
+    conversation = read_conversations(file).conversations[0]
     sample = encoder.encode_conversation(conversation)
-    clip = load_video(data.parent / "clip.mp4")
-    settings = {
-        **QWEN_PIXELS,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-    }
+    clips = [load_video(tmp_path / "clip.mp4"), load_video([tmp_path / f for f in FRAMES])]
     (reference,) = hf_video_outputs(
         [
             {
-                "processor": "Qwen2_5_VLProcessor",
-                "class": "Qwen2VLVideoProcessor",
-                "settings": hf_video_settings(settings, False),
-                "tokenizer": str(qwen_dir),
-                "prompts": [ChatTemplate.from_directory(qwen_dir).render(conversation.messages)],
-                "videos": [clip.frames],
-                "kwargs": {"video_metadata": [clip.metadata.as_transformers()]},
+                "processor": processor,
+                "class": video_class,
+                "settings": hf_video_settings(settings, sample_frames),
+                "tokenizer": str(directory),
+                "prompts": [ChatTemplate.from_directory(directory).render(conversation.messages)],
+                "videos": [clip.frames for clip in clips],
+                "kwargs": {"video_metadata": [clip.metadata.as_transformers() for clip in clips]},
             }
         ],
         tmp_path,
@@ -190,9 +168,12 @@ def test_ids_and_patches_equal_transformers_processor(qwen_dir, data, tmp_path):
     assert reference["input_ids"][0] == sample.tokens.tolist()
     assert torch.equal(reference["pixel_values_videos"], sample.pixel_values_videos)
     assert torch.equal(reference["video_grid_thw"], sample.video_grid_thw)
-    assert torch.tensor(reference["second_per_grid_ts"]).tolist() == pytest.approx(
-        sample.second_per_grid_ts.tolist()
-    )
+    if model_type == "qwen2_5_vl":
+        assert torch.tensor(reference["second_per_grid_ts"]).tolist() == pytest.approx(
+            sample.second_per_grid_ts.tolist()
+        )
+    else:  # 4 of the clip's 5 frames kept (at least min_frames), the 3 frame files: 2 patches
+        assert sample.video_grid_thw[:, 0].tolist() == [2, 2]
 
 
 def test_a_sample_too_long_is_refused_or_skipped_before_any_frame_is_decoded(
