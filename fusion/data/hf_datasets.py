@@ -299,7 +299,7 @@ def _read_table(
         )
     text, images = format_
     has_images = images in table.columns
-    has_videos = text == "messages" and VIDEOS_COLUMN in table.columns
+    has_videos = VIDEOS_COLUMN in table.columns  # refused with the conversations format
     columns = [text] + [images] * has_images + [VIDEOS_COLUMN] * has_videos
     checked: dict[Path, str | None] = {}
     for start, rows in table.chunks(columns):

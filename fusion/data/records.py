@@ -269,12 +269,13 @@ def parse_conversation(
         else:
             clips = tuple(video for video in named if video is not None)
     elif "conversations" in record:
-        if videos:
-            raise ValueError(
-                f"{videos_key}: {len(videos)} video(s), but LLaVA-Instruct's 'conversations' "
-                "format marks images only; write the row in the 'messages' format with video "
-                "items"
-            )
+        for key, value in (("video", record.get("video")), (videos_key, videos)):
+            if value:  # LLaVA-Video's key, or a data set's column: not silently dropped
+                raise ValueError(
+                    f"{key}: videos given, but LLaVA-Instruct's 'conversations' format marks "
+                    "images only; write the conversation in the 'messages' format with "
+                    '{"type": "video", "video": ...} items'
+                )
         messages, found = _llava_messages(record, base, images, images_key)
     else:
         raise ValueError(

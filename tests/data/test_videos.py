@@ -224,6 +224,11 @@ def test_bad_videos_are_refused_naming_file_and_line(qwen_dir, data, model_dirs,
         file.write_text(json.dumps({"messages": [user(item, text("?")), answer("no")]}) + "\n")
         with pytest.raises(DataError, match=problem):
             read_conversations(file)
+    # LLaVA-Video's key beside LLaVA-Instruct's turns: refused, not dropped.
+    turns = [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "no"}]
+    file.write_text(json.dumps({"video": "clip.mp4", "conversations": turns}) + "\n")
+    with pytest.raises(DataError, match=r"train\.jsonl:1: video: videos given, but LLaVA"):
+        read_conversations(file)
     # A clip that is no video: refused when encoded, before training, naming it.
     (tmp_path / "not.mp4").write_bytes(b"\x00" * 64)
     file.write_text(json.dumps({"messages": [user(video("not.mp4")), answer("no")]}) + "\n")
@@ -282,5 +287,10 @@ def test_a_data_set_videos_column(qwen_dir, data, tmp_path):
         }
     )
     pq.write_table(table, root / "bytes.parquet")
+    turns = [{"from": "human", "value": "What?"}, {"from": "gpt", "value": "no"}]
+    llava = pa.table({"conversations": [turns], "videos": [["clip.mp4"]]})
+    pq.write_table(llava, root / "llava.parquet")
+    with pytest.raises(DataError, match=r"llava\.parquet:row 0: videos: videos given, but"):
+        read_hf_dataset(root / "llava.parquet")
     with pytest.raises(DataError, match=r"bytes\.parquet:row 0: videos\[0\]: a clip's bytes"):
         read_hf_dataset(root / "bytes.parquet")
