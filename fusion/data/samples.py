@@ -357,7 +357,7 @@ class ConversationEncoder:
             processor = VisionLanguageProcessor.from_directory(hf, encode=encoder.tokenize_prompt)
             encoder.processor = processor
             encoder.placeholder_ids = (processor.image_token_id,)
-        if hf.family.takes_videos:
+        if hf.family.takes_videos and encoder.processor is not None:
             from fusion.preprocessing import read_video_processor
 
             video_id = hf.config.get("video_token_id", tokenizer.token_to_id(VIDEO_PAD))

@@ -1,10 +1,9 @@
 """The recipe on video conversations (a clip file, a list of frame files, videos and images
 mixed in one conversation) with tiny Qwen2-VL, Qwen2.5-VL (the temporal row scaled by each
-video's seconds) and Qwen3-VL directories (timestamps in the text, 2 frames a second kept),
-packed and padded: the first loss
-equals transformers' cross-entropy on the assistant tokens of the same samples (their ids and
-patches are transformers' processor's: tests/data/test_videos.py); the clips are decoded in
-the data loader's worker processes."""
+video's seconds), Qwen3-VL and Qwen3.5 directories (timestamps in the text, 2 frames a second
+kept), packed and padded: the first loss equals transformers' cross-entropy on the assistant
+tokens of the same samples (their ids and patches are transformers' processor's:
+tests/data/test_videos.py); the clips are decoded in the data loader's worker processes."""
 
 import json
 
@@ -13,18 +12,20 @@ import torch
 from video_helpers import RECORDS, write_media
 
 from fusion.data import IGNORE_INDEX, ConversationEncoder, read_conversations
-from qwen3_helpers import write_qwen3_dir
-from qwen_helpers import hf_model, media_token_type_ids, write_qwen_dir
+from qwen3_helpers import write_qwen3_5_dir, write_qwen3_dir
+from qwen_helpers import hf_model, write_qwen_dir
 from recipes.finetune import main
 
 ARGS = ["--max-seq-len", "512", "--batch-tokens", "2048", "--lr", "1e-2", "--steps", "1"]
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def qwen_dir(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen") / request.param
     if request.param == "qwen3_vl":
         return write_qwen3_dir(directory)
+    if request.param == "qwen3_5":
+        return write_qwen3_5_dir(directory)
     return write_qwen_dir(directory, request.param)
 
 
@@ -36,6 +37,13 @@ def data(tmp_path_factory):
     return root / "train.jsonl"
 
 
+def token_types(config, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' ``mm_token_type_ids``: 1 at the config's image placeholders, 2 at its
+    video ones (each directory's own ids)."""
+    images, videos = ids == config.image_token_id, ids == config.video_token_id
+    return images.to(torch.int32) + 2 * videos.to(torch.int32)
+
+
 def transformers_loss(directory, data) -> float:
     """transformers' mean cross-entropy over the assistant tokens of ``data``'s samples (each
     decoded at once), the model given their ids, patches, grids and seconds."""
@@ -44,7 +52,7 @@ def transformers_loss(directory, data) -> float:
     for conversation in read_conversations(data).conversations:
         sample = encoder.encode_conversation(conversation)
         ids = sample.tokens[None]
-        media = {"mm_token_type_ids": media_token_type_ids(ids)}
+        media = {"mm_token_type_ids": token_types(hf.config, ids)}
         if sample.has_images:
             media |= {"pixel_values": sample.pixel_values, "image_grid_thw": sample.image_grid_thw}
         if sample.has_videos:
