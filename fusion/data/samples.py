@@ -320,6 +320,14 @@ class ConversationEncoder:
                     f"{type(video_processor).__name__}"
                 )
             check_int(video_token_id, "video_token_id", low=0)
+        if video_bounds is not None:
+            from fusion.preprocessing import VideoBounds
+
+            if not isinstance(video_bounds, VideoBounds):
+                raise TypeError(
+                    f"video_bounds: expected a VideoBounds or None, got "
+                    f"{type(video_bounds).__name__}"
+                )
         self.template = template
         self.tokenizer = tokenizer
         self.processor = processor

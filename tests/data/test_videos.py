@@ -34,7 +34,7 @@ from fusion.data import (
     read_encoded,
     read_hf_dataset,
 )
-from fusion.preprocessing import VideoError, load_video, read_video_processor
+from fusion.preprocessing import VideoBounds, VideoError, load_video, read_video_processor
 from qwen3_helpers import QWEN3_PREPROCESSOR, write_qwen3_dir
 from qwen_helpers import PAD, QWEN_PIXELS, VIDEO_PAD, write_qwen_dir
 
@@ -294,3 +294,26 @@ def test_a_data_set_videos_column(qwen_dir, data, tmp_path):
         read_hf_dataset(root / "llava.parquet")
     with pytest.raises(DataError, match=r"bytes\.parquet:row 0: videos\[0\]: a clip's bytes"):
         read_hf_dataset(root / "bytes.parquet")
+
+
+def test_the_encoder_refuses_video_settings_it_cannot_use(qwen_dir, data):
+    encoder = ConversationEncoder.from_directory(qwen_dir)
+    parts = (encoder.template, encoder.tokenizer)
+    with pytest.raises(ValueError, match=r"video_processor: given for a text-only model"):
+        ConversationEncoder(*parts, video_processor=encoder.video_processor, video_token_id=1)
+    with pytest.raises(ValueError, match=r"video_token_id: expected a non-negative integer"):
+        ConversationEncoder(
+            *parts, processor=encoder.processor, video_processor=encoder.video_processor
+        )
+    with pytest.raises(TypeError, match=r"video_bounds: expected a VideoBounds or None, got dict"):
+        ConversationEncoder(*parts, video_bounds={"max_frames": 10})
+    # Bounds the caller sets are applied when the clip is planned, before decoding.
+    bounded = ConversationEncoder(
+        *parts,
+        processor=encoder.processor,
+        video_processor=encoder.video_processor,
+        video_token_id=VIDEO_PAD,
+        video_bounds=VideoBounds(max_frames=4),
+    )
+    with pytest.raises(VideoError, match=r"clip\.mp4: claims 5 frames, more than max_frames=4"):
+        bounded.plan_video(data.parent / "clip.mp4")
