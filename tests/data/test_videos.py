@@ -29,6 +29,8 @@ from fusion.data import (
     Collate,
     ConversationEncoder,
     DataError,
+    MicroBatches,
+    StepBatches,
     encode_conversations,
     read_conversations,
     read_encoded,
@@ -317,3 +319,20 @@ def test_the_encoder_refuses_video_settings_it_cannot_use(qwen_dir, data):
     )
     with pytest.raises(VideoError, match=r"clip\.mp4: claims 5 frames, more than max_frames=4"):
         bounded.plan_video(data.parent / "clip.mp4")
+
+
+def test_the_loader_decodes_clips_in_its_workers(qwen_dir, data, decodes):
+    """With worker processes, no clip is decoded in the training process: each micro-batch's
+    clips are decoded (and patched) in the worker that makes it."""
+    encoder = ConversationEncoder.from_directory(qwen_dir)
+    samples = read_encoded(encoder, data, max_seq_len=1024).samples
+    collate = Collate(PAD, 1024, encoder=encoder)
+    batches = StepBatches(samples, [[0, 1], [2, 3]], collate)
+    with MicroBatches(batches, num_workers=1) as stream:
+        made = [item.batch for item in stream]
+    assert decodes == []  # the workers' decodes happen in their own processes
+    expected = [collate(samples[:2]), collate(samples[2:])]
+    for batch, theirs in zip(made, expected, strict=True):
+        assert batch is not None
+        mine, want = batch.encoder_input["video"], theirs.encoder_input["video"]
+        assert all(torch.equal(mine[key], want[key]) for key in want)
