@@ -183,3 +183,64 @@ for case in cases:
     })
 torch.save(results, sys.argv[2])
 """
+
+
+# Video conversations for the fine-tuning tests: a clip, a list of frame files and an image,
+# mixed in conversations (write_media writes the files the records name).
+CLIP_FRAMES, CLIP_FPS = 5, 7.0  # an odd count: the last frame repeated for the temporal patch
+
+
+def user(*content) -> dict:
+    return {"role": "user", "content": list(content)}
+
+
+def text(value: str) -> dict:
+    return {"type": "text", "text": value}
+
+
+def answer(value: str) -> dict:
+    return {"role": "assistant", "content": [text(value)]}
+
+
+def video(source) -> dict:
+    return {"type": "video", "video": source}
+
+
+FRAMES = ["frames/f0.png", "frames/f1.png", "frames/f2.png"]
+RECORDS = [
+    {"messages": [user(video("clip.mp4"), text("What moves?")), answer("a square")]},
+    {
+        "messages": [
+            user({"type": "image", "path": "img.png"}, video(FRAMES), text("Same?")),
+            answer("no"),
+        ]
+    },
+    {
+        "messages": [
+            user(text("Watch.")),
+            answer("ok"),
+            user(video("clip.mp4"), {"type": "image", "path": "img.png"}, video(FRAMES)),
+            answer("a disc grows"),
+        ]
+    },
+    {"messages": [user(text("Say hi.")), answer("hi")]},
+]
+
+
+def write_media(root: Path) -> None:
+    """What :data:`RECORDS` name, in ``root``: a clip (5 frames of 40 x 60 at 7 fps, the MP4
+    index first), three frame files (30 x 44), an image (40 x 60)."""
+    import numpy as np
+    from PIL import Image
+
+    write_clip(
+        root / "clip.mp4",
+        drawn_frames(CLIP_FRAMES, 40, 60, seed=1),
+        CLIP_FPS,
+        container_options={"movflags": "faststart"},
+    )
+    (root / "frames").mkdir()
+    for i, frame in enumerate(drawn_frames(3, 30, 44, seed=2)):
+        Image.fromarray(frame.permute(1, 2, 0).numpy()).save(root / FRAMES[i])
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(root / "img.png")

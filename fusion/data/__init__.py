@@ -17,6 +17,11 @@ rendered in a sandbox, samples with assistant-only labels, and packed or padded 
     batch = collate_packed(rows[:8], pad_id=pad_id)          # e.g. 8 rows a micro-batch
     loss_sum, count = masked_token_loss(model(**batch.model_inputs()), batch.labels)
 
+Videos (models that take them: the Qwen families) are content items ``{"type": "video",
+"video": "clip.mp4"}`` (or a list of frame files), or a data set's ``videos`` column: planned
+from their containers when encoded (:class:`VideoRef`, nothing decoded), decoded and patched
+per clip by ``load_pixels``, and batched as ``encoder_input["video"]``.
+
 A run's micro-batches, made ahead in worker processes (:mod:`fusion.data.loader`):
 ``StepBatches(samples, steps, Collate(pad_id, max_seq_len, encoder=encoder), ...)`` and
 ``with MicroBatches(batches, num_workers=2, device=device) as stream: for item in stream``.
@@ -34,6 +39,7 @@ from fusion.data.conversations import (
     IMAGE_MARKER,
     Conversation,
     ConversationFile,
+    ConversationVideo,
     DataError,
     load_conversation_image,
     parse_conversation,
@@ -67,6 +73,7 @@ from fusion.data.samples import (
     EncodedData,
     ImageRef,
     Sample,
+    VideoRef,
     encode_conversations,
     fit_sample,
 )
@@ -82,6 +89,7 @@ __all__ = [
     "Conversation",
     "ConversationEncoder",
     "ConversationFile",
+    "ConversationVideo",
     "DataError",
     "EmbeddedImage",
     "EncodedData",
@@ -93,6 +101,7 @@ __all__ = [
     "RenderedChat",
     "Sample",
     "StepBatches",
+    "VideoRef",
     "check_template_variables",
     "collate_packed",
     "collate_padded",

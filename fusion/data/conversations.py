@@ -11,8 +11,15 @@ One conversation per line, image paths relative to the file:
                   {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
 
   ``content`` is a list of items (``"text"`` with ``"text"``, ``"image"`` with ``"path"``;
-  ``"image"`` or a local ``"url"`` are taken for the path too) or a plain string (text only,
-  what text-only templates such as Llama's expect). Several turns and images are allowed.
+  ``"image"`` or a local ``"url"`` are taken for the path too; ``"video"`` with ``"video"``, a
+  clip file or a list of frame files, for models that take videos) or a plain string (text
+  only, what text-only templates such as Llama's expect). Several turns, images and videos
+  are allowed, mixed in any order::
+
+    {"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"},
+                                               {"type": "image", "path": "a.png"},
+                                               {"type": "text", "text": "Same cat?"}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": "Yes."}]}]}
 - LLaVA-Instruct's format::
 
     {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\\nWhat is this?"},
@@ -26,9 +33,11 @@ One conversation per line, image paths relative to the file:
 
 The whole file is read and checked before anything is returned: a line that is empty, not
 JSON, of neither format, a message without a role, no assistant message, an image that is
-missing or cannot be decoded (:func:`fusion.preprocessing.load_image`), or image markers
-that do not match the images is a :class:`DataError` naming the file, the line and the
-problem; with ``skip_bad=True`` such lines are skipped and returned with their errors.
+missing or cannot be decoded (:func:`fusion.preprocessing.load_image`), a video file (or
+frame file) that is missing, or image markers that do not match the images is a
+:class:`DataError` naming the file, the line and the problem (a video's container is checked
+when it is encoded, :meth:`fusion.data.ConversationEncoder.check_conversation`: probed, not
+decoded); with ``skip_bad=True`` such lines are skipped and returned with their errors.
 :func:`read_conversations` given a Parquet file or a directory reads a data set instead
 (:func:`fusion.data.hf_datasets.read_hf_dataset`), its rows checked the same way and named
 ``file:row N`` (N counted from 0, as ``dataset[N]``).
@@ -52,8 +61,10 @@ from fusion.data.records import (
     DataError,
     _image_problem,
     parse_conversation,
+    video_problem,
 )
 from fusion.data.records import ConversationImage as ConversationImage
+from fusion.data.records import ConversationVideo as ConversationVideo
 from fusion.data.records import load_conversation_image as load_conversation_image
 
 MAX_LINE_BYTES = 64 * 2**20  # a conversation line; real ones are kilobytes
@@ -70,7 +81,8 @@ def read_conversations(
     Args:
         path: the ``.jsonl`` file; relative image paths are relative to its directory.
         skip_bad: skip bad lines (returned in ``skipped``) instead of raising.
-        check_images: decode every image once (each distinct file once) to check it.
+        check_images: decode every image once (each distinct file once) to check it, and
+            check that every video's files exist.
 
     Returns:
         a :class:`ConversationFile`.
@@ -93,8 +105,12 @@ def read_conversations(
     for number, raw in _lines(file):
         count += 1
         try:
-            messages, images = parse_conversation(_parse_line(raw, first=number == 1), base)
+            record = _parse_line(raw, first=number == 1)
+            messages, images, videos = parse_conversation(record, base)
             if check_images:
+                for video in videos:
+                    if (problem := video_problem(video)) is not None:
+                        raise ValueError(problem)
                 for image in images:
                     assert isinstance(image, Path)  # JSON Lines: files
                     if image not in checked:
@@ -107,7 +123,7 @@ def read_conversations(
                 raise bad from None
             skipped.append(bad)
             continue
-        conversations.append(Conversation(messages, images, file, number))
+        conversations.append(Conversation(messages, images, file, number, videos=videos))
     if count == 0:
         raise DataError(file, None, "no conversation: the file is empty")
     if not conversations:

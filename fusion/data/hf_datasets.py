@@ -5,7 +5,11 @@ directory of them, a directory written by ``datasets.Dataset.save_to_disk``, or 
 Columns, those TRL reads (other columns are ignored):
 
 - ``messages`` (Hugging Face's messages format, as in JSON Lines) and ``images``: the row's
-  images in order, each ``{"type": "image"}`` item of ``messages`` taking the next one;
+  images in order, each ``{"type": "image"}`` item of ``messages`` taking the next one; and
+  ``videos``: the row's videos in order, each ``{"type": "video"}`` item taking the next one
+  (a video is a clip file's path, or a list of frame files' paths, relative to the data
+  set's directory; a ``{"bytes": null, "path": ...}`` struct, as ``datasets.Video`` stores a
+  file, is taken too);
 - or LLaVA-Instruct's ``conversations`` and ``image`` (one image or a list), each
   ``"<image>"`` marker taking the next one.
 
@@ -22,7 +26,7 @@ Every row is checked before anything is returned, with the checks of JSON Lines
 ``dataset[N]`` (each Parquet file of a directory counts its own rows); ``skip_bad=True`` skips
 and returns them.
 
-Memory, as for image files: a conversation holds where its images are
+Memory, as for image files: a conversation holds where its images (and videos) are
 (:class:`EmbeddedImage`: the data set, row and index), never their bytes or pixels; the bytes
 are read again, and decoded, when a batch needs them. A Parquet file is read one row group at a
 time (the last few groups' image columns kept: ``datasets`` writes 100 rows per group for
@@ -51,6 +55,7 @@ from fusion.data.records import (
     Conversation,
     ConversationFile,
     ConversationImage,
+    ConversationVideo,
     DataError,
     EmbeddedImage,
     _image_list,
@@ -59,6 +64,8 @@ from fusion.data.records import (
     _resolve,
     _Table,
     parse_conversation,
+    video_paths,
+    video_problem,
 )
 
 INSTALL_DATA_EXTRA = "pip install 'torch-early-fusion[data]'"
@@ -70,6 +77,7 @@ ROW_GROUPS_KEPT = 2  # the image columns of the last row groups read, kept for t
 SCAN_ROWS = 100  # rows of a save_to_disk directory checked at a time
 # (messages column, images column) of each format, in the order they are looked for.
 FORMATS = (("messages", "images"), ("conversations", "image"))
+VIDEOS_COLUMN = "videos"  # the messages format's videos (TRL's name, beside images)
 _PATH_KEYS = ("bytes", "path")
 
 
@@ -235,6 +243,42 @@ def _row_images(
     return found
 
 
+def _row_videos(table: _Table, value: Any, check: bool) -> list[ConversationVideo]:
+    """The videos of a row's ``videos`` value (null: none), their files checked to exist when
+    ``check``.
+
+    Raises:
+        ValueError: naming the video (``videos[k]``): not a path, a list of frame paths or a
+            ``{"bytes": null, "path": ...}`` struct; embedded bytes; a missing file.
+    """
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{VIDEOS_COLUMN}: expected a list of videos, got {short_repr(value, 80)}")
+    found: list[ConversationVideo] = []
+    for index, item in enumerate(value):
+        where = f"{VIDEOS_COLUMN}[{index}]"
+        if isinstance(item, dict):
+            unknown = sorted(set(item) - set(_PATH_KEYS))
+            if unknown:
+                raise ValueError(
+                    f"{where}: expected a path, a list of frame paths or a datasets.Video "
+                    f"struct ({{'bytes': ..., 'path': ...}}), got the keys {short_repr(unknown)}"
+                )
+            if item.get("bytes") is not None:
+                raise ValueError(
+                    f"{where}: a clip's bytes embedded in the data set are not read (a clip is "
+                    "decoded by seeking in its file); store the clips as files and their paths "
+                    "in the column"
+                )
+            item = item.get("path")
+        video = video_paths(item, table.base, where)
+        if check and (problem := video_problem(video)) is not None:
+            raise ValueError(f"{where}: {problem}")
+        found.append(video)
+    return found
+
+
 def _read_table(
     table: _Table,
     conversations: list[Conversation],
@@ -255,7 +299,8 @@ def _read_table(
         )
     text, images = format_
     has_images = images in table.columns
-    columns = [text, images] if has_images else [text]
+    has_videos = VIDEOS_COLUMN in table.columns  # refused with the conversations format
+    columns = [text] + [images] * has_images + [VIDEOS_COLUMN] * has_videos
     checked: dict[Path, str | None] = {}
     for start, rows in table.chunks(columns):
         for offset, values in enumerate(rows):
@@ -265,14 +310,21 @@ def _read_table(
                 found = None
                 if has_images:
                     found = _row_images(table, row, values[images], images, check_images, checked)
-                messages, paths = parse_conversation(record, table.base, found, images)
+                clips = None
+                if has_videos:
+                    clips = _row_videos(table, values[VIDEOS_COLUMN], check_images)
+                messages, paths, videos = parse_conversation(
+                    record, table.base, found, images, clips, VIDEOS_COLUMN
+                )
             except ValueError as error:
                 bad = DataError(table.file, None, str(error), row=row)
                 if not skip_bad:
                     raise bad from None
                 skipped.append(bad)
                 continue
-            conversations.append(Conversation(messages, paths, table.file, row + 1, row=row))
+            conversations.append(
+                Conversation(messages, paths, table.file, row + 1, row=row, videos=videos)
+            )
 
 
 def _tables(path: Path) -> list[_Table]:
@@ -317,7 +369,8 @@ def read_hf_dataset(
         data: a Parquet file, a directory of Parquet files (read in name order), a directory
             written by ``datasets.Dataset.save_to_disk``, or a ``datasets.Dataset``.
         skip_bad: skip bad rows (returned in ``skipped``) instead of raising.
-        check_images: decode every image once to check it (pixels dropped at once).
+        check_images: decode every image once to check it (pixels dropped at once), and
+            check that every video's files exist.
 
     Returns:
         a :class:`~fusion.data.ConversationFile`: conversations in row order, each holding its

@@ -67,13 +67,15 @@ def ignored(sample: Sample) -> Sample:
 
 
 def has_images(samples: Sequence[Sample]) -> bool:
-    """Whether any of ``samples`` shows images (loaded or not)."""
-    return any(sample.has_images for sample in samples)
+    """Whether any of ``samples`` shows images or videos (loaded or not): the vision tower
+    runs for either."""
+    return any(sample.has_images or sample.has_videos for sample in samples)
 
 
 def image_filler(samples: Sequence[Sample]) -> Sample | None:
-    """The shortest of ``samples`` with images, with no target; None if none has images."""
-    with_images = [sample for sample in samples if sample.has_images]
+    """The shortest of ``samples`` with images (or videos), with no target; None if none has
+    any."""
+    with_images = [sample for sample in samples if sample.has_images or sample.has_videos]
     return ignored(min(with_images, key=len)) if with_images else None
 
 
@@ -97,12 +99,14 @@ def fill(
     """Process ``rank``'s samples among the ``groups`` of one micro-batch (one group per
     process), with fillers; None when it has nothing to run.
 
-    Every process must run the same modules (FSDP2 gathers each block's weights
-    collectively), so a process whose group is empty, or has no images when another's has
-    (or when DDP needs a gradient for the image encoder's parameters: ``filler``, e.g.
+    Every process must run the same modules the same number of times (FSDP2 gathers each
+    block's weights collectively, at each call), so a process whose group is empty, or has
+    no images when another's has, or no videos when another's has (a video runs the vision
+    tower once more: the Qwen models' shared ``"video"`` entry), or no media at all when DDP
+    needs a gradient for the image encoder's parameters (``filler``, e.g.
     :func:`image_filler`), adds a filler: a sample of the micro-batch with no target
-    (:func:`ignored`). One process skips an empty group, and every process skips an empty
-    micro-batch.
+    (:func:`ignored`), the shortest showing what it lacks. One process skips an empty group,
+    and every process skips an empty micro-batch.
     """
     mine = list(groups[rank])
     everyone = [sample for group in groups for sample in group]
@@ -110,12 +114,20 @@ def fill(
         return None
     if not mine:
         mine.append(ignored(min(everyone, key=len)))
-    if not has_images(mine):
-        if has_images(everyone):
-            mine.append(ignored(min((s for s in everyone if s.has_images), key=len)))
-        elif filler is not None:
-            mine.append(filler)
+    for shows in (_shows_images, _shows_videos):
+        if not any(shows(s) for s in mine) and any(shows(s) for s in everyone):
+            mine.append(ignored(min((s for s in everyone if shows(s)), key=len)))
+    if not has_images(mine) and filler is not None:
+        mine.append(filler)
     return mine
+
+
+def _shows_images(sample: Sample) -> bool:
+    return sample.has_images
+
+
+def _shows_videos(sample: Sample) -> bool:
+    return sample.has_videos
 
 
 @dataclass(frozen=True)

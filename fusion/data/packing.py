@@ -30,6 +30,10 @@ from fusion.decoder.packed import PACKED_BACKENDS, PackedSegments
 
 #: What ``collate_packed(attention=...)`` takes: a packed-attention backend, or ``"mask"``.
 ATTENTION_CHOICES = (*PACKED_BACKENDS, "mask")
+#: The encoder inputs that stay on the CPU, uncast: read on the host as sizes and times.
+HOST_INPUTS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+#: The encoder entry a batch's videos go to (the Qwen models' shared ``"video"`` entry).
+VIDEO_ENCODER = "video"
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,9 @@ class Batch:
         encoder_input: ``{"image": {"pixel_values": float32 [tiles, 3, h, w]}}`` in order of
             appearance across the batch, or ``{}`` without images; for Qwen2-VL the patches
             ``[n_patches, d]`` and ``"image_grid_thw"`` [n_images, 3] (on the CPU, where the
-            tower reads it).
+            tower reads it); with videos, ``"video"``: ``"pixel_values_videos"`` [n_patches,
+            d], ``"video_grid_thw"`` [n_videos, 3] and float32 ``"second_per_grid_ts"``
+            [n_videos] (both on the CPU), in order of appearance across the batch as images.
         num_tokens: tokens that are not padding.
         num_targets: positions with a target (what the loss averages over).
         num_samples: samples in the batch.
@@ -85,7 +91,8 @@ class Batch:
         pixel_dtype: torch.dtype | None = None,
         non_blocking: bool = False,
     ) -> "Batch":
-        """The batch on ``device`` (pixels cast to ``pixel_dtype`` if given)."""
+        """The batch on ``device`` (pixels and video patches cast to ``pixel_dtype`` if
+        given; grids and seconds, :data:`HOST_INPUTS`, stay on the CPU as they are)."""
 
         def move(tensor: Any, dtype: torch.dtype | None = None) -> Any:
             if tensor is None:
@@ -97,7 +104,7 @@ class Batch:
         # Grids stay on the CPU: the vision tower reads them on the host (no synchronisation).
         encoder_input = {
             name: {
-                key: value if key == "image_grid_thw" else move(value, pixel_dtype)
+                key: value if key in HOST_INPUTS else move(value, pixel_dtype)
                 for key, value in kwargs.items()
             }
             for name, kwargs in self.encoder_input.items()
@@ -216,7 +223,8 @@ def collate_packed(
 
     Raises:
         ValueError: no row, an empty row, a row longer than ``seq_len``, samples whose pixels
-            differ in shape or dtype, a sample whose images are not loaded
+            (or video patches) differ in shape or dtype, a sample whose images or videos are
+            not loaded
             (:meth:`ConversationEncoder.load_pixels`), an unknown ``attention``.
     """
     if attention not in ATTENTION_CHOICES:
@@ -265,13 +273,15 @@ def _collate(
     labels = torch.full((batch, seq_len), IGNORE_INDEX, dtype=torch.int64)
     positions = torch.zeros(batch, seq_len, dtype=torch.int64)
     pixels, grids = [], []
+    videos: list[Sample] = []
     for r, row in enumerate(rows):
         start = 0
         for s, sample in enumerate(row):
             if not sample.pixels_loaded:
                 raise ValueError(
-                    f"rows[{r}][{s}]: {sample.source or 'a sample'} has images whose pixels are "
-                    "not loaded; pass the batch's samples through ConversationEncoder.load_pixels"
+                    f"rows[{r}][{s}]: {sample.source or 'a sample'} has images or videos whose "
+                    "pixels are not loaded; pass the batch's samples through "
+                    "ConversationEncoder.load_pixels"
                 )
             end = start + len(sample)
             tokens[r, start:end] = sample.tokens
@@ -280,6 +290,8 @@ def _collate(
             if sample.pixel_values.numel():
                 pixels.append(sample.pixel_values)
                 grids.append(sample.image_grid_thw)
+            if sample.pixel_values_videos.numel():
+                videos.append(sample)
             start = end
         positions[r, start:] = torch.arange(seq_len - start)
     mask: PackedSegments | torch.Tensor | None = None
@@ -299,6 +311,15 @@ def _collate(
         encoder_input = {encoder: {"pixel_values": torch.cat(pixels)}}
         if any(len(grid) for grid in grids):
             encoder_input[encoder]["image_grid_thw"] = torch.cat(grids)
+    if videos:
+        shapes = {(v.pixel_values_videos.shape[1:], v.pixel_values_videos.dtype) for v in videos}
+        if len(shapes) > 1:
+            raise ValueError(f"samples: video patches of different shapes or dtypes {shapes}")
+        encoder_input[VIDEO_ENCODER] = {
+            "pixel_values_videos": torch.cat([v.pixel_values_videos for v in videos]),
+            "video_grid_thw": torch.cat([v.video_grid_thw for v in videos]),
+            "second_per_grid_ts": torch.cat([v.second_per_grid_ts for v in videos]).float(),
+        }
     return Batch(
         tokens=tokens,
         labels=labels,

@@ -3,8 +3,8 @@
 (:func:`fusion.data.hf_datasets.read_hf_dataset`). A record (a line's JSON object, a data
 set's row) in either of the two formats (described in :mod:`fusion.data.conversations`) is
 checked and becomes a :class:`Conversation` (:func:`parse_conversation`); its images are files
-or :class:`EmbeddedImage`\\ s (where in a data set their bytes are); a bad one is a
-:class:`DataError`.
+or :class:`EmbeddedImage`\\ s (where in a data set their bytes are), its videos clip files or
+lists of frame files (:data:`ConversationVideo`); a bad one is a :class:`DataError`.
 
 The two readers import this module, and :func:`fusion.data.conversations.read_conversations`,
 which picks the reader by the file's kind, imports both: so neither reader imports the other.
@@ -30,6 +30,7 @@ _SHAREGPT_ROLES = {
     "system": "system",
 }
 _PATH_KEYS = ("path", "image", "url")
+_VIDEO_KEYS = ("video", "path", "url")  # where a video item names its clip (or frames)
 
 
 def _name(file: Path) -> str:
@@ -156,6 +157,16 @@ def _image_list(value: Any, column: str) -> list[Any]:
 # An image of a conversation: a file, or encoded bytes in a data set's row (read again, and
 # decoded, each time its pixels are needed).
 ConversationImage = Path | EmbeddedImage
+# A video of a conversation: a clip file, or its frames as image files in order (as
+# LLaVA-Video-style data sets store them); decoded only when a batch needs its patches.
+ConversationVideo = Path | tuple[Path, ...]
+
+
+def video_name(video: ConversationVideo) -> str:
+    """How messages name a video: its file, or its first frame and how many there are."""
+    if isinstance(video, Path):
+        return _name(video)
+    return f"{_name(video[0])} (+{len(video) - 1} frames)" if video else "no frames"
 
 
 @dataclass(frozen=True)
@@ -173,6 +184,10 @@ class Conversation:
         file: the data file it was read from.
         line: its line number (1-based); for a data set's row, ``row + 1``.
         row: the data set's row (0-based), or None for a line of JSON Lines.
+        videos: the videos in order of appearance (:data:`ConversationVideo`: absolute clip
+            paths, or tuples of absolute frame paths); their items in ``messages`` are
+            ``{"type": "video", "video": <path or list of paths>}`` (``{"type": "video"}``
+            for a data set's ``videos`` column).
     """
 
     messages: list[dict[str, Any]]
@@ -180,6 +195,7 @@ class Conversation:
     file: Path
     line: int
     row: int | None = None
+    videos: tuple[ConversationVideo, ...] = ()
 
     @property
     def source(self) -> str:
@@ -213,17 +229,25 @@ def parse_conversation(
     base: Path,
     images: Sequence[ConversationImage] | None = None,
     images_key: str = "images",
-) -> tuple[list[dict[str, Any]], tuple[ConversationImage, ...]]:
-    """One parsed JSON line -> (messages in Hugging Face's format, absolute image paths).
+    videos: Sequence[ConversationVideo] | None = None,
+    videos_key: str = "videos",
+) -> tuple[list[dict[str, Any]], tuple[ConversationImage, ...], tuple[ConversationVideo, ...]]:
+    """One parsed JSON line -> (messages in Hugging Face's format, absolute image paths,
+    videos).
 
     Args:
         record: the line's object.
-        base: the directory relative image paths are relative to.
+        base: the directory relative image and video paths are relative to.
         images: a data set's row: its images, in order (the ``images_key`` column, or
             LLaVA-Instruct's ``image``); each image item of ``messages`` (each
             ``"<image>"`` marker of ``conversations``) takes the next one, and the counts must
             match. None: images are paths in the record, as in JSON Lines.
         images_key: the column ``images`` came from, for errors.
+        videos: a data set's row: its videos (the ``videos_key`` column), each video item of
+            ``messages`` taking the next one, the counts matching. None: videos are paths in
+            the record's video items (``"video"``, ``"path"`` or a local ``"url"``: a clip
+            file, or a list of frame files).
+        videos_key: the column ``videos`` came from, for errors.
 
     Raises:
         ValueError: the problem, naming the field (without file and line).
@@ -231,13 +255,27 @@ def parse_conversation(
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {short_repr(record, 80)}")
     found: tuple[ConversationImage, ...]
+    clips: tuple[ConversationVideo, ...] = ()
     if "messages" in record:
-        messages, paths = _hf_messages(record["messages"], base, images is not None)
+        messages, paths, named = _hf_messages(
+            record["messages"], base, images is not None, videos is not None
+        )
         if images is not None:
             found = _take_images(images, len(paths), images_key)
         else:
             found = tuple(path for path in paths if path is not None)
+        if videos is not None:
+            clips = _take_images(videos, len(named), videos_key, "video")
+        else:
+            clips = tuple(video for video in named if video is not None)
     elif "conversations" in record:
+        for key, value in (("video", record.get("video")), (videos_key, videos)):
+            if value:  # LLaVA-Video's key, or a data set's column: not silently dropped
+                raise ValueError(
+                    f"{key}: videos given, but LLaVA-Instruct's 'conversations' format marks "
+                    "images only; write the conversation in the 'messages' format with "
+                    '{"type": "video", "video": ...} items'
+                )
         messages, found = _sharegpt_messages(record, base, images, images_key)
     else:
         raise ValueError(
@@ -246,30 +284,30 @@ def parse_conversation(
         )
     if not any(message["role"] == "assistant" for message in messages):
         raise ValueError("no assistant message: nothing to train on")
-    return messages, found
+    return messages, found, clips
 
 
 def _take_images(
-    images: Sequence[ConversationImage],
-    items: int,
-    key: str,
-) -> tuple[ConversationImage, ...]:
-    """A data set's row: its ``images`` for the ``items`` image items of ``messages``."""
+    images: Sequence[Any], items: int, key: str, what: str = "image"
+) -> tuple[Any, ...]:
+    """A data set's row: its ``images`` (or videos: ``what``) for the ``items`` image (video)
+    items of ``messages``."""
     if items != len(images):
         raise ValueError(
-            f"{items} image item(s) in messages, but {len(images)} image(s) in {key!r}: each "
-            f'{{"type": "image"}} item takes the next image of {key!r}'
+            f"{items} {what} item(s) in messages, but {len(images)} {what}(s) in {key!r}: each "
+            f'{{"type": "{what}"}} item takes the next {what} of {key!r}'
         )
     return tuple(images)
 
 
 def _hf_messages(
-    value: object, base: Path, embedded: bool = False
-) -> tuple[list[dict[str, Any]], tuple[Path | None, ...]]:
+    value: object, base: Path, embedded: bool = False, embedded_videos: bool = False
+) -> tuple[list[dict[str, Any]], tuple[Path | None, ...], tuple[ConversationVideo | None, ...]]:
     if not isinstance(value, list) or not value:
         raise ValueError(f"messages: expected a non-empty list, got {short_repr(value, 80)}")
     messages: list[dict[str, Any]] = []
     images: list[Path | None] = []
+    videos: list[ConversationVideo | None] = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -310,12 +348,27 @@ def _hf_messages(
                 image = _image_path(item, base, at)
                 images.append(image)
                 items.append({"type": "image", "path": str(image)})
+            elif kind == "video" and embedded_videos:
+                for key in _VIDEO_KEYS:  # the row's videos column holds the videos
+                    if item.get(key) is not None:
+                        raise ValueError(
+                            f"{at}.{key}: a video item of a data set with a videos column "
+                            "takes the next video of that column, and holds no path"
+                        )
+                videos.append(None)
+                items.append({"type": "video"})
+            elif kind == "video":
+                video = _video_source(item, base, at)
+                videos.append(video)
+                named = str(video) if isinstance(video, Path) else [str(p) for p in video]
+                items.append({"type": "video", "video": named})
             else:
                 raise ValueError(
-                    f"{at}: expected an item of type 'text' or 'image', got {short_repr(item, 80)}"
+                    f"{at}: expected an item of type 'text', 'image' or 'video', got "
+                    f"{short_repr(item, 80)}"
                 )
         messages.append({**message, "content": items})
-    return messages, tuple(images)
+    return messages, tuple(images), tuple(videos)
 
 
 def _sharegpt_messages(
@@ -397,6 +450,32 @@ def _image_path(item: dict[str, Any], base: Path, where: str) -> Path:
     raise ValueError(f"{where}: an image item needs a file path in 'path'")
 
 
+def _video_source(item: dict[str, Any], base: Path, where: str) -> ConversationVideo:
+    for key in _VIDEO_KEYS:
+        if item.get(key) is not None:
+            return video_paths(item[key], base, f"{where}.{key}")
+    raise ValueError(
+        f"{where}: a video item needs a clip file (or a list of frame files) in 'video'"
+    )
+
+
+def video_paths(value: object, base: Path, where: str) -> ConversationVideo:
+    """A video as a record names it: a clip file's path, or a non-empty list of frame files'
+    paths (each relative to ``base`` unless absolute).
+
+    Raises:
+        ValueError: naming ``where``: neither a path nor a non-empty list of paths, a URL.
+    """
+    if isinstance(value, str):
+        return _resolve(value, base, where)
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return tuple(_resolve(v, base, f"{where}[{k}]") for k, v in enumerate(value))
+    raise ValueError(
+        f"{where}: expected a clip file's path or a non-empty list of frame files' paths, got "
+        f"{short_repr(value, 80)}"
+    )
+
+
 def _resolve(name: str, base: Path, where: str) -> Path:
     if not name or "\x00" in name:
         raise ValueError(f"{where}: expected a file path, got {name!r}")
@@ -419,6 +498,16 @@ def load_conversation_image(image: ConversationImage | str) -> torch.Tensor:
 
         return load_image(image)
     return image.load()
+
+
+def video_problem(video: ConversationVideo) -> str | None:
+    """None if ``video``'s files exist (a clip file, or every frame file), else the problem;
+    its container and frames are checked when it is encoded (probed, not decoded)."""
+    for path in (video,) if isinstance(video, Path) else video:
+        if not path.is_file():
+            what = "no such file" if not path.exists() else "not a regular file"
+            return f"video {video_name(video)!r}: {_name(path)}: {what}"
+    return None
 
 
 def _image_problem(image: Path) -> str | None:

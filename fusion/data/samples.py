@@ -24,6 +24,16 @@ batch's pixels are decoded (a data set's image bytes read again first) and proce
 is collated (:meth:`ConversationEncoder.load_pixels`), exactly as the
 processor makes them, and freed with the batch: memory holds the token ids of the data set
 plus one batch's pixels, whatever the number of images.
+
+Videos (models that take them: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) go the same way:
+:meth:`ConversationEncoder.check_conversation` reads each clip's container header
+(:func:`fusion.preprocessing.probe_video`, no frame decoded) and plans it with the
+directory's video processor (the frames it keeps, their grid:
+:meth:`~fusion.preprocessing.Qwen2VLVideoProcessor.plan`), so the rows a video brings, and its
+text (Qwen3-VL's timestamps), are known before decoding and a sample too long for
+``max_seq_len`` is refused or skipped with nothing decoded (:class:`VideoRef`). A video's
+frames are decoded (only those kept) and patched when its batch is collated, one clip at a
+time, in the data loader's workers.
 """
 
 import os
@@ -41,6 +51,8 @@ from fusion.data.chat_template import (
     ChatTemplate,
 )
 from fusion.data.conversations import Conversation, DataError, load_conversation_image
+from fusion.data.records import ConversationVideo, video_name
+from fusion.hf.errors import CheckpointError
 from fusion.hf.files import MAX_TOKENIZER_BYTES as MAX_TOKENIZER_BYTES
 from fusion.hf.files import read_tokenizer
 from fusion.labels import shift_targets
@@ -51,6 +63,10 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100
 IMAGE_MARKER = "<image>"  # what the conversation files mark images with
 TOKENIZER_FILE = "tokenizer.json"
+# What the Qwen chat templates write for each video item (inside <|vision_start|> ...
+# <|vision_end|>), replaced by the video processor's text for it (its rows; Qwen3-VL's
+# timestamps), as transformers' processors replace it.
+VIDEO_PAD = "<|video_pad|>"
 
 
 @dataclass(frozen=True)
@@ -77,6 +93,30 @@ class ImageRef:
 
 
 @dataclass(frozen=True)
+class VideoRef:
+    """A video of a sample, by file: its container probed and its frames planned, nothing
+    decoded.
+
+    Attributes:
+        source: the clip file, or its frame files in order.
+        metadata: the clip's :class:`~fusion.preprocessing.VideoMetadata` with the frames the
+            video processor keeps (``frames_indices``), from the container alone.
+        grid: the (temporal, height, width) patch grid those frames give.
+        rows: the placeholder rows it brings, ``t * h * w / merge_size**2``.
+    """
+
+    source: ConversationVideo
+    metadata: Any
+    grid: tuple[int, int, int]
+    rows: int
+
+    @property
+    def name(self) -> str:
+        """The clip as messages name it."""
+        return video_name(self.source)
+
+
+@dataclass(frozen=True)
 class Sample:
     """One encoded conversation.
 
@@ -97,6 +137,14 @@ class Sample:
         image_grid_thw: for towers taking images of any size, int64 [n_images, 3], each
             image's patch grid (t, h, w) (what the vision tower and the M-RoPE positions
             need); [0, 3] for other models.
+        videos: the videos whose patches :meth:`ConversationEncoder.load_pixels` makes;
+            empty when the patches came with the sample (or without videos).
+        pixel_values_videos: float32 [n_patches, 3 * temporal_patch * patch**2], the
+            videos' patches in order of their placeholders; empty without videos, and for a
+            sample whose ``videos`` are not loaded yet.
+        video_grid_thw: int64 [n_videos, 3], each video's grid (t, h, w).
+        second_per_grid_ts: float32 [n_videos], the seconds one temporal patch of each video
+            spans (Qwen2.5-VL's temporal positions; the processor's ``second_per_grid_ts``).
     """
 
     tokens: torch.Tensor
@@ -107,6 +155,14 @@ class Sample:
     images: tuple[ImageRef, ...] = ()
     image_grid_thw: torch.Tensor = field(
         default_factory=lambda: torch.empty(0, 3, dtype=torch.int64)
+    )
+    videos: tuple[VideoRef, ...] = ()
+    pixel_values_videos: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    video_grid_thw: torch.Tensor = field(
+        default_factory=lambda: torch.empty(0, 3, dtype=torch.int64)
+    )
+    second_per_grid_ts: torch.Tensor = field(
+        default_factory=lambda: torch.empty(0, dtype=torch.float32)
     )
 
     def __post_init__(self) -> None:
@@ -154,6 +210,47 @@ class Sample:
             raise ValueError(
                 f"images: expected a tuple of ImageRef, got {type(self.images).__name__}"
             )
+        self._check_videos()
+
+    def _check_videos(self) -> None:
+        videos, patches = self.pixel_values_videos, self.video_grid_thw
+        if not isinstance(self.videos, tuple) or not all(
+            isinstance(ref, VideoRef) for ref in self.videos
+        ):
+            raise ValueError(
+                f"videos: expected a tuple of VideoRef, got {type(self.videos).__name__}"
+            )
+        if not isinstance(videos, torch.Tensor) or (
+            videos.numel() and (not videos.dtype.is_floating_point or videos.dim() != 2)
+        ):
+            raise ValueError(
+                "pixel_values_videos: expected a floating tensor [n_patches, d] (or empty), got "
+                f"{_describe(videos)}"
+            )
+        if (
+            not isinstance(patches, torch.Tensor)
+            or patches.dim() != 2
+            or patches.size(1) != 3
+            or patches.dtype != torch.int64
+        ):
+            raise ValueError(
+                f"video_grid_thw: expected int64 [n_videos, 3], got {_describe(patches)}"
+            )
+        seconds = self.second_per_grid_ts
+        if (
+            not isinstance(seconds, torch.Tensor)
+            or seconds.shape != (patches.size(0),)
+            or not seconds.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"second_per_grid_ts: expected a floating tensor [{patches.size(0)}] (one per "
+                f"video of video_grid_thw), got {_describe(seconds)}"
+            )
+        if videos.numel() and int(patches.prod(1).sum()) != videos.size(0):
+            raise ValueError(
+                f"pixel_values_videos: {videos.size(0)} patches, but video_grid_thw "
+                f"{patches.tolist()} gives {int(patches.prod(1).sum())}"
+            )
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -164,9 +261,16 @@ class Sample:
         return bool(self.images) or self.pixel_values.numel() > 0
 
     @property
+    def has_videos(self) -> bool:
+        """Whether the sample shows videos (loaded or not)."""
+        return bool(self.videos) or self.pixel_values_videos.numel() > 0
+
+    @property
     def pixels_loaded(self) -> bool:
-        """False for a sample with images whose pixels are still to be made."""
-        return not self.images or self.pixel_values.numel() > 0
+        """False for a sample with images whose pixels (or videos whose patches) are still to
+        be made."""
+        images = not self.images or self.pixel_values.numel() > 0
+        return images and (not self.videos or self.pixel_values_videos.numel() > 0)
 
     @property
     def num_targets(self) -> int:
@@ -185,6 +289,14 @@ class ConversationEncoder:
             :meth:`from_directory`), so prompts it prepares are tokenized as training's; None
             for a text-only model (then a conversation with images is refused).
         placeholder_ids: ids that are never targets (the image token).
+        video_processor: for a model taking videos, its video processor
+            (:class:`~fusion.preprocessing.Qwen2VLVideoProcessor` or
+            :class:`~fusion.preprocessing.Qwen3VLVideoProcessor`); None: conversations with
+            videos are refused.
+        video_token_id: the id ``<|video_pad|>`` tokenizes to (required with
+            ``video_processor``); never a target.
+        video_bounds: the largest clips read (:class:`~fusion.preprocessing.VideoBounds`;
+            None: its defaults).
 
     Encoding holds no state: every method is a function of its arguments and the encoder's
     attributes, which it never writes, so one encoder serves several threads at once.
@@ -197,11 +309,34 @@ class ConversationEncoder:
         *,
         processor: Any = None,
         placeholder_ids: Sequence[int] = (),
+        video_processor: Any = None,
+        video_token_id: int | None = None,
+        video_bounds: Any = None,
     ) -> None:
+        if video_processor is not None:
+            if processor is None:
+                raise ValueError(
+                    "video_processor: given for a text-only model (processor None), got "
+                    f"{type(video_processor).__name__}"
+                )
+            check_int(video_token_id, "video_token_id", low=0)
+        if video_bounds is not None:
+            from fusion.preprocessing import VideoBounds
+
+            if not isinstance(video_bounds, VideoBounds):
+                raise TypeError(
+                    f"video_bounds: expected a VideoBounds or None, got "
+                    f"{type(video_bounds).__name__}"
+                )
         self.template = template
         self.tokenizer = tokenizer
         self.processor = processor
         self.placeholder_ids = tuple(int(i) for i in placeholder_ids)
+        self.video_processor = video_processor
+        self.video_token_id = video_token_id
+        self.video_bounds = video_bounds
+        if video_token_id is not None and video_token_id not in self.placeholder_ids:
+            self.placeholder_ids += (int(video_token_id),)
 
     @classmethod
     def from_directory(
@@ -238,10 +373,26 @@ class ConversationEncoder:
             processor = VisionLanguageProcessor.from_directory(hf, encode=encoder.tokenize_prompt)
             encoder.processor = processor
             encoder.placeholder_ids = (processor.image_token_id,)
+        if hf.family.takes_videos and encoder.processor is not None:
+            from fusion.preprocessing import read_video_processor
+
+            video_id = hf.config.get("video_token_id", tokenizer.token_to_id(VIDEO_PAD))
+            if video_id is not None:
+                if isinstance(video_id, bool) or not isinstance(video_id, int) or video_id < 0:
+                    raise CheckpointError(
+                        hf.config_file, "video_token_id", f"expected an id >= 0, got {video_id!r}"
+                    )
+                encoder.video_processor = read_video_processor(hf.path)
+                encoder.video_token_id = video_id
+                encoder.placeholder_ids += (video_id,)
         return encoder
 
     def encode(
-        self, messages: Sequence[dict[str, Any]], images: Sequence[object] = (), source: str = ""
+        self,
+        messages: Sequence[dict[str, Any]],
+        images: Sequence[object] = (),
+        source: str = "",
+        videos: Sequence[Any] = (),
     ) -> Sample:
         """One conversation -> a :class:`Sample` with its pixels.
 
@@ -250,35 +401,101 @@ class ConversationEncoder:
             images: decoded images in order of appearance (uint8 tensors [c, h, w] or Pillow
                 images).
             source: where it comes from, kept in the sample.
+            videos: decoded videos in order of appearance
+                (:class:`~fusion.preprocessing.Video`, e.g. from
+                :func:`~fusion.preprocessing.load_video` with the video processor's
+                ``sampler``).
 
         Raises:
             ChatTemplateError: the template fails or renders no assistant turn.
             ValueError: images that do not match the image markers of the rendered text,
                 images for a text-only model, an image the processor cannot take, no target
-                token left (e.g. an empty answer).
+                token left (e.g. an empty answer); videos for a model taking none, or that do
+                not match the video items.
             RuntimeError: a ``processor`` whose ``encode`` is not this encoder's.
         """
         from fusion.media.images import image_size
+        from fusion.preprocessing import Video
 
         if self.processor is None and images:
             raise ValueError(
                 f"images: {len(images)} given, but the model is text-only (no processor)"
             )
+        self._check_takes_videos(len(videos))
+        refs = []
+        for i, video in enumerate(videos):
+            if not isinstance(video, Video):
+                raise TypeError(
+                    f"videos[{i}]: expected a Video (load_video), got {type(video).__name__}"
+                )
+            frames = video.frames
+            try:
+                grid = self.video_processor.grid(frames.size(0), frames.size(2), frames.size(3))
+            except ValueError as error:
+                raise ValueError(f"videos[{i}]: {error}") from None
+            rows = grid[0] * grid[1] * grid[2] // self.video_processor.merge_size**2
+            refs.append(VideoRef(Path(f"videos[{i}]"), video.metadata, grid, rows))
         sizes = [image_size(image, f"images[{i}]") for i, image in enumerate(images)]
-        tokens, labels, _ = self._tokens_and_labels(messages, sizes)
+        tokens, labels, _ = self._tokens_and_labels(messages, sizes, refs)
         if self.processor is None:
             return Sample(tokens, labels, torch.empty(0), source)
         pixel_values, grids = self._pixels(images)
-        return Sample(tokens, labels, pixel_values, source, image_grid_thw=grids)
+        patches, video_grids, seconds = self._video_patches(videos, refs, source)
+        return Sample(
+            tokens,
+            labels,
+            pixel_values,
+            source,
+            image_grid_thw=grids,
+            pixel_values_videos=patches,
+            video_grid_thw=video_grids,
+            second_per_grid_ts=seconds,
+        )
+
+    def _check_takes_videos(self, count: int) -> None:
+        if count and self.video_processor is None:
+            raise ValueError(
+                f"videos: {count} given, but the model takes no videos (no video processor)"
+            )
+
+    def _video_patches(
+        self, videos: Sequence[Any], refs: Sequence[VideoRef], source: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The videos' patches, grids and seconds per temporal patch (float32), each video
+        patched on its own, its grid checked against its plan (``refs``)."""
+        if not videos:
+            return (
+                torch.empty(0),
+                torch.empty(0, 3, dtype=torch.int64),
+                torch.empty(0, dtype=torch.float32),
+            )
+        patches, grids, seconds = [], [], []
+        for video, ref in zip(videos, refs, strict=True):
+            patched = self.video_processor([video])
+            grid = tuple(patched.video_grid_thw[0].tolist())
+            if grid != ref.grid:  # the plan decides the grid; a guard all the same
+                raise ValueError(
+                    f"{source}: video {ref.name!r} gave the grid {list(grid)}, planned "
+                    f"{list(ref.grid)}"
+                )
+            patches.append(patched.pixel_values_videos)
+            grids.append(patched.video_grid_thw)
+            seconds += patched.second_per_grid_ts
+        return torch.cat(patches), torch.cat(grids), torch.tensor(seconds, dtype=torch.float32)
 
     def _tokens_and_labels(
-        self, messages: Sequence[dict[str, Any]], sizes: Sequence[tuple[int, int]]
+        self,
+        messages: Sequence[dict[str, Any]],
+        sizes: Sequence[tuple[int, int]],
+        videos: Sequence[VideoRef] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Ids, labels and each image's tiles, from the images' (height, width) alone: the
         image markers expanded as the processor expands them
-        (:meth:`VisionLanguageProcessor.expand`, every cap of its ``plan`` checked), the text
-        tokenized whole, and its placeholder ids counted
-        (:meth:`VisionLanguageProcessor.check_placeholder_count`)."""
+        (:meth:`VisionLanguageProcessor.expand`, every cap of its ``plan`` checked), each
+        video's ``<|video_pad|>`` replaced by its text from its plan alone (the video
+        processor's ``video_text``), the text tokenized whole, and its placeholder ids
+        counted (:meth:`VisionLanguageProcessor.check_placeholder_count`; the video ids
+        against the videos' rows)."""
         rendered = self.template.render_with_spans(messages)
         text = _mark(rendered.text, rendered.spans)
         tiles: list[int] = []
@@ -295,6 +512,11 @@ class ConversationEncoder:
             # Stand-ins of each image's size that hold one byte (stride 0): plan reads sizes.
             stand_ins = [torch.zeros((), dtype=torch.uint8).expand(3, h, w) for h, w in sizes]
             [expanded], tiles = processor.expand([text], stand_ins)
+            if self.video_processor is not None:  # each <|video_pad|>: its video's text
+                from fusion.preprocessing import expand_video_pads
+
+                texts = [self.video_processor.video_text(v.grid, v.metadata) for v in videos]
+                [expanded] = expand_video_pads([expanded], texts)
             # As the processor's apply_chat_template: special tokens unless the text has BOS.
             add_special = not self._starts_with_bos(rendered.text)
             ids, offsets, spans = _tokenize(
@@ -304,6 +526,15 @@ class ConversationEncoder:
                 raise ValueError("prompts[0]: the tokenizer gives no tokens")
             rows = sum(tiles) * processor.tokens_per_image
             processor.check_placeholder_count([ids], rows, "prompt holds")
+            if self.video_token_id is not None:
+                found, rows = ids.count(self.video_token_id), sum(v.rows for v in videos)
+                if found != rows:
+                    raise ValueError(
+                        f"prompts: the tokenized prompt holds {found} video placeholder ids "
+                        f"({self.video_token_id}), but its videos give {rows} rows; the "
+                        f"tokenizer must encode {VIDEO_PAD!r} as the single token "
+                        f"{self.video_token_id}, and prompts must not hold it otherwise"
+                    )
         tokens = torch.tensor(ids, dtype=torch.int64)
         target = torch.zeros(len(ids), dtype=torch.bool)
         for index, (start, end) in enumerate(offsets):
@@ -332,7 +563,8 @@ class ConversationEncoder:
     def check_conversation(self, conversation: Conversation) -> Sample:
         """``conversation`` as a :class:`Sample` whose pixels are made later
         (:meth:`load_pixels`): each image is decoded to check it (one at a time, its pixels
-        dropped at once) and only its path and size are kept; ids and labels are
+        dropped at once) and only its path and size are kept; each video's container is
+        probed and its frames planned (:meth:`plan_video`), none decoded; ids and labels are
         :meth:`encode`'s. Errors become a :class:`DataError` naming its file and line."""
         if self.processor is None and conversation.images:
             raise conversation.error(
@@ -340,58 +572,146 @@ class ConversationEncoder:
                 "(no processor)"
             )
         try:
+            self._check_takes_videos(len(conversation.videos))
+            videos = tuple(self.plan_video(video) for video in conversation.videos)
             sizes = []
             for path in conversation.images:
                 image = load_conversation_image(path)  # decodable? (freed on the next line)
                 sizes.append((image.size(1), image.size(2)))
                 del image
-            tokens, labels, tiles = self._tokens_and_labels(conversation.messages, sizes)
+            tokens, labels, tiles = self._tokens_and_labels(conversation.messages, sizes, videos)
         except (ValueError, OSError) as error:
             raise conversation.error(str(error)) from None
         refs = tuple(
             ImageRef(str(path), h, w, n, None if isinstance(path, Path) else path)
             for path, (h, w), n in zip(conversation.images, sizes, tiles, strict=True)
         )
-        return Sample(tokens, labels, torch.empty(0), conversation.source, images=refs)
+        return Sample(
+            tokens, labels, torch.empty(0), conversation.source, images=refs, videos=videos
+        )
+
+    def plan_video(self, video: ConversationVideo) -> VideoRef:
+        """A video's :class:`VideoRef` from its container alone
+        (:func:`~fusion.preprocessing.probe_video`: the header read and checked against
+        :attr:`video_bounds`, packets listed, no frame decoded): the frames the video
+        processor keeps, their grid and rows.
+
+        Raises:
+            ImportError: a clip file without PyAV (naming the ``video`` extra).
+            ValueError: naming the clip: no video processor; not a video, truncated, past
+                the bounds (:class:`~fusion.preprocessing.VideoError`); frames the processor
+                cannot take; kept frames past the bounds' ``max_decoded_bytes``.
+        """
+        from fusion.preprocessing import VideoBounds, VideoError, probe_video
+
+        self._check_takes_videos(1)
+        processor = self.video_processor
+        bounds = self.video_bounds or VideoBounds()
+        name = video_name(video)
+        source = video if isinstance(video, Path) else list(video)
+        metadata = probe_video(source, bounds=bounds)
+        try:
+            indices, grid = processor.plan(metadata)
+        except ValueError as error:
+            raise VideoError(name, str(error)) from None
+        size = len(indices) * 3 * metadata.height * metadata.width
+        if size > bounds.max_decoded_bytes:
+            raise VideoError(
+                name,
+                f"{len(indices)} frames of {metadata.width} x {metadata.height} kept would take "
+                f"{size} bytes decoded, more than max_decoded_bytes={bounds.max_decoded_bytes} "
+                "(VideoBounds): sample fewer frames",
+            )
+        rows = grid[0] * grid[1] * grid[2] // processor.merge_size**2
+        return VideoRef(video, replace(metadata, frames_indices=tuple(indices)), grid, rows)
+
+    def load_video(self, ref: VideoRef) -> Any:
+        """A planned video decoded (:func:`~fusion.preprocessing.load_video`, the kept frames
+        only), its frames checked to be the planned ones.
+
+        Raises:
+            ValueError: naming the clip: it can no longer be read, or it changed since it was
+                planned (other frames kept, another size).
+        """
+        from fusion.preprocessing import VideoBounds, VideoError, load_video
+
+        source = ref.source if isinstance(ref.source, Path) else list(ref.source)
+        bounds = self.video_bounds or VideoBounds()
+        video = load_video(source, sampler=self.video_processor.sampler, bounds=bounds)
+        got, planned = video.metadata, ref.metadata
+        if (got.frames_indices, got.width, got.height) != (
+            planned.frames_indices,
+            planned.width,
+            planned.height,
+        ):
+            raise VideoError(
+                ref.name,
+                f"now keeps frames {list(got.frames_indices)[:8]} of {got.width} x {got.height} "
+                f"pixels, planned {list(planned.frames_indices)[:8]} of {planned.width} x "
+                f"{planned.height} when the data was checked: the file changed during the run",
+            )
+        return video
 
     def load_pixels(self, samples: Sequence[Sample]) -> list[Sample]:
         """``samples`` with the pixels of their :attr:`Sample.images` made: each image
-        decoded and processed now (as :meth:`encode` would), for one batch at a time.
-        Samples without image files are returned as they are.
+        decoded and processed now (as :meth:`encode` would), for one batch at a time; and
+        the patches of their :attr:`Sample.videos`: each clip's kept frames decoded and
+        patched, one clip at a time (its frames freed before the next is decoded). Samples
+        without image or video files are returned as they are.
 
         Raises:
-            ValueError: naming the sample and file: an image that can no longer be read, or
-                whose size changed since it was checked (the file was replaced).
+            ValueError: naming the sample and file: an image or video that can no longer be
+                read, or that changed since it was checked (the file was replaced).
         """
         out = []
         for sample in samples:
             if sample.pixels_loaded:
                 out.append(sample)
                 continue
-            images = []
-            for ref in sample.images:
-                try:
-                    image = load_conversation_image(
-                        ref.path if ref.embedded is None else ref.embedded
-                    )
-                except ValueError as error:
-                    raise ValueError(f"{sample.source}: {error}") from None
-                if (image.size(1), image.size(2)) != (ref.height, ref.width):
-                    raise ValueError(
-                        f"{sample.source}: image {ref.path!r} is now {image.size(1)} x "
-                        f"{image.size(2)} pixels, was {ref.height} x {ref.width} when the data "
-                        "was checked: the file changed during the run"
-                    )
-                images.append(image)
-            pixels, grids = self._pixels(images)
-            made = self.processor.made(pixels, grids)
-            expected = sum(ref.tiles for ref in sample.images)
-            if made != expected:  # the size decides the tiles; a guard all the same
-                raise ValueError(
-                    f"{sample.source}: its images gave {made} tiles, expected {expected}"
+            if sample.images and not sample.pixel_values.numel():
+                sample = self._load_images(sample)
+            if sample.videos and not sample.pixel_values_videos.numel():
+                patches, grids, seconds = [], [], []
+                for ref in sample.videos:
+                    try:
+                        video = self.load_video(ref)
+                    except ValueError as error:
+                        raise ValueError(f"{sample.source}: {error}") from None
+                    made = self._video_patches([video], [ref], sample.source)
+                    del video  # this clip's frames, before the next is decoded
+                    patches.append(made[0])
+                    grids.append(made[1])
+                    seconds.append(made[2])
+                sample = replace(
+                    sample,
+                    pixel_values_videos=torch.cat(patches),
+                    video_grid_thw=torch.cat(grids),
+                    second_per_grid_ts=torch.cat(seconds),
                 )
-            out.append(replace(sample, pixel_values=pixels, image_grid_thw=grids))
+            out.append(sample)
         return out
+
+    def _load_images(self, sample: Sample) -> Sample:
+        """``sample`` with its images decoded and processed."""
+        images = []
+        for ref in sample.images:
+            try:
+                image = load_conversation_image(ref.path if ref.embedded is None else ref.embedded)
+            except ValueError as error:
+                raise ValueError(f"{sample.source}: {error}") from None
+            if (image.size(1), image.size(2)) != (ref.height, ref.width):
+                raise ValueError(
+                    f"{sample.source}: image {ref.path!r} is now {image.size(1)} x "
+                    f"{image.size(2)} pixels, was {ref.height} x {ref.width} when the data "
+                    "was checked: the file changed during the run"
+                )
+            images.append(image)
+        pixels, grids = self._pixels(images)
+        made = self.processor.made(pixels, grids)
+        expected = sum(ref.tiles for ref in sample.images)
+        if made != expected:  # the size decides the tiles; a guard all the same
+            raise ValueError(f"{sample.source}: its images gave {made} tiles, expected {expected}")
+        return replace(sample, pixel_values=pixels, image_grid_thw=grids)
 
     def _starts_with_bos(self, text: str) -> bool:
         bos = self.template.special_tokens.get("bos_token", "")
@@ -405,11 +725,14 @@ class ConversationEncoder:
 
     def encode_conversation(self, conversation: Conversation) -> Sample:
         """:meth:`encode` with the conversation's images decoded
-        (:func:`fusion.preprocessing.load_image`, or from a data set's bytes); errors become a
-        :class:`DataError` naming its file and line."""
+        (:func:`fusion.preprocessing.load_image`, or from a data set's bytes) and its videos
+        (:meth:`plan_video`, then :meth:`load_video`); errors become a :class:`DataError`
+        naming its file and line."""
         try:
             images = [load_conversation_image(path) for path in conversation.images]
-            return self.encode(conversation.messages, images, conversation.source)
+            self._check_takes_videos(len(conversation.videos))
+            videos = [self.load_video(self.plan_video(v)) for v in conversation.videos]
+            return self.encode(conversation.messages, images, conversation.source, videos)
         except (ValueError, OSError) as error:
             raise conversation.error(str(error)) from None
 

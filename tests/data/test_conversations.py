@@ -96,8 +96,8 @@ BAD_LINES = [
     ('{"messages": [{"role": "user"}]}', r"messages\[0\]\.content: expected a string or a list"),
     ('{"messages": [{"role": "user", "content": "hi"}]}', r"no assistant message"),
     (
-        '{"messages": [{"role": "user", "content": [{"type": "video", "path": "v.mp4"}]}]}',
-        r"messages\[0\]\.content\[0\]: expected an item of type 'text' or 'image'",
+        '{"messages": [{"role": "user", "content": [{"type": "audio", "path": "v.wav"}]}]}',
+        r"messages\[0\]\.content\[0\]: expected an item of type 'text', 'image' or 'video'",
     ),
     (
         '{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',

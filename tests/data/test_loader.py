@@ -77,6 +77,30 @@ def test_fill_adds_fillers_without_targets():
     assert fill([[text], []], 1)[0].num_targets == 0
 
 
+def test_fill_gives_every_process_each_media_kind_of_the_micro_batch():
+    """A video runs the vision tower once more (the shared "video" entry): a process without
+    videos beside one with them gets the shortest video sample, and one without images the
+    shortest image sample, both without targets."""
+    image, long_clip = sample(2, image=True), with_video(sample(6, tag=3))
+    clip = with_video(sample(4, tag=4))
+    first = fill([[long_clip, clip], [image]], 0)
+    assert first[:2] == [long_clip, clip] and first[2].has_images and not first[2].num_targets
+    second = fill([[long_clip, clip], [image]], 1)
+    assert second[0] is image and second[1].has_videos and len(second[1]) == 4
+    assert second[1].num_targets == 0 and clip.num_targets > 0
+    assert image_filler([sample(3), clip]).has_videos  # DDP's filler: a video will do
+
+
+def with_video(base: Sample) -> Sample:
+    """``base`` showing one video of grid (2, 2, 2), its patches given."""
+    return replace(
+        base,
+        pixel_values_videos=torch.zeros(8, 4),
+        video_grid_thw=torch.tensor([[2, 2, 2]]),
+        second_per_grid_ts=torch.tensor([0.5]),
+    )
+
+
 @settings(max_examples=25)
 @given(
     lengths=st.lists(st.integers(2, 12), min_size=1, max_size=16),

@@ -150,6 +150,12 @@ def alone(model: EarlyFusion, sample: Sample, positions: Positions) -> torch.Ten
         encoder_input = {
             "image": {"pixel_values": sample.pixel_values, "image_grid_thw": sample.image_grid_thw}
         }
+    if len(sample.video_grid_thw):
+        encoder_input["video"] = {
+            "pixel_values_videos": sample.pixel_values_videos,
+            "video_grid_thw": sample.video_grid_thw,
+            "second_per_grid_ts": sample.second_per_grid_ts,
+        }
     inputs = {"tokens": tokens, "input_pos": None, "encoder_input": encoder_input}
     return model(tokens, encoder_input=encoder_input, input_pos=positions(model, inputs))[0]
 
@@ -284,13 +290,15 @@ def packed_differs(
     share: float,
     positions: Positions = fusion_positions,
     placement: Callable | None = None,
+    collate: Callable = collate_packed,
 ) -> bool:
     """Whether some sample's logits in the packed batch, run with a planted bug (its
-    ``positions``, or ``placement`` in place of the DeepStack rows' placement), differ from
-    its logits alone as the model computes them (transformers' logits, tested apart)."""
+    ``positions``, ``placement`` in place of the DeepStack rows' placement, or ``collate`` in
+    place of :func:`collate_packed`), differ from its logits alone as the model computes them
+    (transformers' logits, tested apart)."""
     max_seq_len = row_length(samples, share)
     rows = pack_samples(samples, max_seq_len)
-    inputs = collate_packed(rows, pad_id=PAD, seq_len=max_seq_len).model_inputs()
+    inputs = collate(rows, pad_id=PAD, seq_len=max_seq_len).model_inputs()
     with torch.no_grad():
         expected = [[alone(model, sample, fusion_positions) for sample in row] for row in rows]
         inputs["input_pos"] = positions(model, inputs)

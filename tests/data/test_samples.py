@@ -426,7 +426,9 @@ def test_encode_conversations_keeps_no_pixels(
     assert [(r.height, r.width) for s in data.samples for r in s.images] == sizes
     from fusion.data import collate_packed
 
-    with pytest.raises(ValueError, match=r"rows\[0\]\[0\]: .*train\.jsonl:1 has images whose"):
+    with pytest.raises(
+        ValueError, match=r"rows\[0\]\[0\]: .*train\.jsonl:1 has images or videos whose"
+    ):
         collate_packed([data.samples[:1]], pad_id=0)
     decoded.clear()
     batch = encoder.load_pixels(data.samples[2:4])
