@@ -177,3 +177,25 @@ def recording_pin_memory() -> Iterator[list[torch.Tensor]]:
 
     with mock.patch.object(torch.Tensor, "pin_memory", pin):
         yield pinned
+
+
+# ATen tags of ops that synchronise with the host on an accelerator.
+SYNC_TAGS = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+
+
+def sync_ops_in(graph: torch.fx.GraphModule) -> list[str]:
+    """ATen ops of a graph that synchronise on an accelerator: a value read on the host
+    (``.item()``, ``bool()``), ops whose output shape depends on the data (``nonzero``,
+    ``masked_select``, ...) and boolean-mask indexing. Indexing with integer tensors (the rotary
+    table) is neither."""
+    found = []
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target.overloadpacket in (torch.ops.aten.index, torch.ops.aten.index_put):
+            indices = [i for i in node.args[1] if i is not None]
+            if all(i.meta["val"].dtype in (torch.int64, torch.int32) for i in indices):
+                continue
+        if SYNC_TAGS & set(node.target.tags) or "item" in str(node.target):
+            found.append(str(node.target))
+    return found

@@ -21,7 +21,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from fusion.decoder import KVCache, SlidingWindowKVCache, TransformerDecoder
 from fusion.models import llama3_2
 from fusion.padding import prefill_mask, prompt_positions
-from helpers import VOCAB, lively_decoder, use_full_caches
+from helpers import VOCAB, lively_decoder, sync_ops_in, use_full_caches
 
 MiB = 2**20
 
@@ -166,7 +166,6 @@ def test_the_window_is_what_the_ring_changes():
 
 
 def test_compiled_steps_compile_once_across_the_wrap_and_never_synchronise():
-    from generation.test_compiled import sync_ops_in
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
     graphs: list[torch.fx.GraphModule] = []

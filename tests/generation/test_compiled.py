@@ -18,12 +18,11 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from fusion import EarlyFusion, generate
 from fusion.generation import generate_stream, left_pad
 from fusion.generation.steps import bucket
-from helpers import EMBED_DIM, VOCAB, build_tiny_decoder, lively_decoder
+from helpers import EMBED_DIM, SYNC_TAGS, VOCAB, build_tiny_decoder, lively_decoder, sync_ops_in
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15], [7, 0, 9, 0]]
 NEW = 10
 IMAGE = VOCAB + 1
-SYNC_TAGS = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
 
 
 class Encoder(torch.nn.Module):
@@ -118,24 +117,6 @@ class TestNoRecompilation:
             with_stops = greedy(decoder, tokens, compile=compiled, stop_tokens=[1, 2, 3])
         assert counter.frame_count == 2
         assert with_stops.shape[0] == 4
-
-
-def sync_ops_in(graph: torch.fx.GraphModule) -> list[str]:
-    """ATen ops of a graph that synchronise on an accelerator: a value read on the host
-    (``.item()``, ``bool()``), ops whose output shape depends on the data (``nonzero``,
-    ``masked_select``, ...) and boolean-mask indexing. Indexing with integer tensors (the rotary
-    table) is neither."""
-    found = []
-    for node in graph.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        if node.target.overloadpacket in (torch.ops.aten.index, torch.ops.aten.index_put):
-            indices = [i for i in node.args[1] if i is not None]
-            if all(i.meta["val"].dtype in (torch.int64, torch.int32) for i in indices):
-                continue
-        if SYNC_TAGS & set(node.target.tags) or "item" in str(node.target):
-            found.append(str(node.target))
-    return found
 
 
 class TestNoHostSynchronisation:
