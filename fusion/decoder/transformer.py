@@ -16,10 +16,11 @@ from fusion._validation import (
     is_dtensor,
     is_int,
 )
+from fusion.decoder import masks
 from fusion.decoder.attention import MultiHeadAttention
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache, SlidingWindowKVCache
-from fusion.decoder.packed import PackedSegments, causal_band
+from fusion.decoder.packed import PackedSegments
 from fusion.decoder.packed_attention import prepare
 from fusion.decoder.transformer_layer import TransformerSelfAttentionLayer
 
@@ -346,58 +347,14 @@ class TransformerDecoder(nn.Module):
         if slots is not None and self.mrope_deltas is not None and input_pos.dim() < 3:
             # Text after a cached prompt: continue from where its images left the positions.
             input_pos = input_pos.reshape(-1, seq_len) + self.mrope_deltas[:, None]
-        if mask is not None and not isinstance(mask, PackedSegments):  # those: checked above
-            self._validate_mask(mask, batch_size, seq_len, kv_len)
-            mask = mask[:, None]  # [b or 1, 1, s, kv_len]: one mask for every head
-        elif mask is None and slots is not None:
-            mask = (torch.arange(kv_len, device=device) <= slots[:, None])[None, None]
-        if slots is not None and host_reads_are_free(device):
-            filled = self._first_cache().size + seq_len  # after this call's writes
-            mask = _without_unfilled_slots(cast(torch.Tensor, mask), filled)
-        if bidirectional is not None:
-            self._validate_blocks(bidirectional, batch_size, seq_len)
-            mask = _with_blocks(mask, bidirectional, slots, seq_len)
-
-        if input_embeds is not None:
-            h = input_embeds
-        elif embed is not None:
-            h = embed(self.tok_embeddings, cast(torch.Tensor, tokens))  # checked: given
-            if not isinstance(h, torch.Tensor) or h.shape != (batch_size, seq_len, self.embed_dim):
-                got = describe(h) if isinstance(h, torch.Tensor) else type(h).__name__
-                raise ValueError(
-                    f"embed: expected [{batch_size}, {seq_len}, {self.embed_dim}], got {got}"
-                )
-        else:
-            h = self.tok_embeddings(tokens)
-        # Recurrent layers read the samples or padding from the mask in their own form.
-        recurrent = [isinstance(mixer, GatedDeltaNet) for mixer in self._mixers()]
-        layout = None
-        if any(recurrent):
-            layout = self.recurrent_mixers()[0].token_layout(mask, slots)
-        windows = [getattr(mixer, "sliding_window", None) for mixer in self._mixers()]
-        masks = {
-            window: self._layer_mask(mask, window, h, slots, seq_len) for window in set(windows)
-        }
-        # Layers whose cache is a ring (a sliding window's) attend to its columns, which hold
-        # other positions than a full cache's slots: their mask is their window's mask over
-        # positions, taken at those positions. Every ring of one window holds the same ones
-        # (the same fill level, the same slots): one mask per window.
-        rings = [
-            slots is not None and isinstance(getattr(mixer, "kv_cache", None), SlidingWindowKVCache)
-            for mixer in self._mixers()
-        ]
-        ring_masks: dict[int | None, torch.Tensor] = {}
-        for mixer, window, ring in zip(self._mixers(), windows, rings, strict=True):
-            if ring and window not in ring_masks:
-                held = cast(SlidingWindowKVCache, mixer.kv_cache).key_slots(seq_len)
-                ring_masks[window] = _at_positions(cast(torch.Tensor, masks[window]), held)
+        mask = self._call_mask(mask, slots, (batch_size, seq_len, kv_len), device, bidirectional)
+        h = self._embed(tokens, input_embeds, embed, batch_size, seq_len)
+        layer_masks = self._layer_masks(mask, h, slots, seq_len)
         hidden = []
         for i, layer in enumerate(self.layers):
             if i in self.output_hidden_states:
                 hidden.append(h)
-            attention_mask = ring_masks[windows[i]] if rings[i] else masks[windows[i]]
-            layer_mask = layout if recurrent[i] else attention_mask
-            h = layer(h, mask=layer_mask, input_pos=input_pos)
+            h = layer(h, mask=layer_masks[i], input_pos=input_pos)
             if after_layer is not None:
                 h = after_layer(i, h)
         if len(self.layers) in self.output_hidden_states:
@@ -410,6 +367,92 @@ class TransformerDecoder(nn.Module):
         else:
             out = self.unembed(h)
         return [*hidden, out] if hidden else out
+
+    def _call_mask(
+        self,
+        mask: torch.Tensor | PackedSegments | None,
+        slots: torch.Tensor | None,
+        sizes: tuple[int, int, int],
+        device: torch.device,
+        bidirectional: torch.Tensor | None,
+    ) -> torch.Tensor | PackedSegments | None:
+        """This call's mask, every head's: a given mask checked and made [b or 1, 1, s, kv_len]
+        (packed segments as they are), causal over the cache's slots with a cache and none
+        given, cut to the filled slots where reading the fill level is free, with the
+        bidirectional blocks added (``sizes``: the batch size, the sequence length and the
+        keys' length)."""
+        batch_size, seq_len, kv_len = sizes
+        if mask is not None and not isinstance(mask, PackedSegments):  # those: checked before
+            self._validate_mask(mask, batch_size, seq_len, kv_len)
+            mask = mask[:, None]  # [b or 1, 1, s, kv_len]: one mask for every head
+        elif mask is None and slots is not None:
+            mask = (torch.arange(kv_len, device=device) <= slots[:, None])[None, None]
+        if slots is not None and host_reads_are_free(device):
+            filled = self._first_cache().size + seq_len  # after this call's writes
+            mask = masks.without_unfilled_slots(cast(torch.Tensor, mask), filled)
+        if bidirectional is not None:
+            self._validate_blocks(bidirectional, batch_size, seq_len)
+            mask = masks.with_blocks(mask, bidirectional, slots, seq_len)
+        return mask
+
+    def _embed(
+        self,
+        tokens: torch.Tensor | None,
+        input_embeds: torch.Tensor | None,
+        embed: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None,
+        batch_size: int,
+        seq_len: int,
+    ) -> torch.Tensor:
+        """The first layer's input [b, s, d]: ``input_embeds``, ``embed``'s (checked) or the
+        token embedding's."""
+        if input_embeds is not None:
+            return input_embeds
+        if embed is None:
+            return self.tok_embeddings(tokens)
+        h = embed(self.tok_embeddings, cast(torch.Tensor, tokens))  # checked: given
+        if not isinstance(h, torch.Tensor) or h.shape != (batch_size, seq_len, self.embed_dim):
+            got = describe(h) if isinstance(h, torch.Tensor) else type(h).__name__
+            raise ValueError(
+                f"embed: expected [{batch_size}, {seq_len}, {self.embed_dim}], got {got}"
+            )
+        return h
+
+    def _layer_masks(
+        self,
+        mask: torch.Tensor | PackedSegments | None,
+        h: torch.Tensor,
+        slots: torch.Tensor | None,
+        seq_len: int,
+    ) -> list[object]:
+        """Each layer's mask, in its mixer's form: recurrent layers read the samples or the
+        padding from the mask in their own form; attention layers their window's mask; a
+        layer whose cache is a ring (a sliding window's) attends to its columns, which hold
+        other positions than a full cache's slots, so its mask is its window's taken at those
+        positions (every ring of one window holds the same ones: one mask per window)."""
+        mixers = list(self._mixers())
+        layout = None
+        if any(isinstance(mixer, GatedDeltaNet) for mixer in mixers):
+            layout = self.recurrent_mixers()[0].token_layout(mask, slots)
+        windows = [getattr(mixer, "sliding_window", None) for mixer in mixers]
+        window_masks: dict[int | None, object] = {
+            window: self._layer_mask(mask, window, h, slots, seq_len) for window in set(windows)
+        }
+        ring_masks: dict[int | None, torch.Tensor] = {}
+        per_layer: list[object] = []
+        for mixer, window in zip(mixers, windows, strict=True):
+            cache = getattr(mixer, "kv_cache", None)
+            if isinstance(mixer, GatedDeltaNet):
+                per_layer.append(layout)
+            elif slots is not None and isinstance(cache, SlidingWindowKVCache):
+                if window not in ring_masks:
+                    over_positions = cast(torch.Tensor, window_masks[window])
+                    ring_masks[window] = masks.at_positions(
+                        over_positions, cache.key_slots(seq_len)
+                    )
+                per_layer.append(ring_masks[window])
+            else:
+                per_layer.append(window_masks[window])
+        return per_layer
 
     def _layer_mask(
         self,
@@ -428,13 +471,7 @@ class TransformerDecoder(nn.Module):
         if isinstance(mask, PackedSegments):
             segments = mask if window is None else mask.with_window(window)
             return prepare(segments, self._compute_dtype(h), dropout=self._dropout())
-        if window is None or (mask is None and seq_len <= window):
-            return mask
-        if mask is None:
-            return causal_band(seq_len, window, h.device)[None, None]
-        queries = torch.arange(seq_len, device=h.device) if slots is None else slots
-        keys = torch.arange(mask.size(-1), device=h.device)
-        return mask & (queries[:, None] - keys[None, :] < window)
+        return masks.within_window(mask, window, slots, seq_len, h.device)
 
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         """Output projection of normed hidden states [b, s, d] -> float32 logits [b, s, vocab].
@@ -672,41 +709,3 @@ def _tied_projection(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             flat = flat.expand(2, -1).contiguous()
         return (weight @ flat.T).T[:rows].reshape(*h.shape[:-1], weight.size(0))
     return F.linear(h, weight)
-
-
-def _with_blocks(
-    mask: torch.Tensor | PackedSegments | None,
-    blocks: torch.Tensor,
-    slots: torch.Tensor | None,
-    seq_len: int,
-) -> torch.Tensor | PackedSegments:
-    """``mask`` (as the decoder's forward has made it) with the tokens of each block of
-    ``blocks`` [b, s] also attending to the later tokens of their block: packed segments
-    carrying the blocks; a boolean [b, 1, s, kv_len] otherwise (for None, the causal mask's).
-    On the device, no sync."""
-    if isinstance(mask, PackedSegments):
-        return mask.with_blocks(blocks)
-    if mask is None:  # causal over this call's positions, no cache
-        return causal_band(seq_len, None, blocks.device, blocks)[:, None]
-    keys = blocks  # without a cache, the keys are this call's positions
-    if slots is not None:  # the blocks' keys at this call's slots, none at the others
-        keys = blocks.new_zeros(blocks.size(0), mask.size(-1)).index_copy(1, slots, blocks)
-    same = (blocks[:, :, None] == keys[:, None, :]) & (blocks[:, :, None] > 0)  # [b, s, kv]
-    return mask | same[:, None]
-
-
-def _at_positions(mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``mask`` [.., kv_len] over cache positions, taken at ``positions`` [n] (a ring's
-    columns: :meth:`SlidingWindowKVCache.key_slots`, -1 for a column holding none, which is
-    masked): [.., n]. On the device, no sync (an integer gather)."""
-    return mask.index_select(-1, positions.clamp_min(0)) & (positions >= 0)
-
-
-def _without_unfilled_slots(mask: torch.Tensor, filled: int) -> torch.Tensor:
-    """``mask`` [.., kv_len] cut to the first ``filled`` cache slots when it allows none after
-    them, so that attention reads only those (the layers attend to as many slots as the mask
-    has); unchanged otherwise. Only where reading the fill level costs nothing: elsewhere every
-    step attends to the whole cache, which keeps its shapes static."""
-    if filled < mask.size(-1) and not bool(mask[..., filled:].any()):
-        return mask[..., :filled]
-    return mask

@@ -29,7 +29,7 @@ from families.fixtures import FIXTURES
 from fusion import EarlyFusion, generate, masked_token_loss
 from fusion.checkpoint import CheckpointError, load_hf_model
 from fusion.data import IGNORE_INDEX, Sample, collate_packed, pack_samples
-from fusion.decoder import PackedSegments
+from fusion.decoder import PackedSegments, masks
 from fusion.hooks import ImageBlocks, placeholder_blocks
 from fusion.padding import leading_pad_counts, prefill_mask, prompt_positions
 from gemma3_helpers import (
@@ -235,7 +235,7 @@ class Planted:
     def blocks_across_samples():
         """Packed rows attended through one dense mask of the row, the blocks numbered per
         sample (1, 2, ... in each): a sample's k-th image attends to the next sample's."""
-        right = transformer._with_blocks
+        right = masks.with_blocks
 
         def with_blocks(mask, blocks, slots, seq_len):
             if not isinstance(mask, PackedSegments):
@@ -252,7 +252,7 @@ class Planted:
             same = (renumbered[:, :, None] == renumbered[:, None, :]) & (renumbered[:, :, None] > 0)
             return (mask.dense_mask() | same)[:, None]
 
-        return mock.patch.object(transformer, "_with_blocks", with_blocks)
+        return mock.patch.object(masks, "with_blocks", with_blocks)
 
 
 @st.composite
