@@ -128,7 +128,7 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(x).view(b, s, kv_heads, head_dim)  # [b, s, h_kv, hd]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.pos_embeddings(q, input_pos), self.pos_embeddings(k, input_pos)
+        q, k = self.pos_embeddings.rotate_pair(q, k, input_pos)  # one table lookup
         dropout = self.attn_dropout if self.training else 0.0
         if isinstance(mask, PackedSegments):  # the decoder has refused it with a cache
             out = packed_attention(  # [b, s, h, hd]

@@ -76,11 +76,11 @@ class KVCache(nn.Module):
         when the cache was set up in another dtype). The caller (the decoder) has checked
         that they fit."""
         slots = self.fill + torch.arange(k.size(2), device=self.fill.device)
-        # ``to``: under autocast the projections may come out in another dtype than the cache.
-        self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
+        # ``_as``: under autocast the projections may come out in another dtype than the cache.
+        self.k_cache.index_copy_(2, slots, _as(k, self.k_cache.dtype))
+        self.v_cache.index_copy_(2, slots, _as(v, self.v_cache.dtype))
         self.fill.add_(k.size(2))
-        return self.k_cache.to(k.dtype), self.v_cache.to(v.dtype)
+        return _as(self.k_cache, k.dtype), _as(self.v_cache, v.dtype)
 
 
 class SlidingWindowKVCache(KVCache):
@@ -176,3 +176,9 @@ class SlidingWindowKVCache(KVCache):
         self.v_cache.index_copy_(2, slots, v[:, :, s - kept :])
         self.fill.add_(s)
         return keys, values
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, without the call where it would return ``tensor`` itself (each
+    call costs a dispatch: four per layer and decoding step)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)

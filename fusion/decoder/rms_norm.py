@@ -31,9 +31,11 @@ class RMSNorm(nn.Module):
         return recomputed(self._norm, x) if self.recompute else self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
+        # The casts only where they convert: a no-op call still costs a dispatch, and a
+        # decoding step runs two norms per layer.
+        x_fp32 = x if x.dtype == torch.float32 else x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.scale
+        return (normed if x.dtype == torch.float32 else normed.type_as(x)) * self.scale
 
 
 class ZeroCenteredRMSNorm(nn.Module):

@@ -142,22 +142,50 @@ class RotaryPositionalEmbeddings(nn.Module):
         """Rotate ``x`` [b, s, n_heads, head_dim] at positions ``input_pos`` [b, s] or [s];
         with M-RoPE also [3, b, s] (or [3, 1, s]). ``head_dim`` >= ``dim``: channels past
         ``dim`` pass through."""
+        return self._rotate(x, self._angles(input_pos, x.size(1)))
+
+    def rotate_pair(
+        self, q: torch.Tensor, k: torch.Tensor, input_pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(q, input_pos), self(k, input_pos))``, bitwise, for queries [b, s, h, hd]
+        and keys [b, s, h_kv, hd] at the same positions: the table is looked up once for both
+        (an attention layer's two rotations; a decoding step's ops are its overhead)."""
+        angles = self._angles(input_pos, q.size(1))
+        return self._rotate(q, angles), self._rotate(k, angles)
+
+    def _angles(self, input_pos: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and signed sin factors of :meth:`_rotate` at ``input_pos``, shaped
+        [b or 1, s, 1, dim / 2, 1] and [b or 1, s, 1, dim / 2, 2]: ``cos`` and ``(-sin, sin)``
+        per channel pair (rotate-half: ``sin`` alone, [.., dim / 2])."""
         if input_pos.dim() == 3:  # M-RoPE: each frequency's cos/sin from its own row
             tables = self.cache[input_pos]  # [3, b, s, dim / 2, 2]
             rows = cast(torch.Tensor, self.frequency_rows).view(1, 1, 1, -1, 1)
             rope = tables.gather(0, rows.expand(1, *tables.shape[1:]))[0]  # [b, s, dim / 2, 2]
         else:
             rope = self.cache[input_pos]  # [b, s, dim / 2, 2] or [s, dim / 2, 2]
-        rope = rope.view(-1, x.size(1), 1, self.dim // 2, 2)
-        cos, sin = rope[..., 0], rope[..., 1]
-        rotary, rest = x[..., : self.dim].float(), x[..., self.dim :]
+        rope = rope.view(-1, seq_len, 1, self.dim // 2, 2)
+        if self.rotate_half:
+            return rope[..., 0], rope[..., 1]
+        sin = rope[..., 1]
+        return rope[..., :1], torch.stack((-sin, sin), -1)
+
+    def _rotate(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x`` [b, s, n_heads, head_dim] rotated by :meth:`_angles`' factors, in float32.
+
+        Interleaved pairs ``(x0, x1)`` become ``(x0 cos - x1 sin, x1 cos + x0 sin)`` computed
+        as ``pairs * cos + swapped_pairs * (-sin, sin)``: the same products and sums (``a + (-b)``
+        is ``a - b`` exactly in floating point), in six ops instead of a dozen. Casts are
+        skipped where ``x`` is float32 already (no-op calls still cost a dispatch each)."""
+        cos, sin = angles
+        rotary = x if x.size(-1) == self.dim else x[..., : self.dim]
+        if rotary.dtype != torch.float32:
+            rotary = rotary.float()
         if self.rotate_half:
             first, second = rotary.chunk(2, dim=-1)
+            rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), -1)
         else:
-            pairs = rotary.reshape(*rotary.shape[:-1], self.dim // 2, 2)
-            first, second = pairs[..., 0], pairs[..., 1]
-        halves = (first * cos - second * sin, second * cos + first * sin)
-        rotated = torch.cat(halves, -1) if self.rotate_half else torch.stack(halves, -1).flatten(-2)
-        if rest.size(-1):
-            rotated = torch.cat([rotated, rest.float()], dim=-1)
-        return rotated.type_as(x)
+            pairs = rotary.reshape(*rotary.shape[:-1], self.dim // 2, 2)  # [b, s, h, dim/2, 2]
+            rotated = (pairs * cos + pairs.flip(-1) * sin).flatten(-2)
+        if x.size(-1) > self.dim:
+            rotated = torch.cat([rotated, x[..., self.dim :].float()], dim=-1)
+        return rotated if rotated.dtype == x.dtype else rotated.type_as(x)
