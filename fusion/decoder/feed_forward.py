@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion.decoder.few_rows import linear
 from fusion.decoder.recompute import recomputed
 
 
@@ -49,6 +50,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gated = GATES[self.activation]
-        if self.recompute:
-            return self.w2(recomputed(gated, self.w1(x), self.w3(x)))
-        return self.w2(gated(self.w1(x), self.w3(x)))
+        # ``linear``: a decoding step's few rows take BLAS's fast layout (few_rows.py).
+        gate, up = linear(self.w1, x), linear(self.w3, x)
+        hidden = recomputed(gated, gate, up) if self.recompute else gated(gate, up)
+        return linear(self.w2, hidden)

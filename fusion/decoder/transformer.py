@@ -3,7 +3,6 @@ from contextlib import contextmanager
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fusion._validation import (
@@ -18,6 +17,8 @@ from fusion._validation import (
 )
 from fusion.decoder import masks
 from fusion.decoder.attention import MultiHeadAttention
+from fusion.decoder.few_rows import FEW_ROWS as FEW_ROWS  # re-exported: tests, callers
+from fusion.decoder.few_rows import linear, tied_projection
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache, SlidingWindowKVCache
 from fusion.decoder.packed import PackedSegments
@@ -56,6 +57,15 @@ class TransformerDecoder(nn.Module):
     #: ``rope_deltas``. Set by whoever computed the 3-D positions of the prompt
     #: (``EarlyFusion``); zero after ``setup_caches`` and ``reset_caches``, None without caches.
     mrope_deltas: torch.Tensor | None
+
+    #: Set by this library's own decoding steps (``fusion.generation``) for the duration of a
+    #: call whose inputs it built and checked once for the whole generation: generated ids
+    #: (an argmax over the vocabulary), positions and cache slots within the capacity it
+    #: checked, a step mask that allows no slot after the fill level. The forward then skips
+    #: the value checks that would read the host at every step (ids and positions in range,
+    #: the cache's room) and cuts the step mask to the filled slots without looking. Shapes,
+    #: dtypes and devices are still checked; every other caller gets every check.
+    _inputs_checked_by_caller: bool = False
 
     def __init__(
         self,
@@ -389,7 +399,10 @@ class TransformerDecoder(nn.Module):
             mask = (torch.arange(kv_len, device=device) <= slots[:, None])[None, None]
         if slots is not None and host_reads_are_free(device):
             filled = self._first_cache().size + seq_len  # after this call's writes
-            mask = masks.without_unfilled_slots(cast(torch.Tensor, mask), filled)
+            mask = cast(torch.Tensor, mask)
+            # A decoding step's mask allows nothing after the fill level: cut it unseen.
+            trusted = self._inputs_checked_by_caller and filled <= mask.size(-1)
+            mask = mask[..., :filled] if trusted else masks.without_unfilled_slots(mask, filled)
         if bidirectional is not None:
             self._validate_blocks(bidirectional, batch_size, seq_len)
             mask = masks.with_blocks(mask, bidirectional, slots, seq_len)
@@ -476,9 +489,12 @@ class TransformerDecoder(nn.Module):
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         """Output projection of normed hidden states [b, s, d] -> float32 logits [b, s, vocab].
 
-        An untied output is called as a module, so its hooks (sharding, adapters) run. A tied
+        An untied output is called as a module, so its hooks (sharding, adapters) run (a plain
+        ``nn.Linear`` on a step's few rows on the CPU takes the faster product of
+        :func:`~fusion.decoder.few_rows.linear`). A tied
         one reads ``tok_embeddings.weight``, which must then be a whole tensor here (a
-        decoding step's few rows on the CPU take a faster product: :func:`_tied_projection`).
+        decoding step's few rows on the CPU take a faster product:
+        :func:`~fusion.decoder.few_rows.few_rows_product`).
         With ``final_logit_softcap``, the logits are then soft-capped (in float32).
 
         Raises:
@@ -492,7 +508,8 @@ class TransformerDecoder(nn.Module):
 
     def _project(self, h: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
-            return self.output(h).float()
+            logits = linear(self.output, h)  # a module call, unless a plain nn.Linear
+            return logits if logits.dtype == torch.float32 else logits.float()
         weight = getattr(self.tok_embeddings, "weight", None)
         if not isinstance(weight, torch.Tensor):
             raise RuntimeError(
@@ -506,7 +523,8 @@ class TransformerDecoder(nn.Module):
                 "tok_embeddings in the root FSDP unit (do not fully_shard it on its own) and do "
                 "not tensor-parallelise it, or untie the output (tie_word_embeddings=False)"
             )
-        return _tied_projection(h, weight).float()
+        logits = tied_projection(h, weight)
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     # ------------------------------------------------------------------ validation
 
@@ -553,7 +571,7 @@ class TransformerDecoder(nn.Module):
             raise ValueError(
                 f"{name}: sequence length {seq_len} exceeds max_seq_len={self.max_seq_len}"
             )
-        if tokens is not None and embed is None:
+        if tokens is not None and embed is None and not self._inputs_checked_by_caller:
             check_in_range(tokens, "tokens", 0, self.vocab_size)
         return batch_size, seq_len, device
 
@@ -572,6 +590,8 @@ class TransformerDecoder(nn.Module):
                 f"tokens: the KV cache was set up for batch size {cache.batch_size}, got a batch "
                 f"of {batch_size}; call setup_caches() again"
             )
+        if self._inputs_checked_by_caller:  # the caller has checked the room once
+            return cache.fill + torch.arange(seq_len, device=cache.fill.device)
         check_values(
             cache.fill <= cache.max_seq_len - seq_len,
             f"tokens: {seq_len} more positions do not fit in the KV cache of "
@@ -613,7 +633,8 @@ class TransformerDecoder(nn.Module):
             raise ValueError(f"input_pos: expected int64 or int32 positions {accepted}, got {got}")
         if input_pos.device != self.device:
             raise ValueError(f"input_pos: expected device {self.device}, got {input_pos.device}")
-        check_in_range(input_pos, "input_pos", 0, self.max_seq_len)
+        if not self._inputs_checked_by_caller:
+            check_in_range(input_pos, "input_pos", 0, self.max_seq_len)
 
     def _validate_segments(self, segments: PackedSegments, batch_size: int, seq_len: int) -> None:
         """Packed segments for this call: b rows of s positions on the decoder's device, and
@@ -678,34 +699,3 @@ class TransformerDecoder(nn.Module):
             )
         if mask.device != self.device:
             raise ValueError(f"mask: expected device {self.device}, got {mask.device}")
-
-
-#: Up to this many rows, a float32 tied output on the CPU is computed as ``weight @ h.T``
-#: (:func:`_tied_projection`).
-FEW_ROWS = 4
-
-
-def _tied_projection(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(h, weight)`` for the tied output ``weight`` [vocab, d] and ``h`` [..., d].
-
-    For a decoding step's few rows (at most :data:`FEW_ROWS`) of float32 on the CPU, without
-    autocast, the same product is taken as ``weight @ h.T`` (one row doubled, then cut back):
-    BLAS then streams the table once at the memory's speed, where ``F.linear``'s layout
-    (``h @ weight.T``) runs several times slower. Measured (2026-12-03, 2 threads, the 32768 x
-    1024 float32 output table of the hybrid-stack decoding benchmark): 6.6 against 3.0 ms for one
-    row, 14.6 against 3.1 ms for four; from 8 rows on the gain shrinks (15.8 against 10.4 ms)
-    and turns to a loss on one thread. The sums run in another order: the logits may differ
-    in the last bits (about 1e-6 of their size).
-    """
-    rows = h.numel() // h.size(-1) if h.dim() and h.size(-1) else 0
-    if (
-        0 < rows <= FEW_ROWS
-        and h.device.type == "cpu"
-        and h.dtype == weight.dtype == torch.float32
-        and not torch.is_autocast_enabled("cpu")
-    ):
-        flat = h.reshape(rows, h.size(-1))
-        if rows == 1:  # one column would take BLAS's matrix-vector path, the slow one here
-            flat = flat.expand(2, -1).contiguous()
-        return (weight @ flat.T).T[:rows].reshape(*h.shape[:-1], weight.size(0))
-    return F.linear(h, weight)

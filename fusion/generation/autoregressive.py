@@ -291,13 +291,13 @@ class _FusionSession:
             return prefill(call, decoder, tokens, mask, positions, self.extra)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
-        with self._one_call():
+        with self._one_call(step=True):
             return self.steps.step_logits(self.step_call, self.decoder, token, self.pad_counts)
 
     def greedy_step(
         self, token: torch.Tensor, done: torch.Tensor, stop: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._one_call():
+        with self._one_call(step=True):
             token, done = self.steps.greedy_step(
                 self.step_call, self.decoder, token, self.pad_counts, done, stop, self.plan.pad_id
             )
@@ -305,19 +305,27 @@ class _FusionSession:
         return (token.clone(), done.clone()) if self.graphs else (token, done)
 
     @contextlib.contextmanager
-    def _one_call(self) -> Iterator[None]:
+    def _one_call(self, *, step: bool = False) -> Iterator[None]:
         """For one call, the decoder returns final hidden states (only the last slot is
         projected) and no intermediate ones; the user's settings are restored after. With CUDA
-        graphs, the previous replay's outputs may be overwritten (those needed were cloned)."""
+        graphs, the previous replay's outputs may be overwritten (those needed were cloned).
+
+        A decoding ``step`` feeds what this loop made from inputs checked once, in the plan
+        (generated ids, positions and slots within the capacity checked there, the step
+        mask): the decoder skips its per-call value checks
+        (``TransformerDecoder._inputs_checked_by_caller``), which read the host on the CPU. The
+        prefill, which feeds the user's prompts, keeps them all."""
         decoder = self.decoder
         saved = decoder.skip_output_layer, decoder.output_hidden_states
         decoder.skip_output_layer, decoder.output_hidden_states = True, []
+        decoder._inputs_checked_by_caller = step
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         try:
             yield
         finally:
             decoder.skip_output_layer, decoder.output_hidden_states = saved
+            decoder._inputs_checked_by_caller = False
 
     def close(self) -> None:
         if self.created:

@@ -1,0 +1,85 @@
+"""A decoding step's linear layers on few CPU rows (``fusion.decoder.few_rows.linear``): the
+same outputs as the module to the last bits, and the module itself wherever it is anything
+but a plain, hook-free ``nn.Linear`` on few float32 rows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusion.decoder.few_rows import FEW_ROWS, linear
+
+
+def layer(bias: bool = False) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(24, 40, bias=bias)
+
+
+def rows(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, 24, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture
+def forwards(monkeypatch) -> list[nn.Module]:
+    """The modules whose own ``forward`` ran (patched on the class: no hook is added)."""
+    called: list[nn.Module] = []
+    forward = nn.Linear.forward
+
+    def recording(self, x):
+        called.append(self)
+        return forward(self, x)
+
+    monkeypatch.setattr(nn.Linear, "forward", recording)
+    return called
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1,), (2, 1), (1, 3), (4,), (2, 2)])
+def test_few_rows_match_f_linear_with_gradients(shape, forwards):
+    module, h = layer(), rows(*shape).requires_grad_()
+    out = linear(module, h)
+    assert forwards == []  # the product of few_rows.py, not the module's
+    expected = F.linear(h, module.weight)
+    assert out.shape == (*shape, 40) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    # Views of the result keep working (attention splits it into heads).
+    assert torch.equal(out.view(*shape, 4, 10), out.reshape(*shape, 4, 10))
+    (grad,) = torch.autograd.grad(out.square().sum(), h)
+    (expected_grad,) = torch.autograd.grad(expected.square().sum(), h)
+    torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+
+
+class Wrapped(nn.Linear):
+    """A subclass (as adapters and quantized layers are): never bypassed."""
+
+
+@pytest.mark.parametrize(
+    "case", ["many_rows", "bias", "bf16", "autocast", "subclass", "hook", "pre_hook", "global"]
+)
+def test_anything_else_is_the_module_call_itself(case, forwards):
+    module = Wrapped(24, 40, bias=False) if case == "subclass" else layer(bias=case == "bias")
+    h = rows(FEW_ROWS + 1) if case == "many_rows" else rows(1, 1)
+    if case == "bf16":
+        module, h = module.to(torch.bfloat16), h.to(torch.bfloat16)
+    calls: list[str] = []
+    handles = []
+    if case == "hook":
+        handles.append(module.register_forward_hook(lambda *_: calls.append("hook")))
+    if case == "pre_hook":
+        handles.append(module.register_forward_pre_hook(lambda *_: calls.append("hook")))
+    if case == "global":
+        handles.append(
+            nn.modules.module.register_module_forward_hook(lambda *_: calls.append("hook"))
+        )
+    try:
+        if case == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out, expected = linear(module, h), module(h)
+        else:
+            out, expected = linear(module, h), F.linear(h, module.weight, module.bias)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(out, expected)  # bitwise: the module's own product
+    assert forwards[0] is module  # through its forward
+    if case in ("hook", "pre_hook", "global"):
+        assert calls == ["hook"]
