@@ -15,13 +15,14 @@ def few_rows_product(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | No
     """``F.linear(h, weight)`` (no bias) for ``weight`` [out, d] and ``h`` [..., d] with at most
     :data:`FEW_ROWS` rows of float32 on the CPU, without autocast, taken as ``weight @ h.T``
     (one row doubled, then cut back: one column would take BLAS's matrix-vector path, the
-    slow one); None for any other input, which the caller then computes as it would.
+    slow one), where autograd records nothing (``no_grad``, inference mode: decoding); None
+    for any other input, which the caller then computes as it would.
 
     BLAS then reads ``weight`` once at the memory's speed and on every thread, where
     ``F.linear``'s layout runs several times slower on a few rows, and on one thread only
     (MKL's matrix-vector product). Measured (2026-12-03, shared cores): 1536 x 512 float32
     weights from memory, 206 against 141 us on one thread, 209 against 127 us on two; the
-    32768 x 1024 table of ``benchmarks/qwen3_5_generation.py`` on two threads, 6.6 against
+    32768 x 1024 output table of the hybrid-stack decoding benchmark on two threads, 6.6 against
     3.0 ms for one row, 14.6 against 3.1 ms for four; from 8 rows on the gain shrinks (15.8
     against 10.4 ms) and turns to a loss on one thread. The sums run in another order: the
     outputs may differ from ``F.linear``'s in the last bits (about 1e-6 of their size).
@@ -29,6 +30,11 @@ def few_rows_product(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | No
     Returns:
         [..., out], or None.
     """
+    # Where autograd records nothing only (decoding): a training forward's row count may be
+    # symbolic under torch.compile (regional compilation, dynamic shapes), where this bound
+    # would be a guard, and a recompilation for the rows on its other side.
+    if torch.is_grad_enabled():
+        return None
     rows = h.numel() // h.size(-1) if h.dim() and h.size(-1) else 0
     if not (
         0 < rows <= FEW_ROWS

@@ -2,6 +2,8 @@
 same outputs as the module to the last bits, and the module itself wherever it is anything
 but a plain, hook-free ``nn.Linear`` on few float32 rows."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,18 +36,16 @@ def forwards(monkeypatch) -> list[nn.Module]:
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1,), (2, 1), (1, 3), (4,), (2, 2)])
-def test_few_rows_match_f_linear_with_gradients(shape, forwards):
-    module, h = layer(), rows(*shape).requires_grad_()
-    out = linear(module, h)
+def test_few_rows_match_f_linear(shape, forwards):
+    module, h = layer(), rows(*shape)
+    with torch.no_grad():
+        out = linear(module, h)
+        expected = F.linear(h, module.weight)
     assert forwards == []  # the product of few_rows.py, not the module's
-    expected = F.linear(h, module.weight)
     assert out.shape == (*shape, 40) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
     # Views of the result keep working (attention splits it into heads).
     assert torch.equal(out.view(*shape, 4, 10), out.reshape(*shape, 4, 10))
-    (grad,) = torch.autograd.grad(out.square().sum(), h)
-    (expected_grad,) = torch.autograd.grad(expected.square().sum(), h)
-    torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
 
 
 class Wrapped(nn.Linear):
@@ -53,7 +53,8 @@ class Wrapped(nn.Linear):
 
 
 @pytest.mark.parametrize(
-    "case", ["many_rows", "bias", "bf16", "autocast", "subclass", "hook", "pre_hook", "global"]
+    "case",
+    ["many_rows", "bias", "bf16", "autocast", "subclass", "hook", "pre_hook", "global", "grad"],
 )
 def test_anything_else_is_the_module_call_itself(case, forwards):
     module = Wrapped(24, 40, bias=False) if case == "subclass" else layer(bias=case == "bias")
@@ -62,6 +63,7 @@ def test_anything_else_is_the_module_call_itself(case, forwards):
         module, h = module.to(torch.bfloat16), h.to(torch.bfloat16)
     calls: list[str] = []
     handles = []
+    stack = contextlib.ExitStack()
     if case == "hook":
         handles.append(module.register_forward_hook(lambda *_: calls.append("hook")))
     if case == "pre_hook":
@@ -71,12 +73,15 @@ def test_anything_else_is_the_module_call_itself(case, forwards):
             nn.modules.module.register_module_forward_hook(lambda *_: calls.append("hook"))
         )
     try:
+        if case != "grad":  # with gradients: training, whose compiled rows may be symbolic
+            stack.enter_context(torch.no_grad())
         if case == "autocast":
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out, expected = linear(module, h), module(h)
         else:
             out, expected = linear(module, h), F.linear(h, module.weight, module.bias)
     finally:
+        stack.close()
         for handle in handles:
             handle.remove()
     assert torch.equal(out, expected)  # bitwise: the module's own product
