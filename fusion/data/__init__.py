@@ -45,6 +45,7 @@ from fusion.data.conversations import (
     parse_conversation,
     read_conversations,
 )
+from fusion.data.encoded import EncodedData, encode_conversations, fit_sample
 from fusion.data.hf_datasets import EmbeddedImage, read_hf_dataset
 from fusion.data.loader import (
     Collate,
@@ -67,16 +68,8 @@ from fusion.data.packing import (
     pack_samples,
 )
 from fusion.data.prepare import pad_token_id, read_encoded, skipped_summary
-from fusion.data.samples import (
-    IGNORE_INDEX,
-    ConversationEncoder,
-    EncodedData,
-    ImageRef,
-    Sample,
-    VideoRef,
-    encode_conversations,
-    fit_sample,
-)
+from fusion.data.sample import IGNORE_INDEX, ImageRef, Sample, VideoRef
+from fusion.data.samples import ConversationEncoder
 
 __all__ = [
     "ATTENTION_CHOICES",

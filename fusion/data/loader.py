@@ -40,7 +40,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from fusion._validation import check_int
 from fusion.data.packing import Batch, collate_packed, collate_padded, pack_samples
-from fusion.data.samples import IGNORE_INDEX, ConversationEncoder, Sample
+from fusion.data.sample import IGNORE_INDEX, Sample
+from fusion.data.samples import ConversationEncoder
 from fusion.errors import FusionError, one_line
 
 # torch's messages when a worker process dies (the SIGCHLD handler's and the status check's).

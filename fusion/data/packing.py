@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from fusion._validation import check_int
-from fusion.data.samples import IGNORE_INDEX, Sample
+from fusion.data.sample import IGNORE_INDEX, Sample
 from fusion.decoder.packed import PACKED_BACKENDS, PackedSegments
 
 #: What ``collate_packed(attention=...)`` takes: a packed-attention backend, or ``"mask"``.

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from fusion._validation import check_int
 from fusion.data.conversations import read_conversations
-from fusion.data.samples import ConversationEncoder, EncodedData, encode_conversations
+from fusion.data.encoded import EncodedData, encode_conversations
+from fusion.data.samples import ConversationEncoder
 from fusion.hf.errors import CheckpointError
 from fusion.hf.files import read_json
 

@@ -105,6 +105,8 @@ class Qwen2VLVideoProcessor:
         ValueError: a setting out of range or inconsistent (named).
     """
 
+    #: What a prompt holds in each video's place, replaced by its text (:meth:`video_text`).
+    placeholder: ClassVar[str] = VIDEO_PAD
     min_pixels: int = 128 * 28 * 28
     max_pixels: int = 28 * 28 * 768
     patch_size: int = 14
