@@ -25,6 +25,7 @@ from fusion.decoder.delta_rule import (
     conv_step,
     gated_delta_step,
 )
+from fusion.decoder.few_rows import linear
 from fusion.decoder.packed import PackedSegments
 from fusion.decoder.rms_norm import GatedRMSNorm
 
@@ -187,8 +188,9 @@ class GatedDeltaNet(nn.Module):
         b, s, _ = x.shape
         if isinstance(mask, torch.Tensor):
             x = x * mask[..., None].to(x.dtype)
-        qkv = self.in_proj_qkv(x)  # [b, s, conv_dim]
-        z = self.in_proj_z(x).view(b, s, self.num_value_heads, self.value_head_dim)
+        # linear: a decoding step's few rows take BLAS's fast layout (few_rows.py).
+        qkv = linear(self.in_proj_qkv, x)  # [b, s, conv_dim]
+        z = linear(self.in_proj_z, x).view(b, s, self.num_value_heads, self.value_head_dim)
         beta = torch.sigmoid(self.in_proj_b(x))  # [b, s, hv]
         # The decay in float32: exp(A_log) overflows half precision for large A.
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
@@ -201,7 +203,7 @@ class GatedDeltaNet(nn.Module):
         else:
             out, _ = self._delta_rule(F.silu(causal_conv(self.conv1d, qkv)), g, beta, None)
         out = self.norm(out, z).reshape(b, s, self.num_value_heads * self.value_head_dim)
-        return self.out_proj(out)
+        return linear(self.out_proj, out)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys [b, s, hv, dk] (key heads repeated to the value heads) and values
