@@ -17,7 +17,6 @@ from fusion._validation import (
 )
 from fusion.decoder import masks
 from fusion.decoder.attention import MultiHeadAttention
-from fusion.decoder.few_rows import FEW_ROWS as FEW_ROWS  # re-exported: tests, callers
 from fusion.decoder.few_rows import linear, tied_projection
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache, SlidingWindowKVCache

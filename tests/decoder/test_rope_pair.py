@@ -41,13 +41,18 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# Each layout with the position shapes it takes: three position rows are M-RoPE's alone.
+CASES = [
+    (layout, pos_shape)
+    for layout, kwargs in sorted(LAYOUTS.items())
+    for pos_shape in ("s", "1s", "bs", *(("3bs",) if "mrope_section" in kwargs else ()))
+]
+
+
+@pytest.mark.parametrize(("layout", "pos_shape"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("pos_shape", ["s", "1s", "bs", "3bs"])
 def test_rotate_pair_is_the_textbook_rotation_bitwise(layout, dtype, pos_shape):
     kwargs = LAYOUTS[layout]
-    if pos_shape == "3bs" and "mrope_section" not in kwargs:
-        pytest.skip("three position rows are M-RoPE's")
     rope = RotaryPositionalEmbeddings(max_seq_len=40, base=10_000.0, **kwargs)
     generator = torch.Generator().manual_seed(0)
     b, s = 3, 5
