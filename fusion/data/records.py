@@ -336,12 +336,7 @@ def _hf_messages(
                 _check_text(text, at)
                 items.append(dict(item))
             elif kind == "image" and embedded:
-                for key in _PATH_KEYS:  # the row's images column holds the images
-                    if item.get(key) is not None:
-                        raise ValueError(
-                            f"{at}.{key}: an image item of a data set with an images column "
-                            "takes the next image of that column, and holds no path"
-                        )
+                _check_column_item(item, _PATH_KEYS, at, "image")
                 images.append(None)
                 items.append({"type": "image"})
             elif kind == "image":
@@ -349,12 +344,7 @@ def _hf_messages(
                 images.append(image)
                 items.append({"type": "image", "path": str(image)})
             elif kind == "video" and embedded_videos:
-                for key in _VIDEO_KEYS:  # the row's videos column holds the videos
-                    if item.get(key) is not None:
-                        raise ValueError(
-                            f"{at}.{key}: a video item of a data set with a videos column "
-                            "takes the next video of that column, and holds no path"
-                        )
+                _check_column_item(item, _VIDEO_KEYS, at, "video")
                 videos.append(None)
                 items.append({"type": "video"})
             elif kind == "video":
@@ -369,6 +359,18 @@ def _hf_messages(
                 )
         messages.append({**message, "content": items})
     return messages, tuple(images), tuple(videos)
+
+
+def _check_column_item(item: dict[str, Any], keys: Sequence[str], at: str, kind: str) -> None:
+    """Refuse a path in a ``kind`` item (``"image"``, ``"video"``) of a data set row whose
+    column holds its media: the item takes the column's next one."""
+    a = "an" if kind[0] in "aeiou" else "a"
+    for key in keys:
+        if item.get(key) is not None:
+            raise ValueError(
+                f"{at}.{key}: {a} {kind} item of a data set with {a} {kind}s column "
+                f"takes the next {kind} of that column, and holds no path"
+            )
 
 
 def _sharegpt_messages(

@@ -225,8 +225,28 @@ class PatchedImages:
     image_grid_thw: torch.Tensor
 
 
+class PatchGeometry:
+    """The patch arithmetic the image and video processors share, from their
+    ``patch_size``, ``merge_size`` and ``temporal_patch_size`` fields."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+
+    @property
+    def factor(self) -> int:
+        """``patch_size * merge_size``: the sides of resized images and frames are multiples
+        of it."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """The values of one flattened patch: ``3 * temporal_patch_size * patch_size**2``."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
+
 @dataclass(frozen=True)
-class Qwen2VLImageProcessor:
+class Qwen2VLImageProcessor(PatchGeometry):
     """Images -> :class:`PatchedImages` as transformers' ``Qwen2VLImageProcessor`` computes
     them (its Pillow backend, ``Qwen2VLImageProcessorPil``: the one ``AutoImageProcessor``
     gives without torchvision), used by Qwen2-VL, Qwen2.5-VL and Qwen3-VL alike (see
@@ -275,16 +295,6 @@ class Qwen2VLImageProcessor:
             raise ValueError(f"resample: expected one of {names}, got {self.resample!r}")
         if self.pixel_limit is not None:
             check_int(self.pixel_limit, "pixel_limit", low=1, high=2**62)
-
-    @property
-    def factor(self) -> int:
-        """``patch_size * merge_size``: the sides of resized images are multiples of it."""
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        """The values of one flattened patch: ``3 * temporal_patch_size * patch_size**2``."""
-        return 3 * self.temporal_patch_size * self.patch_size**2
 
     @classmethod
     def from_config(

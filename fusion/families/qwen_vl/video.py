@@ -31,6 +31,7 @@ from fusion.families.qwen_vl.images import (
     VIDEO_PAD,
     VISION_END,
     VISION_START,
+    PatchGeometry,
     check_patch_settings,
     read_patch_settings,
     smart_resize,
@@ -84,7 +85,7 @@ class PatchedVideos:
 
 
 @dataclass(frozen=True)
-class Qwen2VLVideoProcessor:
+class Qwen2VLVideoProcessor(PatchGeometry):
     """Clips -> :class:`PatchedVideos` as transformers' ``Qwen2VLVideoProcessor`` computes
     them (Qwen2-VL and Qwen2.5-VL; :class:`Qwen3VLVideoProcessor` for Qwen3-VL), with its
     defaults: 100,352 to 602,112 pixels a frame, patch 14, CLIP's mean and std, every frame
@@ -154,16 +155,6 @@ class Qwen2VLVideoProcessor:
                 f"resample: expected one of {names} (torchvision's filters that transformers' "
                 f"video processors use), got {self.resample!r}"
             )
-
-    @property
-    def factor(self) -> int:
-        """``patch_size * merge_size``: the sides of resized frames are multiples of it."""
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        """The values of one flattened patch: ``3 * temporal_patch_size * patch_size**2``."""
-        return 3 * self.temporal_patch_size * self.patch_size**2
 
     @property
     def sampler(self) -> Sampler | None:
