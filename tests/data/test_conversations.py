@@ -177,3 +177,27 @@ def test_whole_file_problems(tmp_path, write_jsonl):
         read_conversations(file, skip_bad=True)
     with pytest.raises(TypeError, match="path: expected a path"):
         read_conversations(3)
+
+
+@pytest.mark.parametrize(
+    ("kind", "key", "column", "article"),
+    [("image", "path", "images", "an"), ("video", "video", "videos", "a")],
+)
+def test_an_item_of_a_row_with_a_media_column_holds_no_path(tmp_path, kind, key, column, article):
+    """A data set row's column holds its media: an item naming a file too is refused, not
+    silently taken from one place or the other."""
+    from fusion.data.records import parse_conversation
+
+    record = {
+        "messages": [
+            {"role": "user", "content": [{"type": kind, key: "x.png"}]},
+            {"role": "assistant", "content": "ok"},
+        ]
+    }
+    media = {"images" if kind == "image" else "videos": [tmp_path / "x.png"]}
+    with pytest.raises(
+        ValueError,
+        match=rf"content\[0\]\.{key}: {article} {kind} item of a data set with {article} "
+        rf"{column} column takes the next {kind} of that column, and holds no path",
+    ):
+        parse_conversation(record, tmp_path, **media)
