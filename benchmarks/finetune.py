@@ -103,7 +103,9 @@ count), the positions computed per step (padding included), the peak resident me
 process (``ru_maxrss``, the training process alone: the loader worker is forked from it and
 shares its pages; CPU) or the peak CUDA memory allocated (GPU), the first timed step's
 loss (all must agree: same weights, same samples), and the load average at each process's start
-and end.
+and end. ``--memory-limit-gib G`` caps each contestant's address space at G GiB: one that runs
+out (or that the kernel kills for memory) is reported as out of memory in that round, with no
+timings or ratios, and the run goes on with the others.
 
     python benchmarks/finetune.py                 # CPU, fp32, 2 threads -> benchmarks/results/
     python benchmarks/finetune.py --quick         # a tiny model, seconds -> a temporary directory
@@ -123,6 +125,7 @@ import multiprocessing
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -337,6 +340,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the contestants (default all; Qwen3.5: all but transformers_padding_free, whose "
         "rows leak across samples there: its loss is checked against padded, not timed)",
     )
+    p.add_argument(
+        "--memory-limit-gib",
+        type=float,
+        default=None,
+        help="cap each contestant's process at this much address space (RLIMIT_AS, which is "
+        "somewhat above its resident memory): a contestant that runs out is reported as out of "
+        "memory in that round, with no timing, and the run goes on (default: no cap; one that "
+        "the kernel kills for memory is reported the same way)",
+    )
     p.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)
     p.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -352,7 +364,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "across samples on CPU (its DeltaNet carries its state across position_ids "
             "boundaries); the run checks its loss against transformers_padded's, untimed"
         )
-    for name in ("rounds", "text_layers", "vision_layers"):
+    for name in ("rounds", "text_layers", "vision_layers", "memory_limit_gib"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
@@ -1146,10 +1158,44 @@ def run_contestant(
     command += ["--train", args.train, "--loss", args.loss]
     command += [] if args.max_image is None else ["--max-image", str(args.max_image)]
     command += ["--profile"] if args.profile else []
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    limit = args.memory_limit_gib
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        check=False,
+        preexec_fn=None if limit is None else memory_cap(int(limit * 2**30)),
+    )
     if done.returncode:
+        detail = out_of_memory(done.returncode, done.stderr)
+        if detail is not None:
+            return {"out_of_memory": detail}
         raise RuntimeError(f"{name} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return json.loads(result_file.read_text())
+
+
+def memory_cap(limit_bytes: int) -> Callable[[], None]:
+    """What a child process runs before it starts: its address space capped at
+    ``limit_bytes``, so that an allocation past it fails in the child (torch: "can't allocate
+    memory") rather than the kernel killing whichever process it picks."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+    return cap
+
+
+#: What a contestant's process says when an allocation fails (torch's CPU allocator, Python).
+OUT_OF_MEMORY_MESSAGES = ("can't allocate memory", "MemoryError", "std::bad_alloc")
+
+
+def out_of_memory(returncode: int, stderr: str) -> str | None:
+    """Why a failed contestant ran out of memory (the kernel killed it, or an allocation
+    failed under ``--memory-limit-gib``), or None if it failed otherwise."""
+    if returncode == -signal.SIGKILL:
+        return "killed by the kernel (SIGKILL: the OOM killer)"
+    lines = [line for line in stderr.splitlines() if any(m in line for m in OUT_OF_MEMORY_MESSAGES)]
+    return lines[-1].strip()[:300] if lines else None
 
 
 def save_model(family: str, config: dict, directory: Path) -> None:
@@ -1198,7 +1244,9 @@ def main(argv: list[str] | None = None) -> dict:
                 result["process_s"] = time.perf_counter() - started
                 result["round"], result["order"] = r, round_order(args.only, r).index(name)
                 rounds[name].append(result)
-                print(f"round {r}: {name} done in {result['process_s']:.0f} s", flush=True)
+                failed = result.get("out_of_memory")
+                failed = "" if failed is None else f" (out of memory: {failed})"
+                print(f"round {r}: {name} done in {result['process_s']:.0f} s{failed}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report = summarise(args, config, rounds, info)
@@ -1305,6 +1353,17 @@ def padding_free_first_loss(rounds: dict, device: str) -> dict | None:
 def summarise(args: argparse.Namespace, config: dict, rounds: dict, info: dict) -> dict:
     import transformers
 
+    # A contestant out of memory in any round is reported as such, with no timings or ratios.
+    out_of_memory = {
+        name: {
+            "rounds": [i for i, r in enumerate(runs) if "out_of_memory" in r],
+            "detail": next(r["out_of_memory"] for r in runs if "out_of_memory" in r),
+            "memory_limit_gib": args.memory_limit_gib,
+        }
+        for name, runs in rounds.items()
+        if any("out_of_memory" in r for r in runs)
+    }
+    rounds = {name: runs for name, runs in rounds.items() if name not in out_of_memory}
     results = {}
     for name, runs in rounds.items():
         baselines = {
@@ -1335,8 +1394,9 @@ def summarise(args: argparse.Namespace, config: dict, rounds: dict, info: dict) 
         | {"lr": LR, "dtype": "bfloat16 autocast" if args.device == "cuda" else "float32"},
         "model": model,
         "results": results,
-        "first_step_losses_agree": max(first_losses) - min(first_losses)
-        <= 1e-3 * max(abs(x) for x in first_losses),
+        "first_step_losses_agree": not first_losses
+        or max(first_losses) - min(first_losses) <= 1e-3 * max(abs(x) for x in first_losses),
+        "out_of_memory": out_of_memory,
         "padding_free_first_loss": padding_free_first_loss(rounds, args.device),
         "load_average_end": os.getloadavg(),
     }
@@ -1388,6 +1448,18 @@ def format_table(report: dict) -> str:
             step = sum(r["step_s"][: len(r["tokens"])])
             shares = ", ".join(f"{k} {v / step:.0%}" for k, v in r["profile_s"].items())
             lines.append(f"profile {name}: {shares} of {step:.1f} s (round 0, profiled)")
+    for name, failed in report.get("out_of_memory", {}).items():
+        cap = failed["memory_limit_gib"]
+        line = f"{name}: out of memory in round(s) {failed['rounds']}: {failed['detail']}"
+        if cap is not None:
+            shares = ", ".join(
+                f"{other} {r['peak_memory_bytes'] / (cap * 2**30):.2f}"
+                for other, r in report["results"].items()
+            )
+            line += (
+                f"; address space capped at {cap:g} GiB; the others' peaks as its shares: {shares}"
+            )
+        lines.append(line)
     check = report.get("padding_free_first_loss")
     if check is not None:
         worst = max(r["relative_difference"] for r in check["rounds"])

@@ -121,3 +121,48 @@ def test_padding_free_check_fails_loudly(tiny, monkeypatch):
     monkeypatch.setattr(finetune, "hf_labels", lambda s: torch.cat([s.tokens[:1], s.labels[:-1]]))
     with pytest.raises(RuntimeError, match=r"loss \d+\.\d+ differs from transformers_padded's"):
         finetune.check_padding_free(model, samples, settings)
+
+
+def test_a_capped_contestant_out_of_memory_is_named():
+    """Under ``--memory-limit-gib`` an allocation past the cap fails in the child, which says
+    so (torch's allocator); a kernel kill reads the same; any other failure is not memory."""
+    import signal
+    import subprocess
+    import sys
+
+    allocate = "import torch; torch.empty(2**31).fill_(1.0)"  # 8 GiB under a 4 GiB cap
+    done = subprocess.run(
+        [sys.executable, "-c", allocate],
+        capture_output=True,
+        text=True,
+        check=False,
+        preexec_fn=finetune.memory_cap(4 * 2**30),
+    )
+    assert done.returncode == 1
+    assert "can't allocate memory" in finetune.out_of_memory(done.returncode, done.stderr)
+    assert "SIGKILL" in finetune.out_of_memory(-signal.SIGKILL, "")
+    assert finetune.out_of_memory(1, "ValueError: bad sample") is None
+    with pytest.raises(SystemExit):
+        finetune.parse_args(["--memory-limit-gib", "0.5"])
+
+
+def test_a_contestant_out_of_memory_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A contestant out of memory in a round gets no timings and no ratios; the others are
+    measured and its failure is in the report and the table."""
+    run = finetune.run_contestant
+
+    def transformers_runs_out(args, name, workdir, check_only=False):
+        if name == "transformers_padded":
+            return {"out_of_memory": "DefaultCPUAllocator: can't allocate memory"}
+        return run(args, name, workdir, check_only)
+
+    monkeypatch.setattr(finetune, "run_contestant", transformers_runs_out)
+    argv = ["--quick", "--only", "fusion_packed", "transformers_padded", "--out", str(tmp_path)]
+    report = finetune.main([*argv, "--memory-limit-gib", "20"])
+    assert set(report["results"]) == {"fusion_packed"}
+    assert "x_transformers_tokens_per_s" not in report["results"]["fusion_packed"]
+    failed = report["out_of_memory"]["transformers_padded"]
+    assert failed["rounds"] == [0] and failed["memory_limit_gib"] == 20
+    table = (tmp_path / "finetune_cpu.txt").read_text()
+    assert "transformers_padded: out of memory in round(s) [0]" in table
+    assert "capped at 20 GiB" in table and "fusion_packed 0.0" in table
