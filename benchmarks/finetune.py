@@ -315,9 +315,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--loss",
         choices=LOSSES,
-        default="chunked",
+        default=None,
         help="fusion's loss: chunked (fusion.chunked_token_loss, checkpointed chunks) or fused "
-        "(fusion.fused_token_loss: the output's backward made in the forward)",
+        "(fusion.fused_token_loss: the output's backward made in the forward); default the "
+        "recipe's: fused on CPU, chunked on CUDA",
     )
     p.add_argument(
         "--max-image",
@@ -369,6 +370,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
     cuda = args.device == "cuda"
+    if args.loss is None:  # the fine-tuning recipe's choice (its --fused-loss)
+        args.loss = "chunked" if cuda else "fused"
     if args.samples_per_step is None:
         args.samples_per_step = 4 if args.quick else 32 if cuda else 8
     if args.max_seq_len is None:

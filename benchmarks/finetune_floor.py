@@ -65,7 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="rounds per matrix product shape")
     p.add_argument("--family", choices=bench.FAMILIES, default="smolvlm")
     p.add_argument("--train", choices=bench.TRAIN_MODES, default="full")
-    p.add_argument("--loss", choices=bench.LOSSES, default="chunked", help="fusion's loss")
+    p.add_argument(
+        "--loss", choices=bench.LOSSES, default="fused", help="fusion's loss (the recipe's on CPU)"
+    )
     p.add_argument(
         "--results", type=Path, help="a finetune.json: its settings, and the floors set against it"
     )

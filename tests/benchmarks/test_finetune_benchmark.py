@@ -50,6 +50,8 @@ def test_default_shape_and_settings(tmp_path):
     )
     cuda = finetune.parse_args(["--device", "cuda", "--out", str(tmp_path)])
     assert (cuda.text_layers, cuda.vision_layers, cuda.samples_per_step) == (30, 12, 32)
+    # fusion's loss as the recipe picks it: fused on CPU in one process, chunked on CUDA
+    assert (args.loss, cuda.loss) == ("fused", "chunked")
     assert finetune.parse_args(["--quick", "--out", str(tmp_path)]).rounds == 1
     qwen = finetune.parse_args(["--family", "qwen2_5_vl", "--vision-layers", "12"])
     config = finetune.hf_config(False, qwen.family, qwen.text_layers, qwen.vision_layers)
