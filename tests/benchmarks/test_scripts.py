@@ -168,6 +168,25 @@ def test_finetune_quick(tmp_path):
     bound = floor["bounds"]["fusion_packed / transformers_padded (tokens/s, at most)"]
     assert bound == pytest.approx(step / work["fusion_packed"]["floor_s"])
     assert "memory floor" in stdout
+    shares = floor["share_of_time_floor"]
+    assert set(shares) == set(FINETUNE_CONTESTANTS)
+    assert shares["transformers_padded"] == pytest.approx(
+        work["transformers_padded"]["floor_s"] / step
+    )
+    peak = results["fusion_packed"]["peak_memory_bytes"] / 2**20
+    above = floor["fusion_packed_peak_above_memory_floor"]
+    assert above == pytest.approx(peak / memory["floor_mib"] - 1)
+    assert "of its time floor" in stdout and "above its memory floor" in stdout
+
+    # A contestant the results lack (out of memory there) gets no floor, and no bound.
+    lacking = json.loads((tmp_path / "finetune.json").read_text())
+    del lacking["results"]["transformers_padded"]
+    (tmp_path / "lacking.json").write_text(json.dumps(lacking))
+    args = ("--quick", "--rounds", "1", "--results", str(tmp_path / "lacking.json"))
+    run_script("finetune_floor.py", *args, "--out", str(floor_file))
+    floor = json.loads(floor_file.read_text())
+    assert set(floor["work"]) == set(FINETUNE_CONTESTANTS) - {"transformers_padded"}
+    assert not any("transformers_padded" in key for key in floor["bounds"])
 
     # Times measured on another machine are not bounded by this one's floor: refused.
     elsewhere = json.loads((tmp_path / "finetune.json").read_text())
