@@ -11,6 +11,7 @@ from fusion.decoder.delta_rule import (
 )
 from fusion.decoder.embedding import ScaledEmbedding
 from fusion.decoder.feed_forward import FeedForward
+from fusion.decoder.few_rows import FewRowsLinear
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache, SlidingWindowKVCache
 from fusion.decoder.packed import PACKED_BACKENDS, PackedSegments
@@ -23,6 +24,7 @@ __all__ = [
     "PACKED_BACKENDS",
     "DeltaNetState",
     "FeedForward",
+    "FewRowsLinear",
     "GatedDeltaNet",
     "GatedRMSNorm",
     "KVCache",

@@ -3,7 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion._validation import check_int
-from fusion.decoder.few_rows import linear
+from fusion.decoder.few_rows import FewRowsLinear
 from fusion.decoder.kv_cache import KVCache, SlidingWindowKVCache
 from fusion.decoder.packed import PackedSegments
 from fusion.decoder.packed_attention import packed_attention
@@ -69,10 +69,10 @@ class MultiHeadAttention(nn.Module):
             check_int(sliding_window, "sliding_window", low=1)
         self.sliding_window = sliding_window
         q_width = num_heads * head_dim * (2 if output_gate else 1)
-        self.q_proj = nn.Linear(embed_dim, q_width, bias=qkv_bias)
-        self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
-        self.output_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=False)
+        self.q_proj = FewRowsLinear(embed_dim, q_width, bias=qkv_bias)
+        self.k_proj = FewRowsLinear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = FewRowsLinear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.output_proj = FewRowsLinear(num_heads * head_dim, embed_dim, bias=False)
         self.pos_embeddings = pos_embeddings
         self.q_norm = q_norm
         self.k_norm = k_norm
@@ -121,12 +121,12 @@ class MultiHeadAttention(nn.Module):
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         gate = None
         if self.output_gate:
-            q, gate = linear(self.q_proj, x).view(b, s, heads, 2 * head_dim).chunk(2, dim=-1)
+            q, gate = self.q_proj(x).view(b, s, heads, 2 * head_dim).chunk(2, dim=-1)
             gate = gate.reshape(b, s, heads * head_dim)
         else:
-            q = linear(self.q_proj, x).view(b, s, heads, head_dim)  # [b, s, h, hd]
-        k = linear(self.k_proj, x).view(b, s, kv_heads, head_dim)  # [b, s, h_kv, hd]
-        v = linear(self.v_proj, x).view(b, s, kv_heads, head_dim)  # [b, s, h_kv, hd]
+            q = self.q_proj(x).view(b, s, heads, head_dim)  # [b, s, h, hd]
+        k = self.k_proj(x).view(b, s, kv_heads, head_dim)  # [b, s, h_kv, hd]
+        v = self.v_proj(x).view(b, s, kv_heads, head_dim)  # [b, s, h_kv, hd]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.pos_embeddings.rotate_pair(q, k, input_pos)  # one table lookup
@@ -161,4 +161,4 @@ class MultiHeadAttention(nn.Module):
 
     def _project(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """``output_proj`` of the heads' outputs [b, s, h * hd], gated when the layer is."""
-        return linear(self.output_proj, out if gate is None else out * torch.sigmoid(gate))
+        return self.output_proj(out if gate is None else out * torch.sigmoid(gate))

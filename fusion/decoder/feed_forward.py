@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion.decoder.few_rows import linear
+from fusion.decoder.few_rows import FewRowsLinear
 from fusion.decoder.recompute import recomputed
 
 
@@ -43,14 +43,13 @@ class FeedForward(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w1 = FewRowsLinear(dim, hidden_dim, bias=False)
+        self.w2 = FewRowsLinear(hidden_dim, dim, bias=False)
+        self.w3 = FewRowsLinear(dim, hidden_dim, bias=False)
         self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gated = GATES[self.activation]
-        # ``linear``: a decoding step's few rows take BLAS's fast layout (few_rows.py).
-        gate, up = linear(self.w1, x), linear(self.w3, x)
+        gate, up = self.w1(x), self.w3(x)
         hidden = recomputed(gated, gate, up) if self.recompute else gated(gate, up)
-        return linear(self.w2, hidden)
+        return self.w2(hidden)

@@ -1,18 +1,23 @@
 """Linear layers on a decoding step's few rows, on the CPU: ``weight @ h.T`` instead of
-``h @ weight.T``, the same product in the layout BLAS streams at the memory's speed."""
+``h @ weight.T``, the same product in the layout BLAS streams at the memory's speed.
+
+The decoder's projections are :class:`FewRowsLinear` modules, an ``nn.Linear`` whose own
+forward takes that product, so they are called as modules (their hooks run) and no private
+torch attribute is read; a tied output, a weight tensor, takes :func:`tied_projection`."""
+
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as module_hooks
 
 #: Up to this many rows of float32 on the CPU, a linear layer's product is taken as
 #: ``weight @ h.T`` (:func:`few_rows_product`).
 FEW_ROWS = 4
 
-#: The smallest weight (elements) :func:`linear` takes that product for: below it the extra
-#: ops cost more than the product saves (2026-12-03, weights from memory: 128 x 512, 5 against
-#: 12 us; 512 x 512, 67 against 50 us on one thread, 29 on two).
+#: The smallest weight (elements) :class:`FewRowsLinear` takes that product for: below it the
+#: extra ops cost more than the product saves (2026-12-03, weights from memory: 128 x 512, 5
+#: against 12 us; 512 x 512, 67 against 50 us on one thread, 29 on two).
 FEW_ROWS_MIN_WEIGHT = 1 << 18
 
 
@@ -55,27 +60,39 @@ def few_rows_product(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | No
     return (weight @ flat.T).T.reshape(*h.shape[:-1], weight.size(0))
 
 
-def linear(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """``layer(h)``, through :func:`few_rows_product` where that is the same computation: a
-    plain ``nn.Linear`` without bias, hooks (its own or global ones) or a weight of another
-    kind (a DTensor, a quantized tensor: their own types, as wrappers and adapters are), of
-    at least :data:`FEW_ROWS_MIN_WEIGHT` elements, on few float32 rows on the CPU. Anything
-    else is called as a module, as it would be.
+class FewRowsLinear(nn.Linear):
+    """``nn.Linear`` (same arguments, same state-dict keys ``weight`` and ``bias``) whose
+    forward takes :func:`few_rows_product` where that is the same computation: no bias, a
+    weight that is a plain ``nn.Parameter`` (a DTensor or a quantized tensor keeps
+    ``F.linear``, as their own types define it) of at least :data:`FEW_ROWS_MIN_WEIGHT`
+    elements, few float32 rows on the CPU while autograd records nothing. It is the module's
+    own forward: hooks (its own, global ones, adapters') run through ``__call__`` as always.
 
-    Shapes: ``h`` [..., in], returns [..., out].
+    Shapes: ``x`` [..., in], returns [..., out].
     """
-    if (
-        type(layer) is nn.Linear
-        and layer.bias is None
-        and type(layer.weight) is nn.Parameter
-        and layer.weight.numel() >= FEW_ROWS_MIN_WEIGHT
-        and not (layer._forward_hooks or layer._forward_pre_hooks)
-        and not (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks)
-    ):
-        out = few_rows_product(h, layer.weight)
-        if out is not None:
-            return out
-    return layer(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (
+            self.bias is None
+            and type(weight) is nn.Parameter
+            and weight.numel() >= FEW_ROWS_MIN_WEIGHT
+        ):
+            out = few_rows_product(x, weight)
+            if out is not None:
+                return out
+        return F.linear(x, weight, self.bias)
+
+
+#: The linear layers whose forward is ``F.linear``'s computation: ``nn.Linear`` and the
+#: decoder's :class:`FewRowsLinear`, exactly (other subclasses, adapters', may compute
+#: something else).
+PLAIN_LINEARS: tuple[type[nn.Linear], ...] = (nn.Linear, FewRowsLinear)
+
+
+def is_plain_linear(module: object) -> TypeGuard[nn.Linear]:
+    """Whether ``module`` is exactly one of :data:`PLAIN_LINEARS` (no other subclass)."""
+    return type(module) in PLAIN_LINEARS
 
 
 def tied_projection(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

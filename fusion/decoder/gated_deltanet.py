@@ -25,7 +25,7 @@ from fusion.decoder.delta_rule import (
     conv_step,
     gated_delta_step,
 )
-from fusion.decoder.few_rows import linear
+from fusion.decoder.few_rows import FewRowsLinear
 from fusion.decoder.packed import PackedSegments
 from fusion.decoder.rms_norm import GatedRMSNorm
 
@@ -100,8 +100,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel, self.chunk_size = conv_kernel, chunk_size
         key_dim, value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
         self.conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(embed_dim, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(embed_dim, value_dim, bias=False)
+        self.in_proj_qkv = FewRowsLinear(embed_dim, self.conv_dim, bias=False)
+        self.in_proj_z = FewRowsLinear(embed_dim, value_dim, bias=False)
         self.in_proj_b = nn.Linear(embed_dim, num_value_heads, bias=False)
         self.in_proj_a = nn.Linear(embed_dim, num_value_heads, bias=False)
         self.conv1d = nn.Conv1d(
@@ -116,7 +116,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(num_value_heads))
         self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(0.01, 16).log_())
         self.norm = GatedRMSNorm(value_head_dim, eps=norm_eps)
-        self.out_proj = nn.Linear(value_dim, embed_dim, bias=False)
+        self.out_proj = FewRowsLinear(value_dim, embed_dim, bias=False)
         self.state: DeltaNetState | None = None
         self.cache_enabled = False
 
@@ -188,9 +188,8 @@ class GatedDeltaNet(nn.Module):
         b, s, _ = x.shape
         if isinstance(mask, torch.Tensor):
             x = x * mask[..., None].to(x.dtype)
-        # linear: a decoding step's few rows take BLAS's fast layout (few_rows.py).
-        qkv = linear(self.in_proj_qkv, x)  # [b, s, conv_dim]
-        z = linear(self.in_proj_z, x).view(b, s, self.num_value_heads, self.value_head_dim)
+        qkv = self.in_proj_qkv(x)  # [b, s, conv_dim]
+        z = self.in_proj_z(x).view(b, s, self.num_value_heads, self.value_head_dim)
         beta = torch.sigmoid(self.in_proj_b(x))  # [b, s, hv]
         # The decay in float32: exp(A_log) overflows half precision for large A.
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
@@ -203,7 +202,7 @@ class GatedDeltaNet(nn.Module):
         else:
             out, _ = self._delta_rule(F.silu(causal_conv(self.conv1d, qkv)), g, beta, None)
         out = self.norm(out, z).reshape(b, s, self.num_value_heads * self.value_head_dim)
-        return linear(self.out_proj, out)
+        return self.out_proj(out)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys [b, s, hv, dk] (key heads repeated to the value heads) and values

@@ -17,7 +17,7 @@ from fusion._validation import (
 )
 from fusion.decoder import masks
 from fusion.decoder.attention import MultiHeadAttention
-from fusion.decoder.few_rows import linear, tied_projection
+from fusion.decoder.few_rows import tied_projection
 from fusion.decoder.gated_deltanet import DeltaNetState, GatedDeltaNet
 from fusion.decoder.kv_cache import KVCache, SlidingWindowKVCache
 from fusion.decoder.packed import PackedSegments
@@ -488,12 +488,12 @@ class TransformerDecoder(nn.Module):
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         """Output projection of normed hidden states [b, s, d] -> float32 logits [b, s, vocab].
 
-        An untied output is called as a module, so its hooks (sharding, adapters) run (a plain
-        ``nn.Linear`` on a step's few rows on the CPU takes the faster product of
-        :func:`~fusion.decoder.few_rows.linear`). A tied
-        one reads ``tok_embeddings.weight``, which must then be a whole tensor here (a
-        decoding step's few rows on the CPU take a faster product:
-        :func:`~fusion.decoder.few_rows.few_rows_product`).
+        An untied output is called as a module, so its hooks (sharding, adapters) run; the
+        builders make it a :class:`~fusion.decoder.FewRowsLinear`, whose forward takes a
+        faster product on a decoding step's few rows on the CPU. A tied one reads
+        ``tok_embeddings.weight``, which must then be a whole tensor here (a decoding step's
+        few rows on the CPU take the same product:
+        :func:`~fusion.decoder.few_rows.tied_projection`).
         With ``final_logit_softcap``, the logits are then soft-capped (in float32).
 
         Raises:
@@ -507,7 +507,7 @@ class TransformerDecoder(nn.Module):
 
     def _project(self, h: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
-            logits = linear(self.output, h)  # a module call, unless a plain nn.Linear
+            logits = self.output(h)
             return logits if logits.dtype == torch.float32 else logits.float()
         weight = getattr(self.tok_embeddings, "weight", None)
         if not isinstance(weight, torch.Tensor):

@@ -29,6 +29,7 @@ from torch import nn
 from fusion._adapters import LORA_MARK
 from fusion._validation import check_int
 from fusion.decoder import TransformerDecoder
+from fusion.decoder.few_rows import is_plain_linear
 
 ADAPTER_CHILDREN = ("lora_a", "lora_b", "lora_dropout")
 DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -192,7 +193,7 @@ def _valid_names(model: nn.Module) -> str:
     ours = {
         name.rsplit(".", 1)[-1]
         for name, module in model.named_modules()
-        if type(module) is nn.Linear
+        if is_plain_linear(module)
         and id(module) not in adapters
         and any(name.startswith(scope) for scope in scopes)
     }
@@ -246,9 +247,10 @@ def apply_lora(
         TypeError: ``model`` not an ``nn.Module``; ``targets`` not a sequence of strings.
         ValueError, before anything changes: ``rank``, ``alpha`` or ``dropout`` out of range;
             a pattern that matches no ``nn.Linear`` (the layers it could match are listed); a
-            matched layer that already has an adapter, is a subclass of ``nn.Linear`` (whose
-            ``forward`` may not be ``F.linear``), or holds a sharded weight (a ``DTensor``:
-            tensor parallelism or FSDP2 applied already).
+            matched layer that already has an adapter, is a subclass of ``nn.Linear`` other
+            than the decoder's ``FewRowsLinear`` (whose ``forward`` may not be ``F.linear``),
+            or holds a sharded weight (a ``DTensor``: tensor parallelism or FSDP2 applied
+            already).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -286,7 +288,8 @@ def select_lora_layers(model: nn.Module, targets: Iterable[str] | str) -> dict[s
 
 def _select(model: nn.Module, patterns: tuple[str, ...]) -> dict[str, nn.Linear]:
     """The layers ``patterns`` name (see :func:`apply_lora`), checked: each pattern matches a
-    plain, unadapted, unsharded ``nn.Linear``."""
+    plain (:func:`~fusion.decoder.few_rows.is_plain_linear`), unadapted, unsharded
+    ``nn.Linear``."""
     chosen: dict[str, nn.Linear] = {}
     hit: set[str] = set()
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
@@ -294,7 +297,7 @@ def _select(model: nn.Module, patterns: tuple[str, ...]) -> dict[str, nn.Linear]
         if not isinstance(module, nn.Linear):
             continue  # "decoder.layers.0.*" also matches the layer, its attention, ...
         problem = None
-        if type(module) is not nn.Linear:
+        if not is_plain_linear(module):
             problem = f"is a {type(module).__name__}, a subclass of nn.Linear"
         elif is_lora_linear(module):
             problem = "already has a LoRA adapter"
@@ -312,7 +315,7 @@ def _select(model: nn.Module, patterns: tuple[str, ...]) -> dict[str, nn.Linear]
         available = [
             name
             for name, m in model.named_modules()
-            if type(m) is nn.Linear and id(m) not in _adapter_modules(model)
+            if is_plain_linear(m) and id(m) not in _adapter_modules(model)
         ]
         raise ValueError(
             f"targets: {missing[0]!r} matches no nn.Linear of the model. A name without a dot "

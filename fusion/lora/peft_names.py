@@ -16,6 +16,7 @@ from fusion.checkpoint.errors import CheckpointError
 from fusion.checkpoint.hf_model import HfDirectory
 from fusion.checkpoint.keys import fusion_key_to_hf, hf_key_to_fusion, rope_heads
 from fusion.decoder import MultiHeadAttention, TransformerDecoder
+from fusion.decoder.few_rows import is_plain_linear
 from fusion.early_fusion import EarlyFusion
 from fusion.families import Family, family_of
 from fusion.lora.apply import ADAPTER_CHILDREN, lora_linears
@@ -131,7 +132,7 @@ class _Model:
         return {
             name: module
             for name, module in self.module.named_modules()
-            if type(module) is nn.Linear
+            if is_plain_linear(module)
             and id(module) not in adapters
             and self.hf_name(name) is not None
         }
@@ -167,7 +168,7 @@ def _get_linear(model: nn.Module, name: str | None) -> nn.Linear | None:
         module = model.get_submodule(name)
     except AttributeError:
         return None
-    return module if type(module) is nn.Linear else None
+    return module if is_plain_linear(module) else None
 
 
 def _literal(name: str) -> str:

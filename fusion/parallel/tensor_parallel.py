@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fusion.decoder import TransformerDecoder
+from fusion.decoder.few_rows import PLAIN_LINEARS
 from fusion.parallel._model import find_decoder
 
 _TIED = (
@@ -23,7 +24,8 @@ _TIED = (
 )
 
 
-_SHARDABLE = (nn.Linear, nn.Embedding)  # exact types: wrappers change what the weight means
+# Exact types: wrappers change what the weight means.
+_SHARDABLE = (*PLAIN_LINEARS, nn.Embedding)
 
 
 def llama_tp_plan(decoder: TransformerDecoder) -> dict[str, ParallelStyle]:
@@ -67,7 +69,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         TypeError: ``model`` is neither a decoder nor has one as ``.decoder``; ``mesh`` is not
             a ``DeviceMesh``.
         ValueError: ``mesh`` is not 1-D; the output is tied; a module the plan names is missing
-            or is not exactly an ``nn.Linear`` / ``nn.Embedding`` (e.g. a LoRA wrapper); a
+            or is not exactly an ``nn.Linear`` (or the decoder's ``FewRowsLinear``) /
+            ``nn.Embedding`` (e.g. a LoRA wrapper); a
             layer's head counts are not divisible by the mesh size; the decoder is already
             tensor-parallel or has KV caches (set them up afterwards). All checked before
             anything is sharded.

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusion.decoder import FewRowsLinear
 from fusion.lora import DEFAULT_TARGETS, apply_lora, is_lora_linear, lora_linears
 from helpers import FEATURES, IMAGE_ID, build_tiny_decoder, build_tiny_fusion, text_tokens
 
@@ -39,7 +40,7 @@ def test_fresh_adapters_change_nothing_and_keep_every_module():
     for name, module in modules.items():  # nothing replaced: every module still where it was
         assert model.get_submodule(name) is module
     for linear in adapted.values():
-        assert type(linear) is nn.Linear and is_lora_linear(linear)
+        assert type(linear) is FewRowsLinear and is_lora_linear(linear)
         assert linear.lora_a.weight.shape == (4, linear.in_features)
         assert torch.count_nonzero(linear.lora_b.weight) == 0
         assert linear.lora_a.weight.abs().sum() > 0

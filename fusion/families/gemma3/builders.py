@@ -13,6 +13,7 @@ from torch import nn
 from fusion._validation import check_int
 from fusion.decoder import (
     FeedForward,
+    FewRowsLinear,
     MultiHeadAttention,
     RotaryPositionalEmbeddings,
     ScaledEmbedding,
@@ -152,7 +153,7 @@ def gemma3_text(
         layers=layers,
         max_seq_len=max_seq_len,
         norm=norm(),
-        output=None if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False),
+        output=None if tie_word_embeddings else FewRowsLinear(embed_dim, vocab_size, bias=False),
         final_logit_softcap=final_logit_softcap,
     )
 

@@ -8,6 +8,7 @@ from torch import nn
 from fusion._validation import check_int
 from fusion.decoder import (
     FeedForward,
+    FewRowsLinear,
     MultiHeadAttention,
     RMSNorm,
     RotaryPositionalEmbeddings,
@@ -120,7 +121,7 @@ def llama3_2(
         layers=layers,
         max_seq_len=max_seq_len,
         norm=RMSNorm(embed_dim, eps=norm_eps),
-        output=None if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False),
+        output=None if tie_word_embeddings else FewRowsLinear(embed_dim, vocab_size, bias=False),
     )
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from fusion._validation import check_int
 from fusion.decoder import (
     FeedForward,
+    FewRowsLinear,
     GatedDeltaNet,
     MultiHeadAttention,
     RotaryPositionalEmbeddings,
@@ -151,7 +152,7 @@ def qwen3_5_text(
         layers=layers,
         max_seq_len=max_seq_len,
         norm=ZeroCenteredRMSNorm(embed_dim, eps=norm_eps),
-        output=None if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False),
+        output=None if tie_word_embeddings else FewRowsLinear(embed_dim, vocab_size, bias=False),
     )
 
 
