@@ -25,6 +25,19 @@ On the GPU target case (bf16, 32k tokens x 4096, 25% placeholders in image block
    batch's gradients against the sum of the samples' (within 1e-4 + 1e-3 of the largest
    gradient of each parameter); the forward+backward time of each path;
    whether a warm forward+backward synchronises (reported, not a failure).
+6. Gated DeltaNet on FLA (``--deltanet-only``: this check alone): the packed path of a
+   Qwen3.5-0.8B-wide ``GatedDeltaNet`` (1024 wide, 16/16 heads of 128, kernel 4, as
+   ``deltanet_layer.py``'s) on 2 packed rows of 2048 tokens with flash-linear-attention's
+   varlen kernel (``delta_rule_backend="fla"``) against the pure-torch kernel (``"torch"``),
+   fp32 (Triton's products in IEEE fp32, ``TRITON_F32_DEFAULT=ieee`` unless set: tf32 would
+   differ by ~1e-3) and bf16 autocast: the output and the gradients of the input and of every
+   parameter, each within 1e-4 + 1e-3 of its largest magnitude in fp32, 3% in bf16; the
+   gradients reached only through the decay (``A_log``, ``dt_bias``, ``in_proj_a``) within 3%
+   in fp32 too (FLA's decay gradient loses precision at strong decays: 0.6% of the largest
+   under Triton's interpreter, the torch kernel 1e-4 of it); the forward+backward time of each
+   backend; whether a warm forward+backward synchronises (reported). Without FLA: "skipped:
+   flash-linear-attention not installed". ``--cpu-smoke``: the tiny layer, the torch kernel
+   against itself (FLA needs CUDA).
 
 Prints a summary and writes ``gpu_check.json`` to ``--out``; exits 1 when a check fails.
 """
@@ -68,8 +81,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(mk.DTYPES), default="bf16")
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny, on the interpreter")
     p.add_argument("--packed-only", action="store_true", help="the packed-attention check only")
+    p.add_argument("--deltanet-only", action="store_true", help="the Gated DeltaNet check only")
     add_out_argument(p)
     args = p.parse_args(argv)
+    if args.packed_only and args.deltanet_only:
+        p.error("--packed-only, --deltanet-only: expected one of them at most")
     args.out = output_dir(args.out, check=args.cpu_smoke)
     bench = mk.parse_args(["--quick"] if args.cpu_smoke else [])
     bench.dtype = args.dtype
@@ -390,6 +406,130 @@ def print_packed(report: dict) -> None:
         )
 
 
+#: The Gated DeltaNet parameters whose gradients come only through the decay g (item 6).
+DECAY_PARAMETERS = ("A_log", "dt_bias", "in_proj_a.weight")
+
+
+def check_deltanet(device: torch.device, smoke: bool) -> dict:
+    """FLA's packed Gated DeltaNet against the torch kernel's, and their times (item 6)."""
+    import deltanet_layer as dnl
+
+    from fusion.decoder import GatedDeltaNet
+    from fusion.decoder.delta_rule_fla import fla_installed
+
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    # Read when FLA's kernels compile (after this): its fp32 products in fp32, not tf32.
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    seq_len, rows_per_batch = (128, 2) if smoke else (2048, 2)
+    rows = pab.packed_rows(seq_len, rows_per_batch, seed=0, quick=smoke)
+    w = dnl.WIDTHS["quick" if smoke else "full"]
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(w["embed_dim"], w["k_heads"], w["v_heads"], w["k_dim"], w["v_dim"],
+                          dnl.KERNEL, chunk_size=dnl.CHUNK).to(device)  # fmt: skip
+    with torch.no_grad():  # the zero-initialised parts random too, so every path matters
+        layer.norm.scale.uniform_(0.5, 1.5)
+        layer.conv1d.weight.normal_(0, 0.5)
+    segments = PackedSegments.from_lengths(rows, seq_len, device=device)
+    generator = torch.Generator().manual_seed(1)
+    x, grad = (
+        torch.randn(len(rows), seq_len, w["embed_dim"], generator=generator).to(device)
+        for _ in range(2)
+    )
+    names = ["output", "input", *(name for name, _ in layer.named_parameters())]
+    # On CUDA FLA's kernel against torch's; on the CPU (FLA needs CUDA) torch's against itself,
+    # which runs the comparison.
+    contestant = "fla" if device.type == "cuda" else "torch"
+    results: dict = {"rows": [list(row) for row in rows], "seq_len": seq_len, "widths": w,
+                     "reference": "torch", "contestant": contestant, "paths": {}}  # fmt: skip
+    failures = []
+    for dtype_name in ("fp32", "bf16"):
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype_name == "bf16")
+        entry: dict = {}
+        results["paths"][dtype_name] = entry
+        if contestant == "fla" and not fla_installed():
+            entry["skipped"] = "skipped: flash-linear-attention not installed"
+            continue
+
+        def run(backend: str, autocast=autocast) -> list[torch.Tensor]:
+            layer.delta_rule_backend = backend
+            leaf = x.clone().requires_grad_()
+            with autocast:
+                out = layer(leaf, mask=layer.token_layout(segments, None))
+            grads = torch.autograd.grad(out, [leaf, *layer.parameters()], grad.to(out.dtype))
+            return [t.detach().float() for t in (out, *grads)]
+
+        try:
+            expected, actual = run("torch"), run(contestant)
+            rtol, atol = (1e-3, 1e-4) if dtype_name == "fp32" else (3e-2, 0.0)
+
+            def tolerance(name: str, e: torch.Tensor, rtol=rtol, atol=atol) -> float:
+                if name in DECAY_PARAMETERS:
+                    return 3e-2 * float(e.abs().max())
+                return atol + rtol * float(e.abs().max())
+
+            shares = {
+                name: float((a - e).abs().max()) / tolerance(name, e)
+                for name, a, e in zip(names, actual, expected, strict=True)
+            }
+            entry["max_abs_diff"] = {
+                name: float((a - e).abs().max())
+                for name, a, e in zip(names, actual, expected, strict=True)
+            }
+            entry["tolerance"] = (
+                f"{atol:g} + {rtol:g} x the largest |value| of each tensor; 0.03 x for the "
+                f"gradients of {', '.join(DECAY_PARAMETERS)}"
+            )
+            entry["worst"] = max(shares, key=shares.__getitem__)
+            entry["worst_share_of_tolerance"] = shares[entry["worst"]]
+            entry["finite"] = all(bool(a.isfinite().all()) for a in actual)
+            entry["ok"] = entry["worst_share_of_tolerance"] <= 1 and entry["finite"]
+            entry["fwd_bwd_ms"] = {}
+            entry["sync_error"] = {}
+            for backend in dict.fromkeys(["torch", contestant]):
+                entry["fwd_bwd_ms"][backend] = cuda_ms(lambda b=backend: run(b), device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        run(backend)
+                        entry["sync_error"][backend] = None
+                    except RuntimeError as e:
+                        entry["sync_error"][backend] = str(e).splitlines()[0][:300]
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                    torch.cuda.synchronize()
+            if not entry["ok"]:
+                failures.append(f"deltanet: {contestant} {dtype_name}")
+        except Exception as e:  # report, keep checking the others
+            entry["error"] = f"{type(e).__name__}: {e}"[:500]
+            failures.append(f"deltanet: {contestant} {dtype_name} raised")
+            traceback.print_exc()
+    layer.delta_rule_backend = "auto"
+    results["failures"] = failures
+    return results
+
+
+def print_deltanet(report: dict) -> None:
+    d = report["deltanet"]
+    print(
+        f"Gated DeltaNet packed, {d['contestant']} vs {d['reference']}, rows of {d['seq_len']}: "
+        f"{len(d['rows'])} rows, width {d['widths']['embed_dim']}"
+    )
+    for name, e in d["paths"].items():
+        if "skipped" in e or "error" in e:
+            print(f"  {name:5} {e.get('skipped') or e.get('error')}")
+            continue
+        times = ", ".join(f"{b} {ms:.2f} ms" for b, ms in e["fwd_bwd_ms"].items())
+        syncs = {b: s for b, s in e["sync_error"].items() if s}
+        print(
+            f"  {name:5} {'ok' if e['ok'] else 'FAILED':6} worst |diff| "
+            f"{e['worst_share_of_tolerance']:.0%} of tolerance ({e['worst']}, output "
+            f"{e['max_abs_diff']['output']:.1e}), fwd+bwd {times}"
+            + (f", sync: {syncs}" if syncs else "")
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu_smoke:
@@ -399,15 +539,18 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             raise SystemExit("gpu_check: no CUDA device (use --cpu-smoke to exercise the script)")
         device = torch.device("cuda")
-    if args.packed_only:
-        report = {"packed_attention": check_packed_attention(device, smoke=args.cpu_smoke)}
-        report["failures"] = report["packed_attention"]["failures"]
+    if args.packed_only or args.deltanet_only:
+        if args.packed_only:
+            key, stem, show = "packed_attention", "gpu_check_packed", print_packed
+            report = {key: check_packed_attention(device, smoke=args.cpu_smoke)}
+        else:
+            key, stem, show = "deltanet", "gpu_check_deltanet", print_deltanet
+            report = {key: check_deltanet(device, smoke=args.cpu_smoke)}
+        report["failures"] = report[key]["failures"]
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / (
-            "gpu_check_packed_cpu_smoke.json" if args.cpu_smoke else "gpu_check_packed.json"
-        )
+        path = args.out / (f"{stem}_cpu_smoke.json" if args.cpu_smoke else f"{stem}.json")
         path.write_text(json.dumps(report, indent=1))
-        print_packed(report)
+        show(report)
         print(
             "FAILED: " + "; ".join(report["failures"])
             if report["failures"]
@@ -456,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
     report["packed_attention"] = check_packed_attention(device, smoke=args.cpu_smoke)
     failures += report["packed_attention"]["failures"]
+    report["deltanet"] = check_deltanet(device, smoke=args.cpu_smoke)
+    failures += report["deltanet"]["failures"]
     report["failures"] = failures
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("gpu_check_cpu_smoke.json" if args.cpu_smoke else "gpu_check.json")
@@ -478,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sync debug mode errors: {report['sync_errors']}")
         print(f"cuda graph: {report['cuda_graph']}")
     print_packed(report)
+    print_deltanet(report)
     print("FAILED: " + "; ".join(failures) if failures else "all checks passed")
     print(f"wrote {path}", file=sys.stderr)
     return 1 if failures else 0

@@ -9,6 +9,7 @@ from fusion.decoder.delta_rule import (
     gated_delta_step,
     recurrent_gated_delta_rule,
 )
+from fusion.decoder.delta_rule_fla import delta_rule_backend
 from fusion.decoder.embedding import ScaledEmbedding
 from fusion.decoder.feed_forward import FeedForward
 from fusion.decoder.few_rows import FewRowsLinear
@@ -41,6 +42,7 @@ __all__ = [
     "causal_conv",
     "chunk_gated_delta_rule",
     "conv_step",
+    "delta_rule_backend",
     "gated_delta_step",
     "recurrent_gated_delta_rule",
 ]

@@ -305,6 +305,7 @@ class _Indices(NamedTuple):
     scatter: torch.Tensor  # int64 [b * s]: each packed position's re-laid position (flat)
     samples: torch.Tensor  # bool [b, s]: sample positions of the packed rows
     resets: torch.Tensor  # bool [b, s' / chunk_size]: each region's first chunk
+    cu_seqlens: torch.Tensor  # int64 [n + 1]: the flattened rows' n sequences (see below)
 
 
 class SampleRegions:
@@ -334,6 +335,10 @@ class SampleRegions:
         kernel: the conv kernel size the gaps are sized for.
         relaid_len: ``s'``, a multiple of ``chunk_size``.
         starts: per row, where each sample starts in the re-laid row.
+        bounds: where the sequences of the rows flattened to ``b * s'`` positions start, and
+            their end: every region's start (a row's first is the row's), then ``b * s'``;
+            the ``cu_seqlens`` of a varlen kernel that zeroes the state where :attr:`resets`
+            does (a row's last sequence runs on through its trailing all-zero chunks).
     """
 
     def __init__(
@@ -381,6 +386,11 @@ class SampleRegions:
             ends.append(at)
         self.starts = tuple(starts)
         self.relaid_len = max(ends)
+        s2 = self.relaid_len
+        self.bounds = (
+            *(r * s2 + start - (kernel - 1) for r, row in enumerate(starts) for start in row),
+            len(starts) * s2,
+        )
         self._host = self._build()
         self._cache: dict[torch.device, _Indices] = {}
         self.device = torch.device("cpu") if device is None else torch.device(device)
@@ -417,6 +427,10 @@ class SampleRegions:
         """bool [b, s' / chunk_size]: True at each region's first chunk (the ``resets`` of
         :func:`chunk_gated_delta_rule`)."""
         return self._on(self.device).resets
+
+    def cu_seqlens_on(self, device: torch.device) -> torch.Tensor:
+        """int64 [n + 1]: :attr:`bounds` on ``device`` (moved once, then cached)."""
+        return self._on(device).cu_seqlens
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [b, s, ...] re-laid [b, s', ...]: each sample in its region, zeros elsewhere
@@ -464,11 +478,14 @@ class SampleRegions:
                 samples[r, at : at + n] = True
                 resets[r, (start - self.kernel + 1) // chunk] = True
                 at += n
-        return _Indices(index.reshape(-1), valid, back.reshape(-1), samples, resets)
+        cu_seqlens = torch.tensor(self.bounds, dtype=torch.int64)
+        return _Indices(index.reshape(-1), valid, back.reshape(-1), samples, resets, cu_seqlens)
 
     def _on(self, device: torch.device) -> "_Indices":
         if device not in self._cache:
-            self._cache[device] = _Indices(*(t.to(device) for t in self._host))
+            # Non-blocking: a blocking copy to a GPU would wait for its queued work; the host
+            # tensors stay alive in ``_host`` until the copy is done.
+            self._cache[device] = _Indices(*(t.to(device, non_blocking=True) for t in self._host))
         return self._cache[device]
 
     def __repr__(self) -> str:

@@ -9,6 +9,10 @@ gets its own region of the row (:class:`~fusion.decoder.delta_rule.SampleRegions
 convolution's taps and the state start afresh at every sample, from the samples' lengths
 (never from positions, whose M-RoPE rows are not monotone over an image). Padding is zeroed
 before the convolution, so left padding cannot leak into the first real tokens.
+
+On CUDA with flash-linear-attention installed, the packed path runs its varlen Triton kernel
+instead of the pure-torch one (:mod:`fusion.decoder.delta_rule_fla`); the layer's
+``delta_rule_backend`` (or ``FUSION_DELTA_RULE_BACKEND``) ``"torch"`` keeps the torch kernel.
 """
 
 from dataclasses import dataclass
@@ -24,6 +28,11 @@ from fusion.decoder.delta_rule import (
     chunk_gated_delta_rule,
     conv_step,
     gated_delta_step,
+)
+from fusion.decoder.delta_rule_fla import (
+    check_backend,
+    delta_rule_backend,
+    fla_packed_gated_delta_rule,
 )
 from fusion.decoder.few_rows import FewRowsLinear
 from fusion.decoder.packed import PackedSegments
@@ -64,6 +73,10 @@ class GatedDeltaNet(nn.Module):
         conv_kernel: the causal depthwise convolution's width.
         norm_eps: epsilon of the gated output norm.
         chunk_size: the delta rule's chunk length on the training path.
+        delta_rule_backend: the packed path's kernel: ``"auto"`` (FLA's on CUDA where it is
+            installed, unless ``FUSION_DELTA_RULE_BACKEND`` says otherwise), ``"torch"`` or
+            ``"fla"`` (see :func:`~fusion.decoder.delta_rule_fla.delta_rule_backend`); an
+            attribute of the same name, which may be changed.
 
     Shapes: input ``[b, s, d]``, output ``[b, s, d]``.
     """
@@ -78,6 +91,7 @@ class GatedDeltaNet(nn.Module):
         conv_kernel: int,
         norm_eps: float = 1e-6,
         chunk_size: int = 64,
+        delta_rule_backend: str = "auto",
     ) -> None:
         super().__init__()
         for name, value in (
@@ -98,6 +112,7 @@ class GatedDeltaNet(nn.Module):
         self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
         self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
         self.conv_kernel, self.chunk_size = conv_kernel, chunk_size
+        self.delta_rule_backend = check_backend(delta_rule_backend, "delta_rule_backend")
         key_dim, value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
         self.conv_dim = 2 * key_dim + value_dim
         self.in_proj_qkv = FewRowsLinear(embed_dim, self.conv_dim, bias=False)
@@ -195,7 +210,13 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         if isinstance(mask, SampleRegions):
             qkv, beta, g = mask.gather(qkv), mask.gather(beta), mask.gather(g)
-            out, _ = self._delta_rule(F.silu(causal_conv(self.conv1d, qkv)), g, beta, mask.resets)
+            mixed = F.silu(causal_conv(self.conv1d, qkv))
+            if delta_rule_backend(mixed.device, self.delta_rule_backend) == "fla":
+                # The key heads unrepeated: FLA's grouped values share them as Qwen3.5 does.
+                q, k, v = self._split(mixed, repeat=False)
+                out = fla_packed_gated_delta_rule(q, k, v, g, beta, mask)
+            else:
+                out, _ = self._delta_rule(mixed, g, beta, mask.resets)
             out = mask.scatter(out)
         elif self.state is not None and self.cache_enabled:
             out = self._continue(qkv, g, beta, self.state)
@@ -204,16 +225,19 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z).reshape(b, s, self.num_value_heads * self.value_head_dim)
         return self.out_proj(out)
 
-    def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys [b, s, hv, dk] (key heads repeated to the value heads) and values
-        [b, s, hv, dv] of the convolved projections [b, s, conv_dim]."""
+    def _split(
+        self, mixed: torch.Tensor, repeat: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys [b, s, hv, dk] (key heads repeated to the value heads; [b, s, hk, dk]
+        without ``repeat``) and values [b, s, hv, dv] of the convolved projections
+        [b, s, conv_dim]."""
         b, s, _ = mixed.shape
         key_dim = self.num_key_heads * self.key_head_dim
         q, k, v = mixed.split([key_dim, key_dim, self.num_value_heads * self.value_head_dim], -1)
         q = q.reshape(b, s, self.num_key_heads, self.key_head_dim)
         k = k.reshape(b, s, self.num_key_heads, self.key_head_dim)
         repeats = self.num_value_heads // self.num_key_heads
-        if repeats > 1:
+        if repeat and repeats > 1:
             q, k = q.repeat_interleave(repeats, dim=2), k.repeat_interleave(repeats, dim=2)
         return q, k, v.reshape(b, s, self.num_value_heads, self.value_head_dim)
 

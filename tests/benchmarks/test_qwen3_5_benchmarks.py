@@ -1,6 +1,8 @@
 """``benchmarks/deltanet_layer.py`` and ``benchmarks/qwen3_5_generation.py`` run end to end in
 their quick mode (tiny widths, rounds in alternating order) and report what they measure: the
-contestants agree before timing, tokens/s, paired ratios to transformers, the targets."""
+contestants agree before timing, tokens/s, paired ratios to transformers, the targets; and
+``benchmarks/gpu_check.py --deltanet-only --cpu-smoke`` runs its FLA check's comparison (the
+torch kernel against itself: FLA needs CUDA)."""
 
 import json
 import statistics
@@ -140,3 +142,16 @@ def test_finetune_qwen3_5_model_has_0_8b_widths():
     ]  # fmt: skip
     with pytest.raises(SystemExit):
         script.parse_args(["--family", "qwen3_5", "--only", "transformers_padding_free"])
+
+
+def test_gpu_check_deltanet_cpu_smoke(tmp_path):
+    stdout = run_script("gpu_check.py", "--deltanet-only", "--cpu-smoke", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "gpu_check_deltanet_cpu_smoke.json").read_text())
+    d = report["deltanet"]
+    assert (d["reference"], d["contestant"]) == ("torch", "torch")
+    assert set(d["paths"]) == {"fp32", "bf16"}
+    for p in d["paths"].values():
+        assert p["ok"] and p["finite"] and p["worst_share_of_tolerance"] == 0
+        assert set(p["max_abs_diff"]) >= {"output", "input", "A_log", "out_proj.weight"}
+        assert p["fwd_bwd_ms"]["torch"] > 0
+    assert report["failures"] == [] and "Gated DeltaNet packed" in stdout

@@ -75,6 +75,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     report = json.loads((tmp_path / "gpu_check_cpu_smoke.json").read_text())
     assert report["bits_equal_reference"] == {"index": True, "fused": True}
     assert set(report["bandwidth"]["median_us"]) >= {"copy_ (d2d)", "fused kernel"}
+    assert all(p["ok"] for p in report["deltanet"]["paths"].values())
     assert report["failures"] == []
     assert "all checks passed" in stdout
 
