@@ -38,12 +38,20 @@ On the GPU target case (bf16, 32k tokens x 4096, 25% placeholders in image block
    backend; whether a warm forward+backward synchronises (reported). Without FLA: "skipped:
    flash-linear-attention not installed". ``--cpu-smoke``: the tiny layer, the torch kernel
    against itself (FLA needs CUDA).
+7. fused loss (issue 40's GPU mode): ``fusion.fused_token_loss`` against
+   ``fusion.chunked_token_loss`` on 8192 rows of 2048 into a 151,936-word vocabulary (half
+   of them targets), with a tied output (its weight read) and an untied one (an ``nn.Linear``
+   called as a module), fp32 and bf16 autocast: the loss and the gradients of the hidden
+   states and the output within 1e-5 (fp32) or 2% (bf16) relative to the largest; the
+   forward+backward time and the peak memory of each; whether a warm step synchronises
+   (reported). ``--cpu-smoke``: 64 rows of 16 into 97 words.
 
 Prints a summary and writes ``gpu_check.json`` to ``--out``; exits 1 when a check fails.
 """
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -57,7 +65,7 @@ import packed_attention as pab
 import torch
 from common import add_out_argument, output_dir
 
-from fusion import masked_token_loss
+from fusion import chunked_token_loss, fused_token_loss, masked_token_loss
 from fusion.decoder import PackedSegments
 from fusion.decoder.packed_attention import resolve_backend
 
@@ -189,22 +197,27 @@ def check_bandwidth(inp: mk.Inputs, device: torch.device) -> dict:
     }
 
 
+def sync_error(fn: Callable[[], object]) -> str | None:
+    """Run ``fn`` (warm) with host synchronisation an error: None, or the error's first line."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return None
+    except RuntimeError as e:
+        return str(e).splitlines()[0][:300]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
 def check_sync(inp: mk.Inputs) -> dict:
     """None: nothing synchronised; otherwise the error's first line."""
     results = {}
     plain = {k: v.detach() for k, v in inp.rows.items()}
     for impl in ("fused", "index", "reference"):
         merge(inp, impl, plain)  # warm-up: compilation and first-launch work happen here
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            merge(inp, impl, plain)
-            results[impl] = None
-        except RuntimeError as e:
-            results[impl] = str(e).splitlines()[0]
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
+        results[impl] = sync_error(lambda impl=impl: merge(inp, impl, plain))
     return results
 
 
@@ -367,16 +380,7 @@ def check_packed_attention(device: torch.device, smoke: bool) -> dict:
 
                 entry["fwd_bwd_ms"] = cuda_ms(step, device)
                 if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.set_sync_debug_mode("error")
-                    try:
-                        step()
-                        entry["sync_error"] = None
-                    except RuntimeError as e:
-                        entry["sync_error"] = str(e).splitlines()[0][:300]
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
-                    torch.cuda.synchronize()
+                    entry["sync_error"] = sync_error(step)
                 model.zero_grad(set_to_none=True)
                 entry["ok"] = ok
                 if not ok:
@@ -489,16 +493,7 @@ def check_deltanet(device: torch.device, smoke: bool) -> dict:
             for backend in dict.fromkeys(["torch", contestant]):
                 entry["fwd_bwd_ms"][backend] = cuda_ms(lambda b=backend: run(b), device)
                 if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.set_sync_debug_mode("error")
-                    try:
-                        run(backend)
-                        entry["sync_error"][backend] = None
-                    except RuntimeError as e:
-                        entry["sync_error"][backend] = str(e).splitlines()[0][:300]
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
-                    torch.cuda.synchronize()
+                    entry["sync_error"][backend] = sync_error(lambda b=backend: run(b))
             if not entry["ok"]:
                 failures.append(f"deltanet: {contestant} {dtype_name}")
         except Exception as e:  # report, keep checking the others
@@ -508,6 +503,98 @@ def check_deltanet(device: torch.device, smoke: bool) -> dict:
     layer.delta_rule_backend = "auto"
     results["failures"] = failures
     return results
+
+
+def check_fused_loss(device: torch.device, smoke: bool) -> dict:
+    """The fused linear cross-entropy (``fusion.fused_token_loss``) against the checkpointed
+    chunks (``fusion.chunked_token_loss``) on a Qwen-sized vocabulary: the loss and the
+    gradients of the hidden states and of the output (tied: a weight read; untied: an
+    ``nn.Linear`` called as a module), fp32 and bf16 autocast; forward+backward time and peak
+    memory of each; whether a warm step synchronises (issue 40, the GPU mode)."""
+    rows, dim, vocab = (64, 16, 97) if smoke else (8192, 2048, 151_936)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, rows, dim, generator=generator).to(device)
+    labels = torch.randint(0, vocab, (1, rows), generator=generator)
+    labels[:, ::2] = -100  # half the rows are targets, as a conversation's answers
+    labels = labels.to(device)
+    targets = int((labels != -100).sum())
+    output = torch.nn.Linear(dim, vocab, bias=False).to(device)
+    with torch.no_grad():
+        output.weight.normal_(0, dim**-0.5)
+    unembeds = {
+        "untied": output,
+        "tied": lambda h: torch.nn.functional.linear(h, output.weight),  # a tied table's read
+    }
+    results: dict = {"rows": rows, "dim": dim, "vocab": vocab, "targets": targets, "cases": {}}
+    failures = []
+
+    def step(loss: str, unembed, autocast) -> list[torch.Tensor]:
+        output.weight.grad = None
+        leaf = hidden.clone().requires_grad_()
+        with autocast:
+            if loss == "fused":
+                total, _ = fused_token_loss(
+                    leaf, labels, unembed, grad_scale=1 / targets, num_targets=targets
+                )
+            else:
+                total, _ = chunked_token_loss(leaf, labels, unembed, num_targets=targets)
+        (total / targets).backward()
+        assert leaf.grad is not None and output.weight.grad is not None
+        return [total.detach() / targets, leaf.grad, output.weight.grad.clone()]
+
+    for dtype_name in ("fp32", "bf16"):
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype_name == "bf16")
+        for tie, unembed in unembeds.items():
+            case = f"{dtype_name} {tie}"
+            entry: dict = {}
+            results["cases"][case] = entry
+            try:
+                expected = step("chunked", unembed, autocast)
+                actual = step("fused", unembed, autocast)
+                rtol = 1e-5 if dtype_name == "fp32" else 2e-2
+                entry["relative_diff"] = {
+                    name: float((a - e).abs().max() / e.abs().max().clamp_min(1e-30))
+                    for name, a, e in zip(("loss", "hidden", "output"), actual, expected,
+                                          strict=True)
+                }  # fmt: skip
+                entry["ok"] = max(entry["relative_diff"].values()) <= rtol
+                entry["tolerance"] = rtol
+                entry["fwd_bwd_ms"], entry["peak_mib"], entry["sync_error"] = {}, {}, {}
+                for loss in ("chunked", "fused"):
+                    run = functools.partial(step, loss, unembed, autocast)
+                    entry["fwd_bwd_ms"][loss] = cuda_ms(run, device)
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                        entry["sync_error"][loss] = sync_error(run)
+                        entry["peak_mib"][loss] = torch.cuda.max_memory_allocated() / 2**20
+                if not entry["ok"]:
+                    failures.append(f"fused loss: {case}")
+            except Exception as e:  # report, keep checking the others
+                entry["error"] = f"{type(e).__name__}: {e}"[:500]
+                failures.append(f"fused loss: {case} raised")
+                traceback.print_exc()
+    results["failures"] = failures
+    return results
+
+
+def print_fused_loss(report: dict) -> None:
+    r = report["fused_loss"]
+    print(
+        f"fused loss against the chunked loss, {r['rows']} rows x {r['dim']} -> vocabulary "
+        f"{r['vocab']}, {r['targets']} targets:"
+    )
+    for case, entry in r["cases"].items():
+        if "error" in entry:
+            print(f"  {case:12} ERROR {entry['error']}")
+            continue
+        diffs = ", ".join(f"{k} {v:.1e}" for k, v in entry["relative_diff"].items())
+        times = ", ".join(f"{k} {v:.2f} ms" for k, v in entry["fwd_bwd_ms"].items())
+        peaks = ", ".join(f"{k} {v:.0f} MiB" for k, v in entry["peak_mib"].items())
+        print(
+            f"  {case:12} {'ok' if entry['ok'] else 'FAILED'} (relative {diffs}; tolerance "
+            f"{entry['tolerance']:.0e}); fwd+bwd {times}; peak {peaks or '-'}; sync "
+            f"{entry['sync_error'] or '-'}"
+        )
 
 
 def print_deltanet(report: dict) -> None:
@@ -601,6 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     failures += report["packed_attention"]["failures"]
     report["deltanet"] = check_deltanet(device, smoke=args.cpu_smoke)
     failures += report["deltanet"]["failures"]
+    report["fused_loss"] = check_fused_loss(device, smoke=args.cpu_smoke)
+    failures += report["fused_loss"]["failures"]
     report["failures"] = failures
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("gpu_check_cpu_smoke.json" if args.cpu_smoke else "gpu_check.json")
@@ -624,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cuda graph: {report['cuda_graph']}")
     print_packed(report)
     print_deltanet(report)
+    print_fused_loss(report)
     print("FAILED: " + "; ".join(failures) if failures else "all checks passed")
     print(f"wrote {path}", file=sys.stderr)
     return 1 if failures else 0

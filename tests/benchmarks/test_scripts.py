@@ -76,6 +76,10 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert report["bits_equal_reference"] == {"index": True, "fused": True}
     assert set(report["bandwidth"]["median_us"]) >= {"copy_ (d2d)", "fused kernel"}
     assert all(p["ok"] for p in report["deltanet"]["paths"].values())
+    cases = report["fused_loss"]["cases"]
+    assert set(cases) == {"fp32 untied", "fp32 tied", "bf16 untied", "bf16 tied"}
+    assert all(c["ok"] and c["relative_diff"]["loss"] <= 1e-5 for c in cases.values())
+    assert "fused loss against the chunked loss" in stdout
     assert report["failures"] == []
     assert "all checks passed" in stdout
 
