@@ -321,6 +321,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "recipe's: fused on CPU, chunked on CUDA",
     )
     p.add_argument(
+        "--loss-chunk-rows",
+        type=int,
+        default=1024,
+        help="the target rows fusion's loss projects to the vocabulary at once (default 1024, "
+        "the library's; the chunk's logits are rows x vocabulary floats)",
+    )
+    p.add_argument(
         "--max-image",
         type=int,
         default=None,
@@ -365,7 +372,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "across samples on CPU (its DeltaNet carries its state across position_ids "
             "boundaries); the run checks its loss against transformers_padded's, untimed"
         )
-    for name in ("rounds", "text_layers", "vision_layers", "memory_limit_gib"):
+    for name in ("rounds", "text_layers", "vision_layers", "memory_limit_gib", "loss_chunk_rows"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
@@ -686,6 +693,7 @@ class StepSettings:
     max_seq_len: int  # the most tokens per packed row
     feed: Iterator[MicroBatch] | None = None  # fusion's micro-batches, step by step
     loss: str = "chunked"  # fusion's loss (--loss)
+    loss_chunk_rows: int = 1024  # the rows its chunks project at once (--loss-chunk-rows)
 
 
 #: A contestant's training step: (model, the step's samples, settings) -> (the step's loss, a
@@ -820,12 +828,13 @@ def fusion_loss(model, batch, targets: int, settings: StepSettings) -> torch.Ten
         if settings.loss == "fused":
             loss_sum, _ = fused_token_loss(
                 hidden, batch.labels, model.decoder.unembed, grad_scale=1 / targets,
-                num_targets=batch.num_targets,
+                num_targets=batch.num_targets, chunk_size=settings.loss_chunk_rows,
             )  # fmt: skip
         else:
             loss_sum, _ = chunked_token_loss(
-                hidden, batch.labels, model.decoder.unembed, num_targets=batch.num_targets
-            )
+                hidden, batch.labels, model.decoder.unembed, num_targets=batch.num_targets,
+                chunk_size=settings.loss_chunk_rows,
+            )  # fmt: skip
         return loss_sum / targets
 
 
@@ -1084,7 +1093,7 @@ def run_worker(args: argparse.Namespace) -> None:
             checks["same_weights_check"] = check_padding_free(model, steps[1][:2], settings)
     times, cpu_times, losses, positions = [], [], [], []
     stack = ExitStack()
-    settings = dataclasses.replace(settings, loss=args.loss)
+    settings = dataclasses.replace(settings, loss=args.loss, loss_chunk_rows=args.loss_chunk_rows)
     if args.worker.startswith("fusion_"):
         model.skip_output_layer = True  # hidden states for the chunked loss
         feed = stack.enter_context(fusion_feed(steps, settings, args.worker == "fusion_packed"))
@@ -1159,6 +1168,7 @@ def run_contestant(
             command += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     command += ["--short-warmup"] if args.short_warmup else []
     command += ["--train", args.train, "--loss", args.loss]
+    command += ["--loss-chunk-rows", str(args.loss_chunk_rows)]
     command += [] if args.max_image is None else ["--max-image", str(args.max_image)]
     command += ["--profile"] if args.profile else []
     limit = args.memory_limit_gib

@@ -37,6 +37,7 @@ same state: run this right after ``finetune.py``; results from another machine (
 import argparse
 import dataclasses
 import json
+import math
 import platform
 import statistics
 import tempfile
@@ -115,6 +116,24 @@ def load(name: str, model_dir: Path, fargs: argparse.Namespace):
     return model, tower
 
 
+def grouped_conv_backward_flop(
+    grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+    _output_padding, _groups, output_mask, out_shape=None, **kwargs,
+) -> int:  # fmt: skip
+    """A convolution's backward, groups counted: each of the input's and the weight's
+    gradients costs what the forward does, ``2 * batch * output positions * weight size``
+    (the weight ``[c_out, c_in / groups, k...]``). torch's own formula (2.13) takes the
+    weight's gradient as an ungrouped convolution, which overcounts a depthwise one (Qwen3.5's
+    Gated DeltaNet conv over 6144 channels) by the channel count."""
+    positions = (x_shape if transposed else grad_out_shape)[2:]
+    forward = 2 * grad_out_shape[0] * math.prod(positions) * math.prod(w_shape)
+    return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
+#: FlopCounterMode's formulas that this script replaces.
+FLOP_FORMULAS = {torch.ops.aten.convolution_backward: grouped_conv_backward_flop}
+
+
 def step_work(name: str, model, tower, steps, settings) -> dict:
     """The first timed step's floating-point operations, in total and in the tower."""
     with ExitStack() as stack:
@@ -124,7 +143,7 @@ def step_work(name: str, model, tower, steps, settings) -> dict:
             next(feed)  # the warm-up step's micro-batch
             settings = dataclasses.replace(settings, feed=feed)
         tower_flops = []
-        counter = FlopCounterMode(display=False)
+        counter = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
         handle = tower.register_forward_hook(
             lambda *_: tower_flops.append(counter.get_total_flops())
         )

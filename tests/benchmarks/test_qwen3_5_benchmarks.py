@@ -8,8 +8,9 @@ import json
 import statistics
 
 import pytest
+import torch
 
-from bench_helpers import run_script
+from bench_helpers import load_script, run_script
 
 
 def test_deltanet_layer_quick(tmp_path):
@@ -155,3 +156,21 @@ def test_gpu_check_deltanet_cpu_smoke(tmp_path):
         assert set(p["max_abs_diff"]) >= {"output", "input", "A_log", "out_proj.weight"}
         assert p["fwd_bwd_ms"]["torch"] > 0
     assert report["failures"] == [] and "Gated DeltaNet packed" in stdout
+
+
+@pytest.mark.parametrize("groups", [1, 4, 16])
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_floor_counts_a_grouped_conv_backward_as_its_forward(groups, input_grad):
+    """The floor tool's FLOPs of a convolution's backward: each gradient asked for costs what
+    the forward does, groups counted (torch's own formula overcounts the depthwise conv of the
+    Gated DeltaNet's weight gradient by its channel count)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    floor = load_script("finetune_floor")
+    channels, length, kernel = 16, 50, 4
+    conv = torch.nn.Conv1d(channels, channels, kernel, groups=groups, padding=kernel - 1)
+    x = torch.randn(2, channels, length, requires_grad=input_grad)
+    with FlopCounterMode(display=False, custom_mapping=floor.FLOP_FORMULAS) as counter:
+        conv(x).sum().backward()
+    forward = 2 * 2 * (length + kernel - 1) * channels * (channels // groups) * kernel
+    assert counter.get_total_flops() == forward * (2 + input_grad)
