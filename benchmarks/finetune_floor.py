@@ -230,13 +230,11 @@ def main(argv: list[str] | None = None) -> dict:
         model_dir = Path(workdir) / "model"
         torch.manual_seed(fargs.seed)
         bench.save_model(family, config, model_dir)
-        # With --results, the contestants it measured (one out of memory there would be here)
-        measured_names = None
-        if args.results is not None:
-            measured_names = set(json.loads(args.results.read_text())["results"])
+        results = None if args.results is None else json.loads(args.results.read_text())
         work = {}
         for name in fargs.only:
-            if measured_names is not None and name not in measured_names | {"fusion_packed"}:
+            # With --results, the contestants it measured (not one that ran out of memory)
+            if results is not None and name not in {*results["results"], "fusion_packed"}:
                 continue
             model, tower = load(name, model_dir, fargs)
             work[name] = step_work(name, model, tower, steps, settings)
@@ -281,8 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{memory['adamw_state_mib']:.0f} + the larger of saved activations "
         f"{activations:.0f} and gradients {memory['gradients_mib']:.0f}"
     )
-    if args.results is not None:
-        seen = measured(json.loads(args.results.read_text()))
+    if results is not None:
+        seen = measured(results)
         bounds = {
             f"fusion_packed / {name} (tokens/s, at most)": seen[name]["step_s"] / packed["floor_s"]
             for name in ("transformers_padded", "transformers_padding_free")
