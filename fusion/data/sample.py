@@ -138,32 +138,13 @@ class Sample:
             pixels.numel() and not pixels.dtype.is_floating_point
         ):
             raise ValueError(f"pixel_values: expected a floating tensor, got {_describe(pixels)}")
-        grids = self.image_grid_thw
-        if (
-            not isinstance(grids, torch.Tensor)
-            or grids.dim() != 2
-            or grids.size(1) != 3
-            or grids.dtype != torch.int64
-        ):
-            raise ValueError(
-                f"image_grid_thw: expected int64 [n_images, 3], got {_describe(grids)}"
-            )
-        if not isinstance(self.images, tuple) or not all(
-            isinstance(ref, ImageRef) for ref in self.images
-        ):
-            raise ValueError(
-                f"images: expected a tuple of ImageRef, got {type(self.images).__name__}"
-            )
+        _check_grids("image_grid_thw", self.image_grid_thw, "n_images")
+        _check_refs("images", self.images, ImageRef)
         self._check_videos()
 
     def _check_videos(self) -> None:
         videos, patches = self.pixel_values_videos, self.video_grid_thw
-        if not isinstance(self.videos, tuple) or not all(
-            isinstance(ref, VideoRef) for ref in self.videos
-        ):
-            raise ValueError(
-                f"videos: expected a tuple of VideoRef, got {type(self.videos).__name__}"
-            )
+        _check_refs("videos", self.videos, VideoRef)
         if not isinstance(videos, torch.Tensor) or (
             videos.numel() and (not videos.dtype.is_floating_point or videos.dim() != 2)
         ):
@@ -171,15 +152,7 @@ class Sample:
                 "pixel_values_videos: expected a floating tensor [n_patches, d] (or empty), got "
                 f"{_describe(videos)}"
             )
-        if (
-            not isinstance(patches, torch.Tensor)
-            or patches.dim() != 2
-            or patches.size(1) != 3
-            or patches.dtype != torch.int64
-        ):
-            raise ValueError(
-                f"video_grid_thw: expected int64 [n_videos, 3], got {_describe(patches)}"
-            )
+        _check_grids("video_grid_thw", patches, "n_videos")
         seconds = self.second_per_grid_ts
         if (
             not isinstance(seconds, torch.Tensor)
@@ -224,3 +197,20 @@ class Sample:
 
 def _describe(value: object) -> str:
     return describe(value) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _check_grids(name: str, grids: object, count: str) -> None:
+    """``grids`` must be int64 ``[count, 3]`` (each image's or video's t, h, w in patches)."""
+    if (
+        not isinstance(grids, torch.Tensor)
+        or grids.dim() != 2
+        or grids.size(1) != 3
+        or grids.dtype != torch.int64
+    ):
+        raise ValueError(f"{name}: expected int64 [{count}, 3], got {_describe(grids)}")
+
+
+def _check_refs(name: str, refs: object, kind: type) -> None:
+    """``refs`` must be a tuple of ``kind`` (the sample's media references)."""
+    if not isinstance(refs, tuple) or not all(isinstance(ref, kind) for ref in refs):
+        raise ValueError(f"{name}: expected a tuple of {kind.__name__}, got {type(refs).__name__}")
