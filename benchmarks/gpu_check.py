@@ -50,6 +50,7 @@ Prints a summary and writes ``gpu_check.json`` to ``--out``; exits 1 when a chec
 """
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -58,7 +59,7 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import merge_kernels as mk  # benchmarks/ is on sys.path when this file runs as a script
 import packed_attention as pab
@@ -197,6 +198,18 @@ def check_bandwidth(inp: mk.Inputs, device: torch.device) -> dict:
     }
 
 
+@contextlib.contextmanager
+def reported(entry: dict, failures: list[str], check: str) -> Iterator[None]:
+    """Run a check's body; an exception is recorded in ``entry`` and ``failures`` (as
+    "``check`` raised") with its traceback printed, and the checks go on with the next."""
+    try:
+        yield
+    except Exception as e:  # report, keep checking the others
+        entry["error"] = f"{type(e).__name__}: {e}"[:500]
+        failures.append(f"{check} raised")
+        traceback.print_exc()
+
+
 def sync_error(fn: Callable[[], object]) -> str | None:
     """Run ``fn`` (warm) with host synchronisation an error: None, or the error's first line."""
     torch.cuda.synchronize()
@@ -333,7 +346,7 @@ def check_packed_attention(device: torch.device, smoke: bool) -> dict:
                 except ValueError as e:
                     entry["skipped"] = str(e)[:300]
                     continue
-            try:
+            with reported(entry, failures, f"packed attention: {name}"):
                 mask = (
                     segments.dense_mask() if backend == "mask" else segments.with_backend(backend)
                 )
@@ -385,10 +398,6 @@ def check_packed_attention(device: torch.device, smoke: bool) -> dict:
                 entry["ok"] = ok
                 if not ok:
                     failures.append(f"packed attention: {name}")
-            except Exception as e:  # report, keep checking the others
-                entry["error"] = f"{type(e).__name__}: {e}"[:500]
-                failures.append(f"packed attention: {name} raised")
-                traceback.print_exc()
     results["failures"] = failures
     return results
 
@@ -463,7 +472,7 @@ def check_deltanet(device: torch.device, smoke: bool) -> dict:
             grads = torch.autograd.grad(out, [leaf, *layer.parameters()], grad.to(out.dtype))
             return [t.detach().float() for t in (out, *grads)]
 
-        try:
+        with reported(entry, failures, f"deltanet: {contestant} {dtype_name}"):
             expected, actual = run("torch"), run(contestant)
             rtol, atol = (1e-3, 1e-4) if dtype_name == "fp32" else (3e-2, 0.0)
 
@@ -496,10 +505,6 @@ def check_deltanet(device: torch.device, smoke: bool) -> dict:
                     entry["sync_error"][backend] = sync_error(lambda b=backend: run(b))
             if not entry["ok"]:
                 failures.append(f"deltanet: {contestant} {dtype_name}")
-        except Exception as e:  # report, keep checking the others
-            entry["error"] = f"{type(e).__name__}: {e}"[:500]
-            failures.append(f"deltanet: {contestant} {dtype_name} raised")
-            traceback.print_exc()
     layer.delta_rule_backend = "auto"
     results["failures"] = failures
     return results
@@ -548,7 +553,7 @@ def check_fused_loss(device: torch.device, smoke: bool) -> dict:
             case = f"{dtype_name} {tie}"
             entry: dict = {}
             results["cases"][case] = entry
-            try:
+            with reported(entry, failures, f"fused loss: {case}"):
                 expected = step("chunked", unembed, autocast)
                 actual = step("fused", unembed, autocast)
                 rtol = 1e-5 if dtype_name == "fp32" else 2e-2
@@ -569,10 +574,6 @@ def check_fused_loss(device: torch.device, smoke: bool) -> dict:
                         entry["peak_mib"][loss] = torch.cuda.max_memory_allocated() / 2**20
                 if not entry["ok"]:
                     failures.append(f"fused loss: {case}")
-            except Exception as e:  # report, keep checking the others
-                entry["error"] = f"{type(e).__name__}: {e}"[:500]
-                failures.append(f"fused loss: {case} raised")
-                traceback.print_exc()
     results["failures"] = failures
     return results
 
