@@ -374,8 +374,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     for name in ("rounds", "text_layers", "vision_layers", "memory_limit_gib", "loss_chunk_rows"):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')}: expected at least 1, got {value}")
+        if value is not None and not 1 <= value < float("inf"):  # NaN fails too
+            p.error(f"--{name.replace('_', '-')}: expected at least 1 (finite), got {value}")
     cuda = args.device == "cuda"
     if args.loss is None:  # the fine-tuning recipe's choice (its --fused-loss)
         args.loss = "chunked" if cuda else "fused"

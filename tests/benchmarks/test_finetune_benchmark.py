@@ -144,8 +144,9 @@ def test_a_capped_contestant_out_of_memory_is_named():
     assert "can't allocate memory" in finetune.out_of_memory(done.returncode, done.stderr)
     assert "SIGKILL" in finetune.out_of_memory(-signal.SIGKILL, "")
     assert finetune.out_of_memory(1, "ValueError: bad sample") is None
-    with pytest.raises(SystemExit):
-        finetune.parse_args(["--memory-limit-gib", "0.5"])
+    for bad in ("0.5", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            finetune.parse_args(["--memory-limit-gib", bad])
 
 
 def test_a_contestant_out_of_memory_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
