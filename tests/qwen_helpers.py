@@ -322,9 +322,9 @@ def media_prompt(
     (``("image", (t, h, w))``, random patches) and videos (``("video", (frames, fps, height,
     width))``: drawn frames through :class:`Qwen2VLVideoProcessor`, or with ``qwen3``
     :class:`Qwen3VLVideoProcessor`), each as ``<|vision_start|>`` + placeholders +
-    ``<|vision_end|>``; a Qwen3-VL video's as transformers 5.24 writes them, each temporal
+    ``<|vision_end|>``; a Qwen3-VL video's as transformers 5.25 writes them, each temporal
     patch's run after a timestamp (three random tokens here) and in a start / end pair of its
-    own, inside the chat template's pair. Returns (ids [1, s], image input, video input) in
+    own (the chat template's pair replaced). Returns (ids [1, s], image input, video input) in
     transformers' names: ``pixel_values`` and ``image_grid_thw``; ``pixel_values_videos``,
     ``video_grid_thw`` and float32 ``second_per_grid_ts``."""
     from video_helpers import drawn_frames
@@ -359,12 +359,10 @@ def media_prompt(
             rows = t * h * w // MERGE**2
             pieces.append(torch.tensor([VISION_START, *[VIDEO_PAD] * rows, VISION_END]))
             continue
-        pieces.append(torch.tensor([VISION_START]))
         for _ in range(t):
             pieces.append(torch.randint(3, 140, (3,), generator=generator))
             pieces.append(torch.tensor([VISION_START, *[VIDEO_PAD] * (h * w // MERGE**2)]))
             pieces.append(torch.tensor([VISION_END]))
-        pieces.append(torch.tensor([VISION_END]))
     patches = sum(t * h * w for t, h, w in image_grids)
     images = {
         "pixel_values": torch.randn(patches, patch_width, generator=generator),

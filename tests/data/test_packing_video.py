@@ -71,17 +71,18 @@ def tiny_video_model(model_type: str) -> EarlyFusion:
 
 
 def video_tokens(draw, grid: tuple[int, int, int], qwen3: bool) -> list[int]:
-    """A video's ids as the processors write them inside the template's start / end pair:
-    Qwen2-VL's one run of ``t * h * w / 4`` placeholders; Qwen3-VL's, per temporal patch, a
-    timestamp (three text tokens here), then that frame's run in a start / end pair."""
+    """A video's ids as the processors write them: Qwen2-VL's one run of ``t * h * w / 4``
+    placeholders in the template's start / end pair; Qwen3-VL's, per temporal patch, a
+    timestamp (three text tokens here), then that frame's run in a start / end pair of its
+    own (in place of the template's)."""
     t, h, w = grid
     if not qwen3:
         return [VISION_START, *[VIDEO_PAD] * (t * h * w // MERGE**2), VISION_END]
-    ids = [VISION_START]
+    ids: list[int] = []
     for _ in range(t):
         ids += draw(st.lists(st.integers(3, 140), min_size=3, max_size=3))
         ids += [VISION_START, *[VIDEO_PAD] * (h * w // MERGE**2), VISION_END]
-    return [*ids, VISION_END]
+    return ids
 
 
 @st.composite

@@ -1,5 +1,5 @@
 """Qwen3-VL and Qwen3.5 take videos: each temporal patch's rows after its timestamp, in a
-start / end pair of its own inside the chat template's (as transformers 5.24's processor
+start / end pair of its own in place of the chat template's (as transformers 5.25's processor
 writes them), placed as media of their own (t = 1); Qwen3-VL adds DeepStack rows at the video
 placeholders too. Logits equal transformers' (fp32, 1e-4) with a video, a video and images, a
 left-padded batch; positions equal ``get_rope_index``'s; packed rows equal each sample alone

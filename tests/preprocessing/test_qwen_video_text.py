@@ -10,11 +10,11 @@ import pytest
 import torch
 from video_helpers import drawn_frames, hf_video_outputs, hf_video_settings, write_clip
 
+from fusion.families.qwen_vl.images import QWEN2_VL_VIDEO_MARKER
+from fusion.families.qwen_vl.processor import expand_video_pads
 from fusion.families.qwen_vl.video import (
-    QWEN2_VL_VIDEO_MARKER,
     Qwen2VLVideoProcessor,
     Qwen3VLVideoProcessor,
-    expand_video_pads,
 )
 from fusion.media.video import VideoMetadata, load_video
 from vlm_helpers import CHARS, QWEN_SPECIAL_IDS, qwen_hf_tokenizer
@@ -161,3 +161,20 @@ def test_a_video_count_other_than_the_pads_is_refused():
         ValueError, match=r"2 video marker\(s\) '<\|video_pad\|>'.*1 video\(s\) given"
     ):
         expand_video_pads([MARKER, MARKER], ["x"])
+
+
+def test_a_text_bracketing_its_frames_replaces_the_whole_marker():
+    """Qwen3-VL's frames each have their own start / end pair, so the template's marker goes
+    whole (transformers 5.25, and its 4.x code; 5.0 to 5.24 wrote the marker's pair around
+    them too); Qwen2-VL's pads keep the marker's pair, and a bare pad takes either text."""
+    metadata = VideoMetadata(4, 2.0, 32, 32, 2.0, (0, 1, 2, 3))
+    qwen3 = Qwen3VLVideoProcessor(**CASES[2][2]).video_text((2, 2, 2), metadata)
+    frame = "<|vision_start|><|video_pad|><|vision_end|>"
+    assert qwen3 == f"<0.2 seconds>{frame}<1.2 seconds>{frame}"
+    prompts = [f"a {MARKER} b", "c <|video_pad|> d"]
+    assert expand_video_pads(prompts, [qwen3, qwen3]) == [f"a {qwen3} b", f"c {qwen3} d"]
+    pads = "<|video_pad|>" * 3
+    assert expand_video_pads(prompts, [pads, pads]) == [
+        f"a <|vision_start|>{pads}<|vision_end|> b",
+        f"c {pads} d",
+    ]

@@ -43,7 +43,7 @@ from fusion.families.qwen_vl.family import (
     add_video_settings,
     qwen_vision_kwargs,
 )
-from fusion.families.qwen_vl.video import QWEN2_VL_VIDEO_MARKER
+from fusion.families.qwen_vl.images import QWEN2_VL_VIDEO_MARKER
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import short_repr
 from fusion.hf.layout import KeyLayout

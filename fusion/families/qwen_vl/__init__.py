@@ -11,12 +11,11 @@ from fusion.families.qwen_vl.images import (
     qwen2_vl_image_text,
     smart_resize,
 )
-from fusion.families.qwen_vl.processor import Qwen2VLProcessor
+from fusion.families.qwen_vl.processor import Qwen2VLProcessor, expand_video_pads
 from fusion.families.qwen_vl.video import (
     PatchedVideos,
     Qwen2VLVideoProcessor,
     Qwen3VLVideoProcessor,
-    expand_video_pads,
     read_video_processor,
 )
 

@@ -35,7 +35,7 @@ from fusion.families.base import (
 )
 from fusion.families.llama.config import hf_config_from_decoder, llama_kwargs
 from fusion.families.qwen_vl.builders import TOKENS_PER_SECOND, qwen2_vl, qwen3_vl
-from fusion.families.qwen_vl.video import QWEN2_VL_VIDEO_MARKER
+from fusion.families.qwen_vl.images import QWEN2_VL_VIDEO_MARKER
 from fusion.hf.config import ConfigReader
 from fusion.hf.errors import short_repr
 from fusion.hf.layout import KeyLayout

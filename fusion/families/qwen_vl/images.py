@@ -47,6 +47,9 @@ VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 # What Qwen's chat template writes for each image, and what a prompt marks an image with.
 QWEN2_VL_IMAGE_MARKER = VISION_START + IMAGE_PAD + VISION_END
+# What Qwen's chat templates write for each video; its <|video_pad|> becomes the video's text
+# (the video processor's video_text, processor.expand_video_pads).
+QWEN2_VL_VIDEO_MARKER = VISION_START + VIDEO_PAD + VISION_END
 # smart_resize's own limit: a thinner image would be resized to a sliver of patches.
 MAX_ASPECT_RATIO = 200
 # Bounds on the settings, far above any published model's (patch 14 or 16, merge 2, temporal

@@ -6,6 +6,7 @@ settings.
 """
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +25,7 @@ from fusion.families.qwen_vl.images import (
     MAX_PATCH_SIZE,
     MAX_TEMPORAL_PATCH_SIZE,
     QWEN2_VL_IMAGE_MARKER,
+    QWEN2_VL_VIDEO_MARKER,
     VIDEO_PAD,
     VISION_END,
     VISION_START,
@@ -32,7 +34,12 @@ from fusion.families.qwen_vl.images import (
 )
 from fusion.hf.config import CONFIG_NAME, ConfigReader, read_hf_config
 from fusion.hf.errors import CheckpointError, as_path, short_repr
-from fusion.media.prompts import expand_markers
+from fusion.media.prompts import check_marker_count
+
+# A video text that brackets its own frames (Qwen3-VL's) replaces the template's whole marker,
+# as transformers' Qwen3VLProcessor does (and its 4.x code did; 5.0 to 5.24 left the marker's
+# pair around the frames' own, text the models were not trained on).
+_VIDEO_PADS = re.compile(f"{re.escape(QWEN2_VL_VIDEO_MARKER)}|{re.escape(VIDEO_PAD)}")
 
 _IDS = ("image_token_id", "vision_start_token_id", "vision_end_token_id")
 _VISION_SIZES = ("patch_size", "spatial_merge_size", "temporal_patch_size")
@@ -250,7 +257,7 @@ class Qwen2VLProcessor(VisionLanguageProcessor):
                 )
 
     def _expand_videos(self, texts: list[str], video_texts: Sequence[str]) -> list[str]:
-        return expand_markers(texts, video_texts, VIDEO_PAD, "video")
+        return expand_video_pads(texts, video_texts)
 
     def _plan_image(self, image: object, name: str) -> int:
         t, h, w = self.image_processor.check(image, name)
@@ -305,3 +312,26 @@ class Qwen2VLProcessor(VisionLanguageProcessor):
                     "single tokens config.json names (image_token_id, vision_start_token_id, "
                     "vision_end_token_id), and prompts must not hold them otherwise"
                 )
+
+
+def expand_video_pads(prompts: Sequence[str], texts: Sequence[str]) -> list[str]:
+    """Each ``<|video_pad|>`` of ``prompts``, in order across them, replaced by the next of
+    ``texts`` (the video processor's ``video_text``), as transformers' processors replace it:
+    one per video. A text that brackets its own frames with ``<|vision_start|>`` (Qwen3-VL's
+    and Qwen3.5's) replaces the template's whole ``<|vision_start|><|video_pad|><|vision_end|>``
+    around its pad, so that no start / end pair encloses the frames' own.
+
+    Raises:
+        ValueError: a number of ``<|video_pad|>`` other than the number of videos (both
+            counts given).
+    """
+    check_marker_count(prompts, len(texts), VIDEO_PAD, "video")
+    remaining = iter(texts)
+
+    def replace(found: re.Match[str]) -> str:
+        text = next(remaining)
+        if found.group() == QWEN2_VL_VIDEO_MARKER and VISION_START not in text:
+            return VISION_START + text + VISION_END
+        return text
+
+    return [_VIDEO_PADS.sub(replace, prompt) for prompt in prompts]

@@ -41,7 +41,6 @@ from fusion.families.qwen_vl.processor import check_against_tower, read_qwen2_vl
 from fusion.hf.config import ConfigReader, read_hf_config
 from fusion.hf.errors import CheckpointError
 from fusion.media.images import CLIP_MEAN, CLIP_STD, STANDARD_MEAN, STANDARD_STD
-from fusion.media.prompts import expand_markers
 from fusion.media.resize import BICUBIC, BILINEAR, NEAREST
 from fusion.media.video import (
     Sampler,
@@ -53,9 +52,6 @@ from fusion.media.video import (
 )
 
 VIDEO_PREPROCESSOR_CONFIG = "video_preprocessor_config.json"
-# What Qwen's chat templates write for each video; transformers' processors replace its
-# <|video_pad|> by the video's text (video_text).
-QWEN2_VL_VIDEO_MARKER = VISION_START + VIDEO_PAD + VISION_END
 # torch's interpolation modes for the filters transformers maps to torchvision's
 # (pil_torch_interpolation_mapping): nearest is torchvision's NEAREST_EXACT.
 _MODES = {NEAREST: "nearest-exact", BILINEAR: "bilinear", BICUBIC: "bicubic"}
@@ -386,18 +382,6 @@ def _grid(grid_thw: Sequence[int]) -> tuple[int, int, int]:
     return values[0], values[1], values[2]
 
 
-def expand_video_pads(prompts: Sequence[str], texts: Sequence[str]) -> list[str]:
-    """Each ``<|video_pad|>`` of ``prompts``, in order across them, replaced by the next of
-    ``texts`` (:meth:`Qwen2VLVideoProcessor.video_text`), as transformers' processors replace
-    it: one per video.
-
-    Raises:
-        ValueError: a number of ``<|video_pad|>`` other than the number of videos (both
-            counts given).
-    """
-    return expand_markers(prompts, texts, VIDEO_PAD, "video")
-
-
 def _as_video(video: object, name: str) -> Video:
     if isinstance(video, torch.Tensor):
         frames = video
@@ -492,10 +476,12 @@ class Qwen3VLVideoProcessor(Qwen2VLVideoProcessor):
         return [(seconds[i] + seconds[i + tps - 1]) / 2 for i in range(0, len(seconds), tps)]
 
     def video_text(self, grid_thw: Sequence[int], metadata: VideoMetadata) -> str:
-        """What a video's ``<|video_pad|>`` becomes, as transformers 5.24's
-        ``Qwen3VLProcessor`` writes it: per temporal patch, its time ``<{t:.1f} seconds>``
-        (:meth:`timestamps`), then ``<|vision_start|>``, one ``<|video_pad|>`` per row of
-        that frame (``h * w / merge_size**2``), ``<|vision_end|>``.
+        """A video's text, as transformers' ``Qwen3VLProcessor`` writes it: per temporal
+        patch, its time ``<{t:.1f} seconds>`` (:meth:`timestamps`), then ``<|vision_start|>``,
+        one ``<|video_pad|>`` per row of that frame (``h * w / merge_size**2``),
+        ``<|vision_end|>``. Since each frame has its own start / end pair, the text replaces
+        the chat template's whole ``<|vision_start|><|video_pad|><|vision_end|>``
+        (:func:`~fusion.families.qwen_vl.processor.expand_video_pads`).
 
         Raises:
             ValueError: ``metadata`` keeps fewer frames than ``grid_thw`` has temporal
