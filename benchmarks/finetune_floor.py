@@ -13,12 +13,13 @@ For the model, samples and steps of ``finetune.py`` (same flags), in this proces
   other jobs on the cores, which only slow rounds down);
 - **time floor** = work / rate: no implementation of the step is faster;
 - **memory floor** of ``fusion_packed``: the resident set of this process before any model
-  (torch and the library imported), plus the model's parameters, plus the trained
-  parameters' AdamW state (created by the first step, resident from then on), plus the
-  larger of the activations its forward saves for the backward pass (measured with
-  saved-tensor hooks; the weights themselves are not counted again), all live when the
-  backward pass starts, and the trained parameters' gradients, all live when the optimizer
-  steps.
+  (torch and the library imported, the run's samples made, as every contestant's process
+  holds them), plus the model's parameters, plus the trained parameters' AdamW state
+  (created by the first step, resident from then on), plus the step's inputs (the tensors of
+  its batch that the forward does not keep), plus the larger of the activations its forward
+  saves for the backward pass (measured with saved-tensor hooks; the weights themselves are
+  not counted again), all live when the backward pass starts, and the trained parameters'
+  gradients, all live when the optimizer steps.
 
 With ``--results`` (a ``finetune.json`` measured on this machine, whose settings are taken)
 the floors are set against the measured medians: the best ratio ``fusion_packed`` could reach
@@ -42,6 +43,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -161,8 +163,24 @@ def step_work(name: str, model, tower, steps, settings) -> dict:
     }
 
 
-def saved_activations_mib(model, steps, settings) -> float:
-    """What ``fusion_packed``'s forward saves for its backward, parameters left out."""
+def tensors_in(value: object) -> Iterator[torch.Tensor]:
+    """The tensors of a batch's nested inputs (mappings, sequences, dataclasses)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from tensors_in(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, field.name))
+
+
+def step_memory_mib(model, steps, settings) -> tuple[float, float]:
+    """What ``fusion_packed``'s forward saves for its backward, parameters left out, and its
+    batch's tensors that the forward does not keep (the step's inputs), in MiB."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[int] = set()
     total = 0
@@ -181,8 +199,13 @@ def saved_activations_mib(model, steps, settings) -> float:
         batch = next(feed).batch
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             loss = bench.fusion_loss(model, batch, sum(s.num_targets for s in steps[1]), settings)
+        inputs = {}
+        for tensor in tensors_in([batch.model_inputs(), batch.labels]):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen:
+                inputs[storage.data_ptr()] = storage.nbytes()
     del loss
-    return total / MiB
+    return total / MiB, sum(inputs.values()) / MiB
 
 
 def gemm_gflops(rounds: int, shapes: tuple[tuple[int, int, int], ...]) -> dict:
@@ -216,7 +239,6 @@ def measured(results: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    baseline_mib = rss_mib()  # torch and this script, before any model
     report: dict = {"settings": vars(args) | {"out": str(args.out), "results": str(args.results)}}
     with tempfile.TemporaryDirectory(prefix="finetune_floor_") as workdir:
         fargs = finetune_settings(args, Path(workdir))
@@ -226,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.device("cpu"), bench.pad_id(config), fargs.max_seq_len, loss=fargs.loss
         )
         steps = bench.step_samples(fargs, config)
+        baseline_mib = rss_mib()  # torch, this script and the samples, before any model
         report["finetune_settings"] = {k: str(v) for k, v in vars(fargs).items()}
         model_dir = Path(workdir) / "model"
         torch.manual_seed(fargs.seed)
@@ -242,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         model, _ = load("fusion_packed", model_dir, fargs)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        activations = saved_activations_mib(model, steps, settings)
+        activations, inputs = step_memory_mib(model, steps, settings)
     shapes = GEMM_SHAPES[family]
     if args.quick:  # checks the script: an eighth of each size
         shapes = tuple((m // 8, k // 8, n // 8) for m, k, n in shapes)
@@ -252,12 +275,13 @@ def main(argv: list[str] | None = None) -> dict:
         entry["floor_s"] = entry["gflop"] / rate
     memory = {
         "process_before_load_mib": baseline_mib,
+        "step_inputs_mib": inputs,
         "parameters_mib": weights / MiB,
         "adamw_state_mib": 2 * trained / MiB,
         "saved_activations_mib": activations,
         "gradients_mib": trained / MiB,
     }
-    resident = ("process_before_load_mib", "parameters_mib", "adamw_state_mib")
+    resident = ("process_before_load_mib", "parameters_mib", "adamw_state_mib", "step_inputs_mib")
     memory["floor_mib"] = sum(memory[key] for key in resident) + max(
         activations, memory["gradients_mib"]
     )
@@ -276,8 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
     lines.append(
         f"fusion_packed memory floor {memory['floor_mib']:.0f} MiB = process "
         f"{baseline_mib:.0f} + parameters {memory['parameters_mib']:.0f} + AdamW state "
-        f"{memory['adamw_state_mib']:.0f} + the larger of saved activations "
-        f"{activations:.0f} and gradients {memory['gradients_mib']:.0f}"
+        f"{memory['adamw_state_mib']:.0f} + step inputs {inputs:.0f} + the larger of saved "
+        f"activations {activations:.0f} and gradients {memory['gradients_mib']:.0f}"
     )
     if results is not None:
         seen = measured(results)

@@ -396,6 +396,20 @@ class _SummedCrossEntropy(torch.autograd.Function):
         return grad_logits, None
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _note_storage(storages: set[int], tensor: torch.Tensor) -> torch.Tensor:
+    """A saved-tensor pack hook: note where ``tensor`` lives, keep it as autograd would."""
+    storages.add(_storage(tensor))
+    return tensor
+
+
+def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 def fused_token_loss(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -464,9 +478,17 @@ def fused_token_loss(
     rows_grad, trained = [], False
     for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
         leaf = chunk_rows.detach().requires_grad_(rows.requires_grad)
-        logits = _chunk_logits(leaf, unembed)
-        # _SummedCrossEntropy's arithmetic: the log-probabilities become the gradient in place.
-        log_probs = torch.log_softmax(logits.detach()[0], dim=-1)
+        saved: set[int] = set()
+        with torch.autograd.graph.saved_tensors_hooks(partial(_note_storage, saved), _unpacked):
+            logits = _chunk_logits(leaf, unembed)
+        # _SummedCrossEntropy's arithmetic: the logits become the log-probabilities, then the
+        # gradient, in place (one [n, vocab] tensor), unless the output's own backward reads
+        # them (e.g. a soft cap's tanh): then the log-probabilities are a copy.
+        values = logits.detach()[0]
+        if _storage(values) in saved:
+            log_probs = torch.log_softmax(values, dim=-1)
+        else:
+            log_probs = torch.log_softmax(values, dim=-1, out=values)
         total = total + F.nll_loss(log_probs, chunk_targets, reduction="sum")
         if logits.requires_grad:
             grad = log_probs.exp_().mul_(grad_scale)
@@ -476,7 +498,7 @@ def fused_token_loss(
             torch.autograd.backward(logits, grad[None])
             trained = True
             del grad
-        del logits, log_probs
+        del logits, log_probs, values
         if leaf.requires_grad:
             assert leaf.grad is not None
             rows_grad.append(leaf.grad)

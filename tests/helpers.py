@@ -199,3 +199,19 @@ def sync_ops_in(graph: torch.fx.GraphModule) -> list[str]:
         if SYNC_TAGS & set(node.target.tags) or "item" in str(node.target):
             found.append(str(node.target))
     return found
+
+
+def saved_bytes(run) -> int:
+    """The bytes of the distinct tensors autograd keeps for the backward pass of ``run()``,
+    parameters left out."""
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.nn.Parameter):
+            storage = tensor.untyped_storage()
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(kept.values())

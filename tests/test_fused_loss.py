@@ -158,6 +158,29 @@ def test_bad_grad_scale(scale):
                          grad_scale=scale)  # fmt: skip
 
 
+def test_an_output_whose_backward_reads_its_logits():
+    """An output ending in ``tanh``, which keeps its result (the logits) for the backward:
+    they are not overwritten in place (autograd would refuse the backward), and loss and
+    gradients equal the full logits' cross-entropy."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, 12, 8, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 50, (1, 12), generator=generator)
+    output = head(8, 50, seed=3)
+
+    def capped(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(output(x) / 2.0)
+
+    total, _ = fused_token_loss(hidden, labels, capped, chunk_size=5, num_targets=12)
+    (grad,) = torch.autograd.grad(total, [hidden])
+    fused_weight = output.weight.grad.clone()
+    output.weight.grad = None
+    expected = full_logits_loss(hidden, labels, capped)
+    want = torch.autograd.grad(expected, [hidden, output.weight])
+    torch.testing.assert_close(total, expected.detach(), **RELATIVE)
+    assert_relative(grad, want[0])
+    assert_relative(fused_weight, want[1])
+
+
 def test_no_tensor_of_all_logits_and_one_projection_per_chunk():
     """Nothing above one chunk's logits is allocated; the step's matrix products are three
     per chunk (logits, their gradient to the rows and to the weight) where the checkpointed
@@ -173,11 +196,11 @@ def test_no_tensor_of_all_logits_and_one_projection_per_chunk():
         total, _ = fused_token_loss(hidden, labels, output, chunk_size=chunk, num_targets=tokens)
         total.backward()
     assert live.largest <= max(chunk * vocab, vocab * dim)
-    # Live at once: one chunk's logits and their log-probabilities (which become their
-    # gradient in place), the weight's gradient, the chunk's share of it and its transpose,
+    # Live at once: one chunk's logits (which become their log-probabilities, then their
+    # gradient, in place), the weight's gradient, the chunk's share of it and its transpose,
     # the rows, their chunks' gradients and their concatenation, a few scalars.
     gradients, scalars = 4 * (3 * tokens * dim + 3 * vocab * dim), 4096
-    assert live.peak <= 4 * 2 * chunk * vocab + gradients + scalars < 4 * tokens * vocab / 2
+    assert live.peak <= 4 * chunk * vocab + gradients + scalars < 4 * tokens * vocab / 2
     flops = {}
     for name, loss in (("fused", fused_token_loss), ("chunked", chunked_token_loss)):
         with FlopCounterMode(display=False) as counter:

@@ -162,12 +162,12 @@ def test_finetune_quick(tmp_path):
     for w in work.values():
         assert w["floor_s"] == pytest.approx(w["gflop"] / rate)
     memory = floor["memory"]
-    parts = ("process_before_load_mib", "parameters_mib", "adamw_state_mib")
+    parts = ("process_before_load_mib", "parameters_mib", "adamw_state_mib", "step_inputs_mib")
     assert memory["floor_mib"] == pytest.approx(
         sum(memory[k] for k in parts)
         + max(memory["saved_activations_mib"], memory["gradients_mib"])
     )
-    assert memory["saved_activations_mib"] > 0
+    assert memory["saved_activations_mib"] > 0 and memory["step_inputs_mib"] > 0
     assert memory["gradients_mib"] == pytest.approx(memory["adamw_state_mib"] / 2)
     step = results["transformers_padded"]["step_s"][0]  # one round: its first timed step
     bound = floor["bounds"]["fusion_packed / transformers_padded (tokens/s, at most)"]

@@ -6,23 +6,7 @@ import pytest
 import torch
 
 from fusion.decoder import FeedForward, GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
-from helpers import VOCAB, build_tiny_decoder
-
-
-def saved_bytes(run) -> int:
-    """The bytes of the distinct tensors autograd keeps for the backward pass of ``run()``,
-    parameters left out."""
-    kept: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, torch.nn.Parameter):
-            storage = tensor.untyped_storage()
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
-    return sum(kept.values())
+from helpers import VOCAB, build_tiny_decoder, saved_bytes
 
 
 def set_recompute(model: torch.nn.Module, on: bool) -> None:
