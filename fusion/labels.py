@@ -396,12 +396,17 @@ class _SummedCrossEntropy(torch.autograd.Function):
         return grad_logits, None
 
 
-def _storage(tensor: torch.Tensor) -> int:
+def _storage(tensor: torch.Tensor) -> int | None:
+    """Where ``tensor``'s data lives; None for a tensor subclass (a DTensor, a fake tensor),
+    whose storage cannot be read."""
+    if type(tensor) not in (torch.Tensor, nn.Parameter):
+        return None
     return tensor.untyped_storage().data_ptr()
 
 
-def _note_storage(storages: set[int], tensor: torch.Tensor) -> torch.Tensor:
-    """A saved-tensor pack hook: note where ``tensor`` lives, keep it as autograd would."""
+def _note_storage(storages: set[int | None], tensor: torch.Tensor) -> torch.Tensor:
+    """A saved-tensor pack hook: note where ``tensor`` lives (None: unknown), keep it as
+    autograd would."""
     storages.add(_storage(tensor))
     return tensor
 
@@ -478,14 +483,15 @@ def fused_token_loss(
     rows_grad, trained = [], False
     for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
         leaf = chunk_rows.detach().requires_grad_(rows.requires_grad)
-        saved: set[int] = set()
+        saved: set[int | None] = set()
         with torch.autograd.graph.saved_tensors_hooks(partial(_note_storage, saved), _unpacked):
             logits = _chunk_logits(leaf, unembed)
         # _SummedCrossEntropy's arithmetic: the logits become the log-probabilities, then the
-        # gradient, in place (one [n, vocab] tensor), unless the output's own backward reads
-        # them (e.g. a soft cap's tanh): then the log-probabilities are a copy.
+        # gradient, in place (one [n, vocab] tensor), unless the output's own backward may
+        # read them (e.g. a final tanh; a saved tensor subclass, as under tensor parallelism,
+        # whose storage is not known): then the log-probabilities are a copy.
         values = logits.detach()[0]
-        if _storage(values) in saved:
+        if None in saved or _storage(values) in saved:
             log_probs = torch.log_softmax(values, dim=-1)
         else:
             log_probs = torch.log_softmax(values, dim=-1, out=values)

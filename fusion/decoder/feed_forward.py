@@ -39,8 +39,8 @@ class FeedForward(nn.Module):
             only while a chunk is computed (the gated product in the forward; the gradients
             of the gate, the up projection and the product in the backward, about five of
             them) are a chunk's, not the whole batch's: on a packed Qwen2.5-VL-3B row of 5,483
-            tokens (hidden 11,008, fp32) about 900 MiB less at the backward's peak. Without
-            gradients (inference) the rows go at once.
+            tokens (hidden 11,008, fp32) the peak of the last layer's backward was 730 MiB
+            lower (measured). Without gradients (inference) the rows go at once.
 
     Shapes: input ``[b, s, dim]``, output ``[b, s, dim]``.
     """
