@@ -21,11 +21,13 @@ def mlp(chunk_rows: int | None, activation: str = "silu") -> FeedForward:
     return module
 
 
-def run(module: FeedForward, x: torch.Tensor) -> list[torch.Tensor]:
+def run(module: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The output and the gradients of the input and of every parameter (from none)."""
+    module.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     out = module(x)
     out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
-    return [out.detach(), x.grad, *(p.grad for p in module.parameters())]
+    return [out.detach(), x.grad, *(p.grad.clone() for p in module.parameters())]
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
@@ -80,3 +82,22 @@ def test_meta_and_empty_inputs():
 def test_bad_chunk_rows(bad):
     with pytest.raises(ValueError, match=r"chunk_rows: expected None or an int >= 1, got"):
         FeedForward(DIM, HIDDEN, chunk_rows=bad)
+
+
+def test_compiled_rows_go_at_once_without_a_graph_per_chunk_count():
+    """Under torch.compile (dynamic shapes, as ``compile_layers``) the rows are not chunked:
+    row counts of two, three and four chunks' worth share one graph, with eager's gradients."""
+    graphs = []
+
+    def counting(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    module = mlp(8)
+    compiled = torch.compile(module, backend=counting, dynamic=True)
+    for rows in (12, 20, 30):
+        x = torch.randn(1, rows, DIM, generator=torch.Generator().manual_seed(rows))
+        got, want = run(compiled, x), run(module, x)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+    assert len(graphs) == 1
