@@ -323,9 +323,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--loss-chunk-rows",
         type=int,
-        default=1024,
-        help="the target rows fusion's loss projects to the vocabulary at once (default 1024, "
-        "the library's; the chunk's logits are rows x vocabulary floats)",
+        default=None,
+        help="the most target rows fusion's loss projects to the vocabulary at once (default "
+        "the library's: 512 for the fused loss, 1024 for the chunked one; a chunk's logits "
+        "are rows x vocabulary floats)",
     )
     p.add_argument(
         "--max-image",
@@ -693,7 +694,7 @@ class StepSettings:
     max_seq_len: int  # the most tokens per packed row
     feed: Iterator[MicroBatch] | None = None  # fusion's micro-batches, step by step
     loss: str = "chunked"  # fusion's loss (--loss)
-    loss_chunk_rows: int = 1024  # the rows its chunks project at once (--loss-chunk-rows)
+    loss_chunk_rows: int | None = None  # the most rows a chunk projects (None: the library's)
 
 
 #: A contestant's training step: (model, the step's samples, settings) -> (the step's loss, a
@@ -824,16 +825,18 @@ def fusion_loss(model, batch, targets: int, settings: StepSettings) -> torch.Ten
     """The forward pass of :func:`fusion_step`: ``batch``'s loss over the step's ``targets``
     (``settings.loss``: the chunked or the fused token loss)."""
     hidden = model(**batch.model_inputs())
+    rows = settings.loss_chunk_rows
+    chunk = {} if rows is None else {"chunk_size": rows}  # None: the library's default
     with record_function("loss"):
         if settings.loss == "fused":
             loss_sum, _ = fused_token_loss(
                 hidden, batch.labels, model.decoder.unembed, grad_scale=1 / targets,
-                num_targets=batch.num_targets, chunk_size=settings.loss_chunk_rows,
+                num_targets=batch.num_targets, **chunk,
             )  # fmt: skip
         else:
             loss_sum, _ = chunked_token_loss(
                 hidden, batch.labels, model.decoder.unembed, num_targets=batch.num_targets,
-                chunk_size=settings.loss_chunk_rows,
+                **chunk,
             )  # fmt: skip
         return loss_sum / targets
 
@@ -1168,7 +1171,8 @@ def run_contestant(
             command += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     command += ["--short-warmup"] if args.short_warmup else []
     command += ["--train", args.train, "--loss", args.loss]
-    command += ["--loss-chunk-rows", str(args.loss_chunk_rows)]
+    if args.loss_chunk_rows is not None:
+        command += ["--loss-chunk-rows", str(args.loss_chunk_rows)]
     command += [] if args.max_image is None else ["--max-image", str(args.max_image)]
     command += ["--profile"] if args.profile else []
     limit = args.memory_limit_gib

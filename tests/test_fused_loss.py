@@ -209,3 +209,36 @@ def test_no_tensor_of_all_logits_and_one_projection_per_chunk():
         flops[name] = counter.get_total_flops()
     projection = 2 * tokens * dim * vocab
     assert flops["fused"] == 3 * projection and flops["chunked"] == 4 * projection
+
+
+@given(targets=st.integers(0, 40), chunk=st.integers(1, 16))
+@pytest.mark.parametrize("loss", [fused_token_loss, chunked_token_loss], ids=["fused", "chunked"])
+def test_the_targets_go_in_the_fewest_even_chunks(loss, targets, chunk):
+    """Each chunk reads the whole output weight, so the fewest chunks of at most ``chunk_size``
+    rows, and even ones: the largest chunk's logits as small as that count allows (1540
+    targets in chunks of 1024 are two of 770, not 1024 + 516)."""
+    output = head(4, 5, seed=0)
+    projected = []
+    output.register_forward_hook(lambda module, args, out: projected.append(args[0].size(1)))
+    hidden = torch.randn(1, targets, 4, requires_grad=True)
+    labels = torch.randint(0, 5, (1, targets))
+    total, _ = loss(hidden, labels, output, chunk_size=chunk, num_targets=targets)
+    forward = list(projected)
+    fewest = max(1, -(-targets // chunk))
+    assert len(forward) == fewest and sum(forward) == targets
+    assert max(forward) <= chunk and max(forward) - min(forward) <= 1
+    total.backward()
+    # The checkpointed chunks project again in the backward, the same chunks; the fused loss
+    # did its backward in the forward.
+    assert projected[len(forward) :] == ([] if loss is fused_token_loss else forward[::-1])
+
+
+def test_the_default_chunk_is_512_target_rows():
+    """The fused loss's default keeps a chunk's logits at 512 x vocab: 1540 targets go as four
+    chunks of 385."""
+    output = head(4, 5, seed=0)
+    projected = []
+    output.register_forward_hook(lambda module, args, out: projected.append(args[0].size(1)))
+    hidden = torch.randn(1, 1540, 4, requires_grad=True)
+    fused_token_loss(hidden, torch.randint(0, 5, (1, 1540)), output, num_targets=1540)
+    assert projected == [385] * 4
