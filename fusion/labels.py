@@ -410,6 +410,30 @@ class _SummedCrossEntropy(torch.autograd.Function):
         return grad_logits, None
 
 
+def _one_chunk_is_leaner(
+    rows: torch.Tensor, chunk: int, unembed: Callable[[torch.Tensor], torch.Tensor]
+) -> bool:
+    """:func:`fused_token_loss`'s choice for rows [n, d] that would go in chunks of ``chunk``:
+    whether they hold less memory at once as one chunk. From the second chunk on, each chunk's
+    gradient of the parameters ``unembed`` trains is a fresh tensor of their size until it is
+    added into their ``.grad`` (a trained output of Qwen's width: 1.2 GB); one chunk is leaner
+    when its extra rows' float32 logits take no more than that. The trained parameters are
+    the leaves of the autograd graph of ``unembed`` called on no rows (their sizes only)."""
+    probe = _chunk_logits(rows[:0].detach(), unembed)
+    trained, nodes, seen = 0, [probe.grad_fn], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node: a trained leaf
+        if isinstance(leaf, torch.Tensor):
+            trained += leaf.numel() * leaf.element_size()
+        nodes.extend(parent for parent, _ in node.next_functions)
+    extra_logits = (rows.size(0) - chunk) * probe.size(-1) * 4
+    return extra_logits <= trained
+
+
 def _storage(tensor: torch.Tensor) -> int | None:
     """Where ``tensor``'s data lives; None for a tensor subclass (a DTensor, a fake tensor),
     whose storage cannot be read."""
@@ -469,6 +493,12 @@ def fused_token_loss(
             are ``chunk_size x vocab`` (297 MiB at Qwen's 151,936), held while the rest of
             the step's activations are, and halving the chunks from 1024 rows cost the loss
             under 3% of its time on CPU (each chunk reads the whole output weight once more).
+            When the output trains (full fine-tuning), each chunk after the first makes a
+            fresh gradient of its parameters ([vocab, d], 1.2 GB at Qwen2.5-VL-3B's width)
+            before adding it into their ``.grad``: the targets then go as one chunk where
+            that holds less, i.e. where the rows beyond the first chunk's have logits no
+            larger than that gradient (seen from the autograd graph of one more call of
+            ``unembed``, on no rows, made when the targets take more than one chunk).
 
     Raises:
         ValueError: ``grad_scale`` not a positive finite number; in the backward, the sum
@@ -494,12 +524,14 @@ def fused_token_loss(
         _check_no_collective_backward(unembed)
     rows, targets, count = _target_rows(hidden, labels, ignore_index, num_targets)
     sizes = _even_chunks(rows.size(0), chunk_size)
-    pieces = list(zip(rows.detach().split(sizes), targets.split(sizes), strict=True))
     total = torch.zeros((), dtype=torch.float32, device=labels.device)
     if not torch.is_grad_enabled():
-        for chunk_rows, chunk_targets in pieces:
+        for chunk_rows, chunk_targets in zip(rows.split(sizes), targets.split(sizes), strict=True):
             total = total + _chunk_loss(chunk_rows, chunk_targets, unembed)
         return total, count
+    if len(sizes) > 1 and _one_chunk_is_leaner(rows, sizes[0], unembed):
+        sizes = [rows.size(0)]
+    pieces = list(zip(rows.detach().split(sizes), targets.split(sizes), strict=True))
     rows_grad, trained = [], False
     for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
         leaf = chunk_rows.detach().requires_grad_(rows.requires_grad)

@@ -211,20 +211,29 @@ def test_no_tensor_of_all_logits_and_one_projection_per_chunk():
     assert flops["fused"] == 3 * projection and flops["chunked"] == 4 * projection
 
 
+def projected_rows(output: nn.Module) -> list[int]:
+    """The rows of every call of ``output``, recorded as they come."""
+    rows: list[int] = []
+    output.register_forward_hook(lambda module, args, out: rows.append(args[0].size(1)))
+    return rows
+
+
 @given(targets=st.integers(0, 40), chunk=st.integers(1, 16))
 @pytest.mark.parametrize("loss", [fused_token_loss, chunked_token_loss], ids=["fused", "chunked"])
 def test_the_targets_go_in_the_fewest_even_chunks(loss, targets, chunk):
     """Each chunk reads the whole output weight, so the fewest chunks of at most ``chunk_size``
     rows, and even ones: the largest chunk's logits as small as that count allows (1540
-    targets in chunks of 1024 are two of 770, not 1024 + 516)."""
-    output = head(4, 5, seed=0)
-    projected = []
-    output.register_forward_hook(lambda module, args, out: projected.append(args[0].size(1)))
+    targets in chunks of 1024 are two of 770, not 1024 + 516). The output is frozen here (a
+    trained one may take its targets in one chunk: below)."""
+    output = head(4, 5, seed=0).requires_grad_(False)
+    projected = projected_rows(output)
     hidden = torch.randn(1, targets, 4, requires_grad=True)
     labels = torch.randint(0, 5, (1, targets))
     total, _ = loss(hidden, labels, output, chunk_size=chunk, num_targets=targets)
-    forward = list(projected)
     fewest = max(1, -(-targets // chunk))
+    if loss is fused_token_loss and fewest > 1:
+        assert projected.pop(0) == 0  # the call on no rows that finds what the output trains
+    forward = list(projected)
     assert len(forward) == fewest and sum(forward) == targets
     assert max(forward) <= chunk and max(forward) - min(forward) <= 1
     total.backward()
@@ -236,9 +245,56 @@ def test_the_targets_go_in_the_fewest_even_chunks(loss, targets, chunk):
 def test_the_default_chunk_is_512_target_rows():
     """The fused loss's default keeps a chunk's logits at 512 x vocab: 1540 targets go as four
     chunks of 385."""
-    output = head(4, 5, seed=0)
-    projected = []
-    output.register_forward_hook(lambda module, args, out: projected.append(args[0].size(1)))
+    output = head(4, 5, seed=0).requires_grad_(False)
+    projected = projected_rows(output)
     hidden = torch.randn(1, 1540, 4, requires_grad=True)
     fused_token_loss(hidden, torch.randint(0, 5, (1, 1540)), output, num_targets=1540)
-    assert projected == [385] * 4
+    assert projected == [0] + [385] * 4
+
+
+def one_chunk_or_not(one_chunk: bool, monkeypatch) -> dict:
+    """fused_token_loss over 40 targets in chunks of at most 16 rows with a trained [512, 64]
+    output, its choice of one chunk forced to ``one_chunk``: loss, gradients, calls, peak."""
+    monkeypatch.setattr("fusion.labels._one_chunk_is_leaner", lambda *args: one_chunk)
+    output, generator = head(64, 512, seed=0), torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 40, 64, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 512, (1, 40), generator=generator)
+    projected, live = projected_rows(output), LiveFloats()
+    with live:
+        total, _ = fused_token_loss(hidden, labels, output, chunk_size=16, num_targets=40)
+        total.backward()
+    return dict(total=total, hidden=hidden.grad, weight=output.weight.grad, calls=projected,
+                peak=live.peak)  # fmt: skip
+
+
+def test_a_trained_output_takes_its_targets_in_one_chunk_where_that_is_leaner(monkeypatch):
+    """A trained [512, 64] output and 40 targets in chunks of at most 16 rows (three: 14, 13,
+    13): every chunk after the first makes a fresh [512, 64] gradient of the weight (128 KiB)
+    before adding it into ``.grad``, more than the other 26 rows' logits take (52 KiB). The
+    rows go as one chunk, which holds less at once, with the same loss and gradients."""
+    output = head(64, 512, seed=0)
+    projected = projected_rows(output)
+    hidden = torch.randn(1, 40, 64, requires_grad=True)
+    labels = torch.randint(0, 512, (1, 40))
+    fused_token_loss(hidden, labels, output, chunk_size=16, num_targets=40)
+    assert projected == [0, 40]  # the call on no rows, then one chunk
+    one, chunks = one_chunk_or_not(True, monkeypatch), one_chunk_or_not(False, monkeypatch)
+    assert one["calls"] == [40] and chunks["calls"] == [14, 13, 13]
+    assert one["peak"] < chunks["peak"]
+    for key in ("total", "hidden", "weight"):
+        assert_relative(one[key], chunks[key])
+
+
+@pytest.mark.parametrize("trains", ["nothing", "lora"])
+def test_an_output_that_trains_little_keeps_its_chunks(trains):
+    """A frozen output, or one whose LoRA adapter is all that trains: no fresh gradient as
+    large as the extra rows' logits, so the chunks stay at most ``chunk_size`` rows."""
+    decoder = build_tiny_decoder(tie_word_embeddings=False)
+    decoder.output.requires_grad_(False)
+    if trains == "lora":
+        apply_lora(decoder, "output", rank=2)
+    projected = projected_rows(decoder.output)
+    hidden = torch.randn(1, 40, decoder.output.in_features, requires_grad=True)
+    labels = torch.randint(0, decoder.output.out_features, (1, 40))
+    fused_token_loss(hidden, labels, decoder.unembed, chunk_size=16, num_targets=40)
+    assert projected == [0, 14, 13, 13]
