@@ -72,7 +72,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--loss", choices=bench.LOSSES, default="fused", help="fusion's loss (the recipe's on CPU)"
     )
     p.add_argument(
-        "--results", type=Path, help="a finetune.json: its settings, and the floors set against it"
+        "--results",
+        type=Path,
+        help="a finetune.json: its settings (over --family, --train and --loss), and the floors "
+        "set against it",
     )
     p.add_argument("--out", type=Path, help="write the report here as JSON")
     return p.parse_args(argv)
@@ -242,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"settings": vars(args) | {"out": str(args.out), "results": str(args.results)}}
     with tempfile.TemporaryDirectory(prefix="finetune_floor_") as workdir:
         fargs = finetune_settings(args, Path(workdir))
+        # With --results, its family, training mode and loss stand in for the flags'
+        report["settings"] |= {key: getattr(fargs, key) for key in ("family", "train", "loss")}
         family = fargs.family
         config = bench.hf_config(fargs.quick, family, fargs.text_layers, fargs.vision_layers)
         settings = bench.StepSettings(

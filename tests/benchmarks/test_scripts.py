@@ -144,8 +144,12 @@ def test_finetune_quick(tmp_path):
     # The floor under these results: the same model and samples, their work counted.
     floor_file = tmp_path / "floor.json"
     args = ("--quick", "--rounds", "2", "--results", str(tmp_path / "finetune.json"))
+    args += ("--family", "qwen2_5_vl", "--train", "lora")  # the results' own stand over these
     stdout = run_script("finetune_floor.py", *args, "--out", str(floor_file))
     floor = json.loads(floor_file.read_text())
+    stored = json.loads((tmp_path / "finetune.json").read_text())["settings"]
+    for key in ("family", "train", "loss"):
+        assert floor["settings"][key] == floor["finetune_settings"][key] == stored[key]
     work = floor["work"]
     assert set(work) == set(FINETUNE_CONTESTANTS)
     assert {name: w["positions"] for name, w in work.items()} == {
