@@ -329,6 +329,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "are rows x vocabulary floats)",
     )
     p.add_argument(
+        "--defer-output-grad",
+        action="store_true",
+        help="the fused loss makes the output's gradient at the end of the backward, from a "
+        "second projection of each chunk (fusion.fused_token_loss(defer_output_grad=True)): "
+        "less memory at the loss, one more output-sized product per target",
+    )
+    p.add_argument(
         "--max-image",
         type=int,
         default=None,
@@ -380,6 +387,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cuda = args.device == "cuda"
     if args.loss is None:  # the fine-tuning recipe's choice (its --fused-loss)
         args.loss = "chunked" if cuda else "fused"
+    if args.defer_output_grad and args.loss != "fused":
+        p.error(f"--defer-output-grad: expected --loss fused, got --loss {args.loss}")
     if args.samples_per_step is None:
         args.samples_per_step = 4 if args.quick else 32 if cuda else 8
     if args.max_seq_len is None:
@@ -695,6 +704,7 @@ class StepSettings:
     feed: Iterator[MicroBatch] | None = None  # fusion's micro-batches, step by step
     loss: str = "chunked"  # fusion's loss (--loss)
     loss_chunk_rows: int | None = None  # the most rows a chunk projects (None: the library's)
+    defer_output_grad: bool = False  # the fused loss's output gradient after the backward
 
 
 #: A contestant's training step: (model, the step's samples, settings) -> (the step's loss, a
@@ -831,7 +841,8 @@ def fusion_loss(model, batch, targets: int, settings: StepSettings) -> torch.Ten
         if settings.loss == "fused":
             loss_sum, _ = fused_token_loss(
                 hidden, batch.labels, model.decoder.unembed, grad_scale=1 / targets,
-                num_targets=batch.num_targets, **chunk,
+                num_targets=batch.num_targets, defer_output_grad=settings.defer_output_grad,
+                **chunk,
             )  # fmt: skip
         else:
             loss_sum, _ = chunked_token_loss(
@@ -1096,7 +1107,10 @@ def run_worker(args: argparse.Namespace) -> None:
             checks["same_weights_check"] = check_padding_free(model, steps[1][:2], settings)
     times, cpu_times, losses, positions = [], [], [], []
     stack = ExitStack()
-    settings = dataclasses.replace(settings, loss=args.loss, loss_chunk_rows=args.loss_chunk_rows)
+    settings = dataclasses.replace(
+        settings, loss=args.loss, loss_chunk_rows=args.loss_chunk_rows,
+        defer_output_grad=args.defer_output_grad,
+    )  # fmt: skip
     if args.worker.startswith("fusion_"):
         model.skip_output_layer = True  # hidden states for the chunked loss
         feed = stack.enter_context(fusion_feed(steps, settings, args.worker == "fusion_packed"))
@@ -1173,6 +1187,7 @@ def run_contestant(
     command += ["--train", args.train, "--loss", args.loss]
     if args.loss_chunk_rows is not None:
         command += ["--loss-chunk-rows", str(args.loss_chunk_rows)]
+    command += ["--defer-output-grad"] if args.defer_output_grad else []
     command += [] if args.max_image is None else ["--max-image", str(args.max_image)]
     command += ["--profile"] if args.profile else []
     limit = args.memory_limit_gib

@@ -315,9 +315,10 @@ def main(argv: list[str] | None = None) -> dict:
             for name in ("transformers_padded", "transformers_padding_free")
             if name in seen
         }
-        bounds["fusion_packed / fusion_padded (tokens/s, equal efficiency)"] = (
-            work["fusion_padded"]["gflop"] / packed["gflop"]
-        )
+        if "fusion_padded" in work:  # not when --results measured fusion packed alone
+            bounds["fusion_packed / fusion_padded (tokens/s, equal efficiency)"] = (
+                work["fusion_padded"]["gflop"] / packed["gflop"]
+            )
         if "transformers_padded" in seen:
             bounds["fusion_packed / transformers_padded (peak memory, at least)"] = (
                 memory["floor_mib"] / seen["transformers_padded"]["peak_mib"]

@@ -1,6 +1,7 @@
 """Targets for next-token training of a decoder or an early-fusion model."""
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -410,17 +411,13 @@ class _SummedCrossEntropy(torch.autograd.Function):
         return grad_logits, None
 
 
-def _one_chunk_is_leaner(
-    rows: torch.Tensor, chunk: int, unembed: Callable[[torch.Tensor], torch.Tensor]
-) -> bool:
-    """:func:`fused_token_loss`'s choice for rows [n, d] that would go in chunks of ``chunk``:
-    whether they hold less memory at once as one chunk. From the second chunk on, each chunk's
-    gradient of the parameters ``unembed`` trains is a fresh tensor of their size until it is
-    added into their ``.grad`` (a trained output of Qwen's width: 1.2 GB); one chunk is leaner
-    when its extra rows' float32 logits take no more than that. The trained parameters are
-    the leaves of the autograd graph of ``unembed`` called on no rows (their sizes only)."""
+def _trained_leaves(
+    rows: torch.Tensor, unembed: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[list[torch.Tensor], int]:
+    """The parameters ``unembed`` trains, the leaves of the autograd graph of ``unembed``
+    called on no rows (their sizes are all that is read), and its vocabulary."""
     probe = _chunk_logits(rows[:0].detach(), unembed)
-    trained, nodes, seen = 0, [probe.grad_fn], set()
+    leaves, nodes, seen = [], [probe.grad_fn], set()
     while nodes:
         node = nodes.pop()
         if node is None or node in seen:
@@ -428,10 +425,47 @@ def _one_chunk_is_leaner(
         seen.add(node)
         leaf = getattr(node, "variable", None)  # an AccumulateGrad node: a trained leaf
         if isinstance(leaf, torch.Tensor):
-            trained += leaf.numel() * leaf.element_size()
+            leaves.append(leaf)
         nodes.extend(parent for parent, _ in node.next_functions)
-    extra_logits = (rows.size(0) - chunk) * probe.size(-1) * 4
-    return extra_logits <= trained
+    return leaves, probe.size(-1)
+
+
+def _one_chunk_is_leaner(rows: int, chunk: int, vocab: int, trained: int) -> bool:
+    """:func:`fused_token_loss`'s choice for ``rows`` targets that would go in chunks of
+    ``chunk`` rows, with an output of ``vocab`` classes that trains ``trained`` bytes: whether
+    they hold less memory at once as one chunk. From the second chunk on, each chunk's
+    gradient of the trained parameters is a fresh tensor of their size until it is added into
+    their ``.grad`` (a trained output of Qwen's width: 1.2 GB); one chunk is leaner when its
+    extra rows' float32 logits take no more than that."""
+    return (rows - chunk) * vocab * 4 <= trained
+
+
+def _after_backward(tensor: torch.Tensor, run: Callable[[], None]) -> None:
+    """Calls ``run`` in each backward through ``tensor`` once every node of its graph that
+    hands a trained leaf its gradient has run: after the backward of everything under
+    ``tensor`` (its saved activations freed), before those leaves' last ``.grad`` is
+    accumulated. The hooks are on this graph's own nodes, so they go with it: a graph never
+    back-propagated runs nothing later."""
+    frontier, nodes, seen = [], [tensor.grad_fn], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        parents = [parent for parent, _ in node.next_functions if parent is not None]
+        if any(hasattr(parent, "variable") for parent in parents):  # feeds AccumulateGrad
+            frontier.append(node)
+        nodes.extend(parents)
+    ran: set[int] = set()
+
+    def node_ran(index: int, *_: Any) -> None:
+        ran.add(index)
+        if len(ran) == len(frontier):
+            ran.clear()  # the next backward through a retained graph runs it again
+            run()
+
+    for index, node in enumerate(frontier):
+        node.register_hook(partial(node_ran, index))
 
 
 def _storage(tensor: torch.Tensor) -> int | None:
@@ -453,6 +487,68 @@ def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _chunk_gradient(
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    unembed: Callable[[torch.Tensor], torch.Tensor],
+    grad_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk of :func:`fused_token_loss`: rows [n, d] projected once; their summed
+    cross-entropy (0-d float32), the logits [1, n, vocab] and, where they need one, their
+    gradient [1, n, vocab] for an incoming ``grad_scale`` (else None)."""
+    saved: set[int | None] = set()
+    with torch.autograd.graph.saved_tensors_hooks(partial(_note_storage, saved), _unpacked):
+        logits = _chunk_logits(rows, unembed)
+    # _SummedCrossEntropy's arithmetic: the logits become the log-probabilities, then the
+    # gradient, in place (one [n, vocab] tensor), unless the output's own backward may read
+    # them (e.g. a final tanh; a saved tensor subclass, as under tensor parallelism, whose
+    # storage is not known): then the log-probabilities are a copy.
+    values = logits.detach()[0]
+    if None in saved or _storage(values) in saved:
+        log_probs = torch.log_softmax(values, dim=-1)
+    else:
+        log_probs = torch.log_softmax(values, dim=-1, out=values)
+    chunk_sum = F.nll_loss(log_probs, targets, reduction="sum")
+    if not logits.requires_grad:
+        return chunk_sum, logits, None
+    grad = log_probs.exp_().mul_(grad_scale)
+    grad[torch.arange(grad.size(0), device=grad.device), targets] -= grad_scale
+    # For the [1, n, vocab] logits themselves: a gradient of logits[0] would be copied into a
+    # new [1, n, vocab] tensor by the indexing's backward.
+    return chunk_sum, logits, grad[None]
+
+
+def _autocast_now(device_type: str) -> torch.dtype | None:
+    """The dtype ``device_type``'s autocast computes in now, None where it is off (or where
+    there is none, as on the meta device): a deferred projection runs as the forward's."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # no autocast for this device type
+        pass
+    return None
+
+
+def _output_backward(
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    sizes: list[int],
+    unembed: Callable[[torch.Tensor], torch.Tensor],
+    grad_scale: float,
+    autocast: torch.dtype | None,
+) -> None:
+    """The deferred backward of :func:`fused_token_loss`'s output: each chunk of rows [n, d]
+    (detached) projected again, under the forward's autocast, and its logits' gradient
+    back-propagated into the output's parameters."""
+    device_type = rows.device.type
+    within = nullcontext() if autocast is None else torch.autocast(device_type, dtype=autocast)
+    with torch.enable_grad(), within:
+        for chunk_rows, chunk_targets in zip(rows.split(sizes), targets.split(sizes), strict=True):
+            _, logits, grad = _chunk_gradient(chunk_rows, chunk_targets, unembed, grad_scale)
+            torch.autograd.backward(logits, grad)
+            del logits, grad
+
+
 def fused_token_loss(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -462,6 +558,7 @@ def fused_token_loss(
     ignore_index: int = -100,
     chunk_size: int = 512,
     num_targets: int | None = None,
+    defer_output_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`chunked_token_loss` with the output layer's backward done in the forward: a fused
     linear cross-entropy. Each chunk of ``chunk_size`` target rows is projected once
@@ -499,10 +596,22 @@ def fused_token_loss(
             that holds less, i.e. where the rows beyond the first chunk's have logits no
             larger than that gradient (seen from the autograd graph of one more call of
             ``unembed``, on no rows, made when the targets take more than one chunk).
+        defer_output_grad: give the output's trained parameters their gradient at the end of
+            the backward instead of in this call: each chunk's logits now make the rows'
+            gradient alone, and once the backward has run every node under the hidden states
+            that feeds a trained leaf (their saved activations freed), each chunk is projected
+            again, under the forward's autocast, for the parameters' gradient. One more
+            output-sized matrix product per target buys a peak without the parameters'
+            gradient beside every saved activation: 1.2 GB of Qwen2.5-VL-3B's tied output in
+            full fine-tuning. The targets then keep their chunks of ``chunk_size``. A frozen
+            output, or hidden states without a gradient, have nothing to defer. A backward
+            of only some ``inputs`` that skips a trained leaf under the hidden states gives the
+            output no gradient.
 
     Raises:
         ValueError: ``grad_scale`` not a positive finite number; in the backward, the sum
-            received another gradient than ``grad_scale``.
+            received another gradient than ``grad_scale``; ``defer_output_grad`` not a bool,
+            or True with an output whose parameters are sharded (FSDP2, tensor parallel).
         TypeError: ``unembed`` returned a DTensor (a tensor-parallel output that keeps its
             logits sharded, ``use_local_output=False``): gather them to plain logits, as
             :func:`fusion.parallel.apply_tp`'s plan does.
@@ -520,6 +629,8 @@ def fused_token_loss(
         or not 0 < grad_scale < float("inf")
     ):
         raise ValueError(f"grad_scale: expected a positive finite number, got {grad_scale!r:.40}")
+    if not isinstance(defer_output_grad, bool):
+        raise ValueError(f"defer_output_grad: expected a bool, got {defer_output_grad!r:.40}")
     if torch.is_grad_enabled():
         _check_no_collective_backward(unembed)
     rows, targets, count = _target_rows(hidden, labels, ignore_index, num_targets)
@@ -529,34 +640,30 @@ def fused_token_loss(
         for chunk_rows, chunk_targets in zip(rows.split(sizes), targets.split(sizes), strict=True):
             total = total + _chunk_loss(chunk_rows, chunk_targets, unembed)
         return total, count
-    if len(sizes) > 1 and _one_chunk_is_leaner(rows, sizes[0], unembed):
-        sizes = [rows.size(0)]
+    defer = defer_output_grad and rows.requires_grad
+    if defer or len(sizes) > 1:
+        leaves, vocab = _trained_leaves(rows, unembed)
+        if defer and any(is_dtensor(leaf) for leaf in leaves):
+            raise ValueError(
+                "defer_output_grad: expected an output whose parameters are plain tensors, "
+                "got a sharded one (FSDP2 or tensor parallel), whose gradient is reduced in "
+                "an order the deferred backward would not keep; leave it False"
+            )
+        trained = sum(leaf.numel() * leaf.element_size() for leaf in leaves)
+        defer = defer and trained > 0  # a frozen output has nothing to defer
+        if not defer and _one_chunk_is_leaner(rows.size(0), sizes[0], vocab, trained):
+            sizes = [rows.size(0)]
     pieces = list(zip(rows.detach().split(sizes), targets.split(sizes), strict=True))
-    rows_grad, trained = [], False
+    rows_grad, back_propagated = [], False
     for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
         leaf = chunk_rows.detach().requires_grad_(rows.requires_grad)
-        saved: set[int | None] = set()
-        with torch.autograd.graph.saved_tensors_hooks(partial(_note_storage, saved), _unpacked):
-            logits = _chunk_logits(leaf, unembed)
-        # _SummedCrossEntropy's arithmetic: the logits become the log-probabilities, then the
-        # gradient, in place (one [n, vocab] tensor), unless the output's own backward may
-        # read them (e.g. a final tanh; a saved tensor subclass, as under tensor parallelism,
-        # whose storage is not known): then the log-probabilities are a copy.
-        values = logits.detach()[0]
-        if None in saved or _storage(values) in saved:
-            log_probs = torch.log_softmax(values, dim=-1)
-        else:
-            log_probs = torch.log_softmax(values, dim=-1, out=values)
-        total = total + F.nll_loss(log_probs, chunk_targets, reduction="sum")
-        if logits.requires_grad:
-            grad = log_probs.exp_().mul_(grad_scale)
-            grad[torch.arange(grad.size(0), device=grad.device), chunk_targets] -= grad_scale
-            # Into the [1, n, vocab] logits themselves: a gradient of logits[0] would be copied
-            # into a new [1, n, vocab] tensor by the indexing's backward.
-            torch.autograd.backward(logits, grad[None])
-            trained = True
-            del grad
-        del logits, log_probs, values
+        chunk_sum, logits, grad = _chunk_gradient(leaf, chunk_targets, unembed, grad_scale)
+        total = total + chunk_sum
+        if grad is not None:
+            # Deferred: to the rows alone now (autograd then skips the parameters' product).
+            torch.autograd.backward(logits, grad, inputs=[leaf] if defer else None)
+            back_propagated = True
+        del logits, grad
         if leaf.requires_grad:
             assert leaf.grad is not None
             rows_grad.append(leaf.grad)
@@ -565,7 +672,13 @@ def fused_token_loss(
         # a term that is exactly zero in the forward (G the rows' gradient of the sum).
         link = (rows * (torch.cat(rows_grad) / grad_scale)).sum()
         total = total + (link - link.detach())
-    elif trained:  # only the output trains: the sum still takes a backward, and checks it
+        if defer:
+            output_backward = partial(
+                _output_backward, rows.detach(), targets, sizes, unembed, grad_scale,
+                _autocast_now(rows.device.type),
+            )  # fmt: skip
+            _after_backward(rows, output_backward)
+    elif back_propagated:  # only the output trains: the sum still takes a backward, checked
         total = total + torch.zeros((), device=total.device, requires_grad=True)
     if total.requires_grad:
         total.register_hook(partial(_check_incoming_gradient, grad_scale))

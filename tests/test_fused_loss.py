@@ -3,6 +3,8 @@ chunk by chunk in the forward) equals F.cross_entropy over full logits in fp32, 
 gradients (hidden states and the output module's parameters, tied, untied, with a LoRA
 adapter), never holds all the logits, and projects each chunk once."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,10 +34,11 @@ def full_logits_loss(hidden: torch.Tensor, labels: torch.Tensor, output) -> torc
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
-@given(problems(), st.sampled_from([1.0, 0.25, 3.0]), st.booleans())
-def test_equals_cross_entropy_over_full_logits(problem, scale, bias):
+@given(problems(), st.sampled_from([1.0, 0.25, 3.0]), st.booleans(), st.booleans())
+def test_equals_cross_entropy_over_full_logits(problem, scale, bias, deferred):
     """Random targets, rows without any target, batches without targets, any chunk size: the
-    sum, the count and the gradients of the hidden states, the weight and the bias."""
+    sum, the count and the gradients of the hidden states, the weight and the bias, made in
+    the forward or (``defer_output_grad``) at the end of the backward."""
     hidden, labels = problem["hidden"], problem["labels"]
     dim, vocab = problem["output"].in_features, problem["output"].out_features
     torch.manual_seed(vocab)
@@ -43,10 +46,11 @@ def test_equals_cross_entropy_over_full_logits(problem, scale, bias):
     params = list(output.parameters())
     total, count = fused_token_loss(
         hidden, labels, output, grad_scale=scale, chunk_size=problem["chunk_size"],
-        num_targets=problem["num_targets"],
+        num_targets=problem["num_targets"], defer_output_grad=deferred,
     )  # fmt: skip
+    assert all((p.grad is None) == deferred for p in params)  # made in the forward, or not yet
     fused_grads = torch.autograd.grad(total * scale, [hidden], allow_unused=True)
-    fused_params = [p.grad.clone() for p in params]  # made during the forward
+    fused_params = [p.grad.clone() for p in params]
     expected = full_logits_loss(hidden, labels, output)
     assert total.dtype == torch.float32 and total.shape == ()
     assert int(count) == int((labels != -100).sum())
@@ -71,9 +75,11 @@ def test_a_whole_batch_without_targets():
     assert output.weight.grad is not None and not output.weight.grad.any()
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["now", "deferred"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_through_a_decoder_equals_its_logits_path(tied):
-    """``decoder.unembed``: the untied output module, or the tied embedding's weight."""
+def test_through_a_decoder_equals_its_logits_path(tied, deferred):
+    """``decoder.unembed``: the untied output module, or the tied embedding's weight. With
+    ``defer_output_grad``, the output's gradient is accumulated after every decoder layer's."""
     decoder = build_tiny_decoder(tie_word_embeddings=tied)
     tokens, labels = text_tokens(3, 12, seed=1), text_tokens(3, 12, seed=2)
     labels[0, :7] = -100
@@ -81,12 +87,20 @@ def test_through_a_decoder_equals_its_logits_path(tied):
     total, count = masked_token_loss(decoder(tokens), labels)
     expected = step_grads(decoder, total / count)
     decoder.skip_output_layer = True
+    accumulated: list[str] = []
+    for name, param in decoder.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda _, name=name: accumulated.append(name))
     fused, _ = fused_token_loss(
         decoder(tokens), labels, decoder.unembed, grad_scale=1 / int(count), chunk_size=4,
-        num_targets=int(count),
+        num_targets=int(count), defer_output_grad=deferred,
     )  # fmt: skip
     torch.testing.assert_close(fused, total, **RELATIVE)
+    output = "tok_embeddings.weight" if tied else "output.weight"
+    assert (output in accumulated) != deferred  # the output's gradient made in the forward
     actual = step_grads(decoder, fused / count)
+    if deferred:
+        layers = [i for i, name in enumerate(accumulated) if name.startswith("layers.")]
+        assert layers and accumulated.index(output) > max(layers)
     assert actual.keys() == expected.keys()
     assert ("output.weight" in actual) != tied
     for name, grad in expected.items():
@@ -94,7 +108,8 @@ def test_through_a_decoder_equals_its_logits_path(tied):
         assert_relative(actual[name], grad, max(1.0, float(grad.abs().max())))
 
 
-def test_lora_on_the_output_layer():
+@pytest.mark.parametrize("deferred", [False, True], ids=["now", "deferred"])
+def test_lora_on_the_output_layer(deferred):
     """The output called as a module: its adapter runs and trains, the frozen base does not."""
     decoder = build_tiny_decoder(tie_word_embeddings=False)
     apply_lora(decoder, "output", rank=2)
@@ -107,8 +122,9 @@ def test_lora_on_the_output_layer():
     assert {"output.lora_a.weight", "output.lora_b.weight"} <= expected.keys()
     decoder.skip_output_layer = True
     fused, _ = fused_token_loss(
-        decoder(tokens), labels, decoder.unembed, grad_scale=1 / int(count), chunk_size=3
-    )
+        decoder(tokens), labels, decoder.unembed, grad_scale=1 / int(count), chunk_size=3,
+        defer_output_grad=deferred,
+    )  # fmt: skip
     torch.testing.assert_close(fused, total, **RELATIVE)
     actual = step_grads(decoder, fused / count)
     assert actual.keys() == expected.keys() and "output.weight" not in actual
@@ -202,13 +218,90 @@ def test_no_tensor_of_all_logits_and_one_projection_per_chunk():
     gradients, scalars = 4 * (3 * tokens * dim + 3 * vocab * dim), 4096
     assert live.peak <= 4 * chunk * vocab + gradients + scalars < 4 * tokens * vocab / 2
     flops = {}
-    for name, loss in (("fused", fused_token_loss), ("chunked", chunked_token_loss)):
+    deferred = partial(fused_token_loss, defer_output_grad=True)
+    for name, loss in (("fused", fused_token_loss), ("chunked", chunked_token_loss),
+                       ("deferred", deferred)):  # fmt: skip
         with FlopCounterMode(display=False) as counter:
             total, _ = loss(hidden, labels, output, chunk_size=chunk, num_targets=tokens)
             total.backward()
         flops[name] = counter.get_total_flops()
     projection = 2 * tokens * dim * vocab
     assert flops["fused"] == 3 * projection and flops["chunked"] == 4 * projection
+    # Deferred: the logits and the rows' gradient now, the logits again and the weight's later
+    assert flops["deferred"] == 4 * projection
+
+
+def deep_step(deferred: bool) -> dict:
+    """fused_token_loss after four tanh layers of width 64 over 1024 rows (their saved
+    activations: 4 x 2 x 256 KiB), with a trained [1024, 64] output (its gradient: 256 KiB)
+    and chunks of 64 targets: loss, gradients, and the peak of live float tensors."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    output = head(64, 1024, seed=1)
+    x = torch.randn(1, 1024, 64)
+    labels = torch.randint(0, 1024, (1, 1024))
+    live = LiveFloats()
+    with live:
+        total, _ = fused_token_loss(
+            layers(x), labels, output, grad_scale=1 / 1024, chunk_size=64, num_targets=1024,
+            defer_output_grad=deferred,
+        )  # fmt: skip
+        (total / 1024).backward()
+    grads = {name: p.grad for name, p in [*layers.named_parameters(), ("output", output.weight)]}
+    return dict(total=total.detach(), grads=grads, peak=live.peak)
+
+
+def test_a_deferred_output_gradient_is_not_held_beside_the_activations():
+    """``defer_output_grad``: the same loss and gradients, and a lower peak: the output's
+    [vocab, d] gradient (and each later chunk's fresh one) is made once the layers' backward
+    has freed their saved activations, not at the loss while they are all alive."""
+    now, deferred = deep_step(False), deep_step(True)
+    torch.testing.assert_close(deferred["total"], now["total"], **RELATIVE)
+    for name, grad in now["grads"].items():
+        assert_relative(deferred["grads"][name], grad, float(grad.abs().max()))
+    weight_grad = 1024 * 64 * 4
+    assert deferred["peak"] + weight_grad <= now["peak"]
+
+
+def test_a_deferred_loss_never_back_propagated_adds_nothing_later():
+    """The deferred backward hangs on its own graph's nodes: a loss whose sum takes no
+    backward gives a later one's output nothing of its own."""
+    output = head(4, 9, seed=6)
+    hidden, labels = torch.randn(1, 6, 4, requires_grad=True), torch.randint(0, 9, (1, 6))
+    unused, _ = fused_token_loss(hidden * 2, labels, output, defer_output_grad=True)
+    total, _ = fused_token_loss(hidden, labels, output, defer_output_grad=True)
+    total.backward()
+    alone = output.weight.grad.clone()
+    output.weight.grad = None
+    fused_token_loss(hidden, labels, output)[0].backward()  # made in the forward
+    assert_relative(alone, output.weight.grad)
+    assert unused.requires_grad
+
+
+def test_a_deferred_output_projects_again_under_the_forwards_autocast():
+    """Under CPU autocast (bfloat16) the deferred projection computes as the forward's did:
+    the weight's gradient equals the one made in the forward, bit for bit (the 16 targets in
+    one chunk both ways; a float32 projection would differ by bfloat16's rounding)."""
+    output = head(16, 64, seed=7)
+    hidden, labels = torch.randn(2, 8, 16, requires_grad=True), torch.randint(0, 64, (2, 8))
+    grads = []
+    for deferred in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            total, _ = fused_token_loss(
+                hidden, labels, output, chunk_size=16, defer_output_grad=deferred
+            )
+        total.backward()
+        grads.append(output.weight.grad)
+        output.weight.grad = None
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value", [1, None, "yes"])
+def test_bad_defer_output_grad(value):
+    output = head(4, 9, seed=5)
+    with pytest.raises(ValueError, match="defer_output_grad: expected a bool, got"):
+        fused_token_loss(torch.randn(1, 3, 4), torch.zeros(1, 3, dtype=torch.int64), output,
+                         defer_output_grad=value)  # fmt: skip
 
 
 def projected_rows(output: nn.Module) -> list[int]:
@@ -279,7 +372,7 @@ def test_a_trained_output_takes_its_targets_in_one_chunk_where_that_is_leaner(mo
     fused_token_loss(hidden, labels, output, chunk_size=16, num_targets=40)
     assert projected == [0, 40]  # the call on no rows, then one chunk
     one, chunks = one_chunk_or_not(True, monkeypatch), one_chunk_or_not(False, monkeypatch)
-    assert one["calls"] == [40] and chunks["calls"] == [14, 13, 13]
+    assert one["calls"] == [0, 40] and chunks["calls"] == [0, 14, 13, 13]
     assert one["peak"] < chunks["peak"]
     for key in ("total", "hidden", "weight"):
         assert_relative(one[key], chunks[key])

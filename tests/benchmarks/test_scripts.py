@@ -187,15 +187,16 @@ def test_finetune_quick(tmp_path):
     assert above == pytest.approx(peak / memory["floor_mib"] - 1)
     assert "of its time floor" in stdout and "above its memory floor" in stdout
 
-    # A contestant the results lack (out of memory there) gets no floor, and no bound.
+    # A contestant the results lack (out of memory there, or left out with --only) gets no
+    # floor, and no bound.
     lacking = json.loads((tmp_path / "finetune.json").read_text())
-    del lacking["results"]["transformers_padded"]
+    del lacking["results"]["transformers_padded"], lacking["results"]["fusion_padded"]
     (tmp_path / "lacking.json").write_text(json.dumps(lacking))
     args = ("--quick", "--rounds", "1", "--results", str(tmp_path / "lacking.json"))
     run_script("finetune_floor.py", *args, "--out", str(floor_file))
     floor = json.loads(floor_file.read_text())
-    assert set(floor["work"]) == set(FINETUNE_CONTESTANTS) - {"transformers_padded"}
-    assert not any("transformers_padded" in key for key in floor["bounds"])
+    assert set(floor["work"]) == {"transformers_padding_free", "fusion_packed"}
+    assert not any("padded" in key for key in floor["bounds"])
 
     # Times measured on another machine are not bounded by this one's floor: refused.
     elsewhere = json.loads((tmp_path / "finetune.json").read_text())
@@ -238,6 +239,28 @@ def test_finetune_qwen_lora_fused_profile_quick(tmp_path):
         assert set(r["profile_s"]) == {"vision_tower", "decoder", "loss", "backward", "optimizer"}
         assert r["profile_s"]["decoder"] > 0 and r["profile_s"]["backward"] > 0
         assert f"profile {name}:" in stdout
+
+
+def test_finetune_deferred_output_grad_quick(tmp_path):
+    """``--defer-output-grad``: the same steps as the output's gradient made in the forward
+    (Qwen2.5-VL, full fine-tuning of its tied output: the timed step's loss follows the
+    warm-up step's gradients); refused with the chunked loss."""
+    losses = {}
+    for deferred in (False, True):
+        out = tmp_path / str(deferred)
+        args = ("--quick", "--family", "qwen2_5_vl", "--train", "full", "--loss", "fused")
+        args += ("--only", "fusion_packed", "--out", str(out))
+        run_script("finetune.py", *args, *["--defer-output-grad"] * deferred)
+        report = json.loads((out / "finetune_qwen2_5_vl.json").read_text())
+        assert report["settings"]["defer_output_grad"] == deferred
+        losses[deferred] = report["results"]["fusion_packed"]["losses"]
+    assert len(losses[True]) == 1  # the timed step, after the warm-up's optimizer step
+    # Within a few float32 ulps (the chunks' summation order); without the deferred gradient
+    # of its output the step's loss moves by 2e-6 relative.
+    torch.testing.assert_close(losses[True], losses[False], rtol=5e-7, atol=0)
+    script = load_script("finetune")
+    with pytest.raises(SystemExit):
+        script.parse_args(["--quick", "--loss", "chunked", "--defer-output-grad"])
 
 
 def test_optimizer_step_quick(tmp_path):

@@ -56,6 +56,7 @@ class Case:
     starved: bool = False  # rank 1's samples have no target
     resharded_root: bool = False
     fused: bool = False  # fusion.fused_token_loss instead (the output's backward in the forward)
+    deferred: bool = False  # fused, with defer_output_grad (the output's at the backward's end)
 
     @property
     def name(self) -> str:
@@ -65,6 +66,7 @@ class Case:
             + ("-resharded" if self.resharded_root else "")
             + ("-starved" if self.starved else "")
             + ("-fused" if self.fused else "")
+            + ("-deferred" if self.deferred else "")
         )
 
     @property
@@ -97,6 +99,10 @@ CASES = [
     Case("fsdp", "decoder", tied=True, starved=True, fused=True),
     Case("fsdp_root", "fusion", tied=False, fused=True),
     Case("tp", "decoder", tied=False, fused=True),
+    # Deferred, the output's gradient at the end of the backward: FSDP2 with the output in the
+    # root unit, whose reduce-scatter comes after the whole backward.
+    Case("fsdp", "fusion", tied=True, fused=True, deferred=True),
+    Case("fsdp_root", "fusion", tied=False, starved=True, fused=True, deferred=True),
 ]
 # Sharded where the output projection cannot gather its weight: refused by name.
 REFUSED = [
@@ -113,6 +119,8 @@ FUSED_REFUSED = [
     Case("fsdp", "fusion", tied=False, starved=True, fused=True),
     Case("fsdp_tp", "fusion", tied=False, fused=True),
 ]
+# Deferred with a sharded output parameter (tensor parallel): refused by name.
+DEFERRED_REFUSED = [Case("tp", "decoder", tied=False, fused=True, deferred=True)]
 
 
 def labels_of(case: Case, rows: slice) -> torch.Tensor:
@@ -184,7 +192,7 @@ def run_case(case: Case, mesh: DeviceMesh) -> dict:
         if case.fused:
             total, count = fused_token_loss(
                 hidden, labels, decoder.unembed, grad_scale=scale, chunk_size=CHUNK,
-                num_targets=num_targets,
+                num_targets=num_targets, defer_output_grad=case.deferred,
             )  # fmt: skip
         else:
             total, count = chunked_token_loss(
@@ -204,7 +212,8 @@ def run_case(case: Case, mesh: DeviceMesh) -> dict:
 def run_all(rank: int, world_size: int, init_file: str, out_dir: Path) -> None:
     mesh = join_group(rank, world_size, init_file)
     jobs: dict[str, Callable[[], dict]] = {
-        c.name: (lambda c=c: run_case(c, mesh)) for c in [*CASES, *REFUSED, *FUSED_REFUSED]
+        c.name: (lambda c=c: run_case(c, mesh))
+        for c in [*CASES, *REFUSED, *FUSED_REFUSED, *DEFERRED_REFUSED]
     }
     run_jobs(jobs, rank, out_dir)
 

@@ -6,7 +6,13 @@ unit, tensor parallelism) on 2 gloo processes, against the full-logits step in o
 import pytest
 import torch
 
-from parallel.chunked_loss_scenarios import CASES, FUSED_REFUSED, REFUSED, reference
+from parallel.chunked_loss_scenarios import (
+    CASES,
+    DEFERRED_REFUSED,
+    FUSED_REFUSED,
+    REFUSED,
+    reference,
+)
 from parallel.conftest import run_scenarios
 from parallel.sharding_scenarios import TOLERANCE
 
@@ -58,3 +64,11 @@ def test_fused_loss_refuses_an_output_that_is_its_own_fsdp_unit(chunked_runs, ca
         outcome = result[case.name]
         assert not outcome["ok"] and outcome["error_type"] == "ValueError"
         assert outcome["message"].startswith("unembed: the output layer is its own FSDP2 unit")
+
+
+@pytest.mark.parametrize("case", DEFERRED_REFUSED, ids=lambda c: c.name)
+def test_a_deferred_output_gradient_refuses_sharded_output_parameters(chunked_runs, case):
+    for result in chunked_runs.ranks:
+        outcome = result[case.name]
+        assert not outcome["ok"] and outcome["error_type"] == "ValueError"
+        assert outcome["message"].startswith("defer_output_grad: expected an output whose")

@@ -1,12 +1,19 @@
 """A/B of fused_token_loss with a trained output (full fine-tuning): one chunk against
 chunks, forward and backward, in fresh processes, alternating."""
-import json, resource, statistics, subprocess, sys, time
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
 
 VARIANTS = {"one chunk of 1540": (1540, True), "2 x 770": (1024, False), "4 x 385": (512, False)}
 
 
 def worker(name: str) -> None:
     import torch
+
     import fusion.labels as labels
 
     torch.set_num_threads(2)
@@ -28,7 +35,9 @@ def worker(name: str) -> None:
         (total / count).backward()
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"name": name, "s": times[1:], "peak_mib": peak, "loss": float(total / count)}))
+    print(
+        json.dumps({"name": name, "s": times[1:], "peak_mib": peak, "loss": float(total / count)})
+    )
 
 
 def main() -> None:
@@ -37,16 +46,22 @@ def main() -> None:
     for r in range(3):
         order = names[r % 3 :] + names[: r % 3]
         for name in order:
-            line = subprocess.run(
-                [sys.executable, __file__, name], check=True, capture_output=True, text=True
-            ).stdout.strip().splitlines()[-1]
+            line = (
+                subprocess.run(
+                    [sys.executable, __file__, name], check=True, capture_output=True, text=True
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
             got = json.loads(line)
             results[name]["s"].append(min(got["s"]))
             results[name]["peak_mib"].append(got["peak_mib"])
             print(r, got, flush=True)
     for name, r in results.items():
-        print(f"{name:20} {statistics.median(r['s']):6.2f} s [{min(r['s']):.2f}-{max(r['s']):.2f}]"
-              f"  peak {statistics.median(r['peak_mib']):.0f} MiB")
+        print(
+            f"{name:20} {statistics.median(r['s']):6.2f} s [{min(r['s']):.2f}-{max(r['s']):.2f}]"
+            f"  peak {statistics.median(r['peak_mib']):.0f} MiB"
+        )
 
 
 if __name__ == "__main__":
