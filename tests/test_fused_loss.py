@@ -3,6 +3,7 @@ chunk by chunk in the forward) equals F.cross_entropy over full logits in fp32, 
 gradients (hidden states and the output module's parameters, tied, untied, with a LoRA
 adapter), never holds all the logits, and projects each chunk once."""
 
+import weakref
 from functools import partial
 
 import pytest
@@ -79,7 +80,8 @@ def test_a_whole_batch_without_targets():
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_through_a_decoder_equals_its_logits_path(tied, deferred):
     """``decoder.unembed``: the untied output module, or the tied embedding's weight. With
-    ``defer_output_grad``, the output's gradient is accumulated after every decoder layer's."""
+    ``defer_output_grad``, the output's gradient is made once the decoder's backward has
+    freed every float tensor its forward saved."""
     decoder = build_tiny_decoder(tie_word_embeddings=tied)
     tokens, labels = text_tokens(3, 12, seed=1), text_tokens(3, 12, seed=2)
     labels[0, :7] = -100
@@ -87,20 +89,39 @@ def test_through_a_decoder_equals_its_logits_path(tied, deferred):
     total, count = masked_token_loss(decoder(tokens), labels)
     expected = step_grads(decoder, total / count)
     decoder.skip_output_layer = True
-    accumulated: list[str] = []
-    for name, param in decoder.named_parameters():
-        param.register_post_accumulate_grad_hook(lambda _, name=name: accumulated.append(name))
+    saved: dict[int, int] = {}  # the decoder's saved float tensors still held, by id
+
+    class Saved:  # what autograd holds for a saved tensor: dropped when its node has run
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+            if tensor.dtype.is_floating_point:
+                saved[id(self)] = 1
+                weakref.finalize(self, saved.pop, id(self), None)
+
+    with torch.autograd.graph.saved_tensors_hooks(Saved, lambda held: held.tensor):
+        hidden = decoder(tokens)
+    saved_by_forward = len(saved)
+    held_at_output: list[int] = []  # when each gradient of the output's weight is made
+    output = decoder.tok_embeddings if tied else decoder.output
+    output.weight.register_hook(lambda grad: held_at_output.append(len(saved)))
     fused, _ = fused_token_loss(
-        decoder(tokens), labels, decoder.unembed, grad_scale=1 / int(count), chunk_size=4,
+        hidden, labels, decoder.unembed, grad_scale=1 / int(count), chunk_size=4,
         num_targets=int(count), defer_output_grad=deferred,
     )  # fmt: skip
     torch.testing.assert_close(fused, total, **RELATIVE)
-    output = "tok_embeddings.weight" if tied else "output.weight"
-    assert (output in accumulated) != deferred  # the output's gradient made in the forward
+    assert (held_at_output != []) != deferred  # made in the forward, or not yet
+    if not deferred:
+        assert all(held_at_output)  # beside the saved activations
+        held_at_output.clear()
     actual = step_grads(decoder, fused / count)
-    if deferred:
-        layers = [i for i, name in enumerate(accumulated) if name.startswith("layers.")]
-        assert layers and accumulated.index(output) > max(layers)
+    if deferred and tied:
+        # The deferred gradient first, with what the first layer saved for the path to the
+        # embedding lookup (run after it: its dense gradient is not made beside another one),
+        # then the lookup's, at the end: the rest of the saved activations long freed.
+        assert len(held_at_output) == 2 and held_at_output[1] == 0
+        assert held_at_output[0] <= saved_by_forward // 10
+    else:  # deferred, or a tied embedding's lookup: at the end, no saved activation left
+        assert (held_at_output != []) == (deferred or tied) and not any(held_at_output)
     assert actual.keys() == expected.keys()
     assert ("output.weight" in actual) != tied
     for name, grad in expected.items():
