@@ -440,31 +440,22 @@ def _one_chunk_is_leaner(rows: int, chunk: int, vocab: int, trained: int) -> boo
     return (rows - chunk) * vocab * 4 <= trained
 
 
-def _after_backward(
-    tensor: torch.Tensor, run: Callable[[], None], ahead_of: list[torch.Tensor]
-) -> None:
+def _after_backward(tensor: torch.Tensor, run: Callable[[], None]) -> None:
     """Calls ``run`` in each backward through ``tensor`` once every node of its graph that
-    hands a trained leaf other than ``ahead_of``'s its gradient has run (where none does,
-    every node that hands one its gradient): after the backward of everything under
-    ``tensor``, its saved activations freed, and before a node that makes the gradient of
-    ``ahead_of`` alone (a tied output's embedding lookup, whose dense ``[vocab, d]`` gradient
-    would otherwise be held while ``run`` makes another). The hooks are on this graph's own
-    nodes, so they go with it: a graph never back-propagated runs nothing later."""
-    skipped = {id(leaf) for leaf in ahead_of}
-    frontier, feeding, nodes, seen = [], [], [tensor.grad_fn], set()
+    hands a trained leaf its gradient has run: after the backward of everything under
+    ``tensor`` (its saved activations freed), before those leaves' last ``.grad`` is
+    accumulated. The hooks are on this graph's own nodes, so they go with it: a graph never
+    back-propagated runs nothing later."""
+    frontier, nodes, seen = [], [tensor.grad_fn], set()
     while nodes:
         node = nodes.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
         parents = [parent for parent, _ in node.next_functions if parent is not None]
-        fed = [parent.variable for parent in parents if hasattr(parent, "variable")]
-        if fed:  # the node feeds AccumulateGrad nodes: trained leaves
-            feeding.append(node)
-            if any(id(leaf) not in skipped for leaf in fed):
-                frontier.append(node)
+        if any(hasattr(parent, "variable") for parent in parents):  # feeds AccumulateGrad
+            frontier.append(node)
         nodes.extend(parents)
-    frontier = frontier or feeding
     ran: set[int] = set()
 
     def node_ran(index: int, *_: Any) -> None:
@@ -612,9 +603,7 @@ def fused_token_loss(
             again, under the forward's autocast, for the parameters' gradient. One more
             output-sized matrix product per target buys a peak without the parameters'
             gradient beside every saved activation: 1.2 GB of Qwen2.5-VL-3B's tied output in
-            full fine-tuning. The forward then keeps the chunks of ``chunk_size``, and the
-            deferred projection takes one chunk where that is leaner (as above), before a
-            tied output's embedding lookup makes its own dense gradient. A frozen
+            full fine-tuning. The targets then keep their chunks of ``chunk_size``. A frozen
             output, or hidden states without a gradient, have nothing to defer. A backward
             of only some ``inputs`` that skips a trained leaf under the hidden states gives the
             output no gradient.
@@ -622,7 +611,8 @@ def fused_token_loss(
     Raises:
         ValueError: ``grad_scale`` not a positive finite number; in the backward, the sum
             received another gradient than ``grad_scale``; ``defer_output_grad`` not a bool,
-            or True with an output whose parameters are sharded (FSDP2, tensor parallel).
+            or True with an output whose parameters are sharded (tensor parallel; FSDP2
+            with the output in the root unit works).
         TypeError: ``unembed`` returned a DTensor (a tensor-parallel output that keeps its
             logits sharded, ``use_local_output=False``): gather them to plain logits, as
             :func:`fusion.parallel.apply_tp`'s plan does.
@@ -656,17 +646,14 @@ def fused_token_loss(
         leaves, vocab = _trained_leaves(rows, unembed)
         if defer and any(is_dtensor(leaf) for leaf in leaves):
             raise ValueError(
-                "defer_output_grad: expected an output whose parameters are plain tensors, "
-                "got a sharded one (FSDP2 or tensor parallel), whose gradient is reduced in "
-                "an order the deferred backward would not keep; leave it False"
+                "defer_output_grad: expected an output whose parameters are plain tensors "
+                "(as FSDP2's root unit gathers them), got a sharded one (tensor parallel), "
+                "whose gradient's reduction the deferred backward would not follow; leave it "
+                "False"
             )
         trained = sum(leaf.numel() * leaf.element_size() for leaf in leaves)
         defer = defer and trained > 0  # a frozen output has nothing to defer
-        one_chunk = _one_chunk_is_leaner(rows.size(0), sizes[0], vocab, trained)
-        # Deferred, the forward makes no parameter gradient: its chunks stay; the deferred
-        # backward, which does, takes the one chunk where that is leaner.
-        deferred_sizes = [rows.size(0)] if one_chunk else sizes
-        if one_chunk and not defer:
+        if not defer and _one_chunk_is_leaner(rows.size(0), sizes[0], vocab, trained):
             sizes = [rows.size(0)]
     pieces = list(zip(rows.detach().split(sizes), targets.split(sizes), strict=True))
     rows_grad, back_propagated = [], False
@@ -689,10 +676,10 @@ def fused_token_loss(
         total = total + (link - link.detach())
         if defer:
             output_backward = partial(
-                _output_backward, rows.detach(), targets, deferred_sizes, unembed, grad_scale,
+                _output_backward, rows.detach(), targets, sizes, unembed, grad_scale,
                 _autocast_now(rows.device.type),
             )  # fmt: skip
-            _after_backward(rows, output_backward, ahead_of=leaves)
+            _after_backward(rows, output_backward)
     elif back_propagated:  # only the output trains: the sum still takes a backward, checked
         total = total + torch.zeros((), device=total.device, requires_grad=True)
     if total.requires_grad:
