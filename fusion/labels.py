@@ -411,23 +411,28 @@ class _SummedCrossEntropy(torch.autograd.Function):
         return grad_logits, None
 
 
+def _graph_nodes(root: Any) -> list[Any]:
+    """Every node of the autograd graph under ``root`` (a ``grad_fn``; None: none), once."""
+    found, nodes, seen = [], [root], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        found.append(node)
+        nodes.extend(parent for parent, _ in node.next_functions)
+    return found
+
+
 def _trained_leaves(
     rows: torch.Tensor, unembed: Callable[[torch.Tensor], torch.Tensor]
 ) -> tuple[list[torch.Tensor], int]:
     """The parameters ``unembed`` trains, the leaves of the autograd graph of ``unembed``
     called on no rows (their sizes are all that is read), and its vocabulary."""
     probe = _chunk_logits(rows[:0].detach(), unembed)
-    leaves, nodes, seen = [], [probe.grad_fn], set()
-    while nodes:
-        node = nodes.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        leaf = getattr(node, "variable", None)  # an AccumulateGrad node: a trained leaf
-        if isinstance(leaf, torch.Tensor):
-            leaves.append(leaf)
-        nodes.extend(parent for parent, _ in node.next_functions)
-    return leaves, probe.size(-1)
+    # AccumulateGrad nodes hold the trained leaves
+    leaves = [getattr(node, "variable", None) for node in _graph_nodes(probe.grad_fn)]
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], probe.size(-1)
 
 
 def _one_chunk_is_leaner(rows: int, chunk: int, vocab: int, trained: int) -> bool:
@@ -446,16 +451,11 @@ def _after_backward(tensor: torch.Tensor, run: Callable[[], None]) -> None:
     ``tensor`` (its saved activations freed), before those leaves' last ``.grad`` is
     accumulated. The hooks are on this graph's own nodes, so they go with it: a graph never
     back-propagated runs nothing later."""
-    frontier, nodes, seen = [], [tensor.grad_fn], set()
-    while nodes:
-        node = nodes.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        parents = [parent for parent, _ in node.next_functions if parent is not None]
-        if any(hasattr(parent, "variable") for parent in parents):  # feeds AccumulateGrad
-            frontier.append(node)
-        nodes.extend(parents)
+    frontier = [
+        node
+        for node in _graph_nodes(tensor.grad_fn)
+        if any(hasattr(parent, "variable") for parent, _ in node.next_functions)  # AccumulateGrad
+    ]
     ran: set[int] = set()
 
     def node_ran(index: int, *_: Any) -> None:
