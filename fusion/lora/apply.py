@@ -32,6 +32,8 @@ from fusion.decoder import TransformerDecoder
 from fusion.decoder.few_rows import is_plain_linear
 
 ADAPTER_CHILDREN = ("lora_a", "lora_b", "lora_dropout")
+# The layer's attribute holding the adapter hook's handle (torch.utils.hooks.RemovableHandle).
+LORA_HOOK = "lora_hook"
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 # Hugging Face's names of the decoder's layers that this library names otherwise (q_proj,
 # k_proj and v_proj are the same in both).
@@ -80,9 +82,7 @@ def lora_settings(linear: nn.Linear) -> LoRASettings:
 def is_lora_linear(module: nn.Module) -> bool:
     """Whether ``module`` is a linear layer :func:`apply_lora` gave an adapter (and
     :func:`~fusion.lora.merge_lora` has not merged yet)."""
-    return isinstance(module, nn.Linear) and any(
-        hook is _lora_hook for hook in module._forward_hooks.values()
-    )
+    return isinstance(module, nn.Linear) and LORA_HOOK in module.__dict__
 
 
 def lora_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -333,6 +333,9 @@ def _add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> 
     linear.lora_b = nn.Linear(rank, linear.out_features, bias=False, **factory)
     nn.init.zeros_(linear.lora_b.weight)  # a fresh adapter leaves the output unchanged
     linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-    # Plain attributes (not state): read by the hook, save_adapter and merge_lora.
-    linear.__dict__.update({"lora_rank": rank, "lora_alpha": alpha, LORA_MARK: alpha / rank})
-    linear.register_forward_hook(_lora_hook, with_kwargs=True)
+    hook = linear.register_forward_hook(_lora_hook, with_kwargs=True)
+    # Plain attributes (not state): read by the hook, save_adapter and merge_lora. The hook's
+    # handle lives in the layer, so a deep copy's handle removes the copy's hook.
+    linear.__dict__.update(
+        {"lora_rank": rank, "lora_alpha": alpha, LORA_MARK: alpha / rank, LORA_HOOK: hook}
+    )

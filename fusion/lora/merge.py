@@ -5,7 +5,7 @@ import sys
 import torch
 from torch import nn
 
-from fusion.lora.apply import ADAPTER_CHILDREN, _lora_hook, lora_linears, lora_settings
+from fusion.lora.apply import ADAPTER_CHILDREN, LORA_HOOK, lora_linears, lora_settings
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
@@ -53,12 +53,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 def _remove_adapter(linear: nn.Linear) -> None:
-    # The hook is found by identity, not by a stored handle: a deep copy of the model keeps
-    # its hooks under the same ids, but a handle would still point at the original's.
-    keys = [key for key, hook in linear._forward_hooks.items() if hook is _lora_hook]
-    for key in keys:
-        linear._forward_hooks.pop(key)
-        linear._forward_hooks_with_kwargs.pop(key, None)
+    linear.__dict__.pop(LORA_HOOK).remove()
     for child in ADAPTER_CHILDREN:
         delattr(linear, child)
     for attribute in ("lora_rank", "lora_alpha", "lora_scale"):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion.decoder import FewRowsLinear
-from fusion.lora import DEFAULT_TARGETS, apply_lora, is_lora_linear, lora_linears
+from fusion.lora import DEFAULT_TARGETS, apply_lora, is_lora_linear, lora_linears, merge_lora
 from helpers import FEATURES, IMAGE_ID, build_tiny_decoder, build_tiny_fusion, text_tokens
 
 
@@ -173,8 +173,15 @@ def test_deepcopy_and_meta_device():
     randomize_adapters(model)
     clone = copy.deepcopy(model)
     tokens = text_tokens(1, 6)
-    assert torch.equal(clone(tokens), model(tokens))
+    adapted = model(tokens)
+    assert torch.equal(clone(tokens), adapted)
     assert len(lora_linears(clone)) == 4
+    # Merging the copy removes the copy's hooks (a hook left behind would find no adapter and
+    # raise) and leaves the original adapted.
+    merge_lora(clone)
+    torch.testing.assert_close(clone(tokens), adapted, rtol=1e-5, atol=1e-5)
+    assert not lora_linears(clone) and len(lora_linears(model)) == 4
+    assert torch.equal(model(tokens), adapted)
     with torch.device("meta"):
         meta = build_tiny_decoder()
     apply_lora(meta, rank=2)
