@@ -103,9 +103,12 @@ count), the positions computed per step (padding included), the peak resident me
 process (``ru_maxrss``, the training process alone: the loader worker is forked from it and
 shares its pages; CPU) or the peak CUDA memory allocated (GPU), the first timed step's
 loss (all must agree: same weights, same samples), and the load average at each process's start
-and end. ``--memory-limit-gib G`` caps each contestant's address space at G GiB: one that runs
-out (or that the kernel kills for memory) is reported as out of memory in that round, with no
-timings or ratios, and the run goes on with the others.
+and end. On CPU, after each round, a fresh process times fp32 matrix products at the family's
+sizes (:data:`GEMM_SHAPES`, ``matrix_rate`` in the JSON): the machine's speed in the run's own
+minutes, at which ``finetune_floor.py`` sets the time floors. ``--memory-limit-gib G`` caps
+each contestant's address space at G GiB: one that runs out (or that the kernel kills for
+memory) is reported as out of memory in that round, with no timings or ratios, and the run
+goes on with the others.
 
     python benchmarks/finetune.py                 # CPU, fp32, 2 threads -> benchmarks/results/
     python benchmarks/finetune.py --quick         # a tiny model, seconds -> a temporary directory
@@ -182,6 +185,16 @@ PROFILE_RANGES = ("vision_tower", "decoder", "loss", "backward", "optimizer")
 SHORT_WARMUP_ANSWER = 16  # --short-warmup: answer tokens kept in the warm-up sample
 #: SmolVLM-256M's layers kept on CPU (text, vision) unless --text-layers / --vision-layers.
 SMOLVLM_CPU_LAYERS = (6, 3)
+#: fp32 matrix products at each family's sizes (rows, inner, columns): its tower's MLP, its
+#: decoder's MLP and its output layer at a step's targets. On CPU the run times them in a fresh
+#: process after each round (:func:`matrix_rate`): ``finetune_floor.py``'s rate.
+GEMM_SHAPES = {
+    "smolvlm": ((8192, 768, 3072), (2474, 576, 1536), (1024, 576, 49280)),
+    "qwen2_5_vl": ((4096, 1280, 3420), (2048, 2048, 11008), (1024, 2048, 151936)),
+    "qwen3_5": ((4096, 768, 3072), (2048, 1024, 3584), (1024, 1024, 32768)),
+}
+#: Timed calls per shape in each round's rate process.
+RATE_CALLS = 3
 #: The relative difference allowed between transformers' padded and padding-free losses on the
 #: same weights and samples (one process, before training): fp32, and bf16 autocast on CUDA.
 SAME_WEIGHTS_TOLERANCE = {"cpu": 1e-5, "cuda": 1e-2}
@@ -367,6 +380,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)
     p.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rate-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -400,7 +414,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.vision_layers = vision if args.vision_layers is None else args.vision_layers
     if args.quick:
         args.steps = 1
-    if args.worker is None:
+    if args.worker is None and not args.rate_only:
         args.out = output_dir(args.out, check=args.quick)
     return args
 
@@ -659,6 +673,29 @@ def step_samples(args: argparse.Namespace, config: dict) -> list[list[Sample]]:
 
 
 # ---------------------------------------------------------------------- contestants
+
+
+def gemm_shapes(family: str, quick: bool) -> tuple[tuple[int, int, int], ...]:
+    """:data:`GEMM_SHAPES`' shapes of ``family``; ``quick``: an eighth of each size."""
+    shapes = GEMM_SHAPES[family]
+    return tuple((m // 8, k // 8, n // 8) for m, k, n in shapes) if quick else shapes
+
+
+def gemm_gflops(calls: int, shapes: tuple[tuple[int, int, int], ...]) -> dict[str, float]:
+    """The best rate (GFLOP/s) of each fp32 matrix product shape over ``calls`` timed calls,
+    after one untimed."""
+    rates = {}
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        out = torch.empty(m, n)
+        torch.mm(a, b, out=out)  # warm-up
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            times.append(time.perf_counter() - start)
+        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / min(times) / 1e9
+    return rates
 
 
 def cpu_seconds() -> float:
@@ -1206,6 +1243,25 @@ def run_contestant(
     return json.loads(result_file.read_text())
 
 
+def matrix_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    """:func:`gemm_gflops` of the family's shapes in a fresh process (in this one for
+    ``--quick``) with the contestants' threads: the machine's rate in the run's own minutes,
+    which ``finetune_floor.py`` sets each contestant's time floor at."""
+    result_file = workdir / "matrix_rate.json"
+    if args.quick:
+        return own_matrix_rate(args)
+    command = [sys.executable, __file__, "--rate-only", "--family", args.family]
+    command += ["--threads", str(args.threads), "--result", str(result_file)]
+    subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(result_file.read_text())
+
+
+def own_matrix_rate(args: argparse.Namespace) -> dict[str, float]:
+    """:func:`matrix_rate`'s measurement, in this process."""
+    torch.set_num_threads(args.threads)
+    return gemm_gflops(RATE_CALLS, gemm_shapes(args.family, args.quick))
+
+
 def memory_cap(limit_bytes: int) -> Callable[[], None]:
     """What a child process runs before it starts: its address space capped at
     ``limit_bytes``, so that an allocation past it fails in the child (torch: "can't allocate
@@ -1255,6 +1311,9 @@ def round_order(names: list[str], round_index: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.rate_only:
+        args.result.write_text(json.dumps(own_matrix_rate(args)))
+        return {}
     if args.worker is not None:
         run_worker(args)
         return {}
@@ -1265,6 +1324,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.manual_seed(args.seed)
         save_model(args.family, config, workdir / "model")
         rounds: dict[str, list[dict]] = {name: [] for name in args.only}
+        rates: list[dict[str, float]] = []  # CPU: each round's matrix products
         untimed = None
         if args.family == "qwen3_5":  # transformers' padding-free rows: checked, not timed
             untimed = run_contestant(args, "transformers_padding_free", workdir, check_only=True)
@@ -1279,9 +1339,16 @@ def main(argv: list[str] | None = None) -> dict:
                 failed = result.get("out_of_memory")
                 failed = "" if failed is None else f" (out of memory: {failed})"
                 print(f"round {r}: {name} done in {result['process_s']:.0f} s{failed}", flush=True)
+            if args.device == "cpu":
+                rates.append(matrix_rate(args, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report = summarise(args, config, rounds, info)
+    if rates:
+        report["matrix_rate"] = {
+            "gflops_rounds": rates,
+            "best_gflops": max(rate for r in rates for rate in r.values()),
+        }
     if untimed is not None:
         report["padding_free_untimed_check"] = untimed
         ratio = report["results"].get("fusion_packed", {}).get("x_transformers_tokens_per_s")
@@ -1480,6 +1547,13 @@ def format_table(report: dict) -> str:
             step = sum(r["step_s"][: len(r["tokens"])])
             shares = ", ".join(f"{k} {v / step:.0%}" for k, v in r["profile_s"].items())
             lines.append(f"profile {name}: {shares} of {step:.1f} s (round 0, profiled)")
+    rate = report.get("matrix_rate")
+    if rate is not None:
+        bests = ", ".join(f"{max(r.values()):.0f}" for r in rate["gflops_rounds"])
+        lines.append(
+            f"fp32 matrix products after each round: best {rate['best_gflops']:.0f} GFLOP/s "
+            f"(rounds: {bests})"
+        )
     for name, failed in report.get("out_of_memory", {}).items():
         cap = failed["memory_limit_gib"]
         line = f"{name}: out of memory in round(s) {failed['rounds']}: {failed['detail']}"

@@ -10,7 +10,10 @@ For the model, samples and steps of ``finetune.py`` (same flags), in this proces
   in total and in the frozen vision tower (its forward under ``no_grad``);
 - **rate**: the best rate this machine reaches in fp32 matrix products at the model's own
   shapes (the fastest of ``--rounds`` rounds, the fastest shape: generous, and robust to
-  other jobs on the cores, which only slow rounds down);
+  other jobs on the cores, which only slow rounds down). With ``--results`` from a run that
+  timed them after each of its rounds (``matrix_rate``, in a fresh process), the best of
+  those: the machine's speed in the minutes the steps were timed, which can be 10-20% off
+  its speed an hour apart; the rate measured now is reported beside it;
 - **time floor** = work / rate: no implementation of the step is faster;
 - **memory floor** of ``fusion_packed``: the resident set of this process before any model
   (torch and the library imported, the run's samples made, as every contestant's process
@@ -42,7 +45,6 @@ import math
 import platform
 import statistics
 import tempfile
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -52,13 +54,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 MiB = 2**20
-#: fp32 matrix products at each family's sizes (rows, inner, columns): its tower's MLP, its
-#: decoder's MLP and its output layer at a step's targets.
-GEMM_SHAPES = {
-    "smolvlm": ((8192, 768, 3072), (2474, 576, 1536), (1024, 576, 49280)),
-    "qwen2_5_vl": ((4096, 1280, 3420), (2048, 2048, 11008), (1024, 2048, 151936)),
-    "qwen3_5": ((4096, 768, 3072), (2048, 1024, 3584), (1024, 1024, 32768)),
-}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -211,22 +206,6 @@ def step_memory_mib(model, steps, settings) -> tuple[float, float]:
     return total / MiB, sum(inputs.values()) / MiB
 
 
-def gemm_gflops(rounds: int, shapes: tuple[tuple[int, int, int], ...]) -> dict:
-    """The best rate of each fp32 matrix product shape over ``rounds`` rounds."""
-    rates = {}
-    for m, k, n in shapes:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        out = torch.empty(m, n)
-        torch.mm(a, b, out=out)  # warm-up
-        times = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            torch.mm(a, b, out=out)
-            times.append(time.perf_counter() - start)
-        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / min(times) / 1e9
-    return rates
-
-
 def measured(results: dict) -> dict:
     """Median first-timed-step seconds and peak MiB of each contestant in ``finetune.json``."""
     out = {}
@@ -271,11 +250,12 @@ def main(argv: list[str] | None = None) -> dict:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         activations, inputs = step_memory_mib(model, steps, settings)
-    shapes = GEMM_SHAPES[family]
-    if args.quick:  # checks the script: an eighth of each size
-        shapes = tuple((m // 8, k // 8, n // 8) for m, k, n in shapes)
-    rates = gemm_gflops(args.rounds, shapes)
-    rate = max(rates.values())
+    rates = bench.gemm_gflops(args.rounds, bench.gemm_shapes(family, args.quick))
+    rate_now = max(rates.values())
+    # The run's own rate where it measured one (after each of its rounds): the machine's
+    # speed in the minutes the steps were timed, which may differ from its speed now.
+    during = None if results is None else results.get("matrix_rate")
+    rate = rate_now if during is None else during["best_gflops"]
     for entry in work.values():
         entry["floor_s"] = entry["gflop"] / rate
     memory = {
@@ -290,11 +270,14 @@ def main(argv: list[str] | None = None) -> dict:
     memory["floor_mib"] = sum(memory[key] for key in resident) + max(
         activations, memory["gradients_mib"]
     )
-    report |= {"gemm_gflops": rates, "rate_gflops": rate, "work": work, "memory": memory}
+    report |= {"gemm_gflops": rates, "rate_now_gflops": rate_now, "rate_gflops": rate}
+    report |= {"rate_from": "now" if during is None else "run", "work": work, "memory": memory}
     packed = work["fusion_packed"]
     lines = [
-        f"fp32 matrix products: best {rate:.0f} GFLOP/s "
+        f"fp32 matrix products now: best {rate_now:.0f} GFLOP/s "
         + ", ".join(f"{shape} {r:.0f}" for shape, r in rates.items()),
+        f"the floors' rate: {rate:.0f} GFLOP/s, "
+        + ("measured now" if during is None else "the run's best, after its rounds"),
         f"{'contestant':26} {'GFLOP/step':>10} {'tower':>8} {'positions':>9} {'floor s':>8}",
     ]
     lines += [

@@ -140,6 +140,13 @@ def test_finetune_quick(tmp_path):
         assert packed[f"x_padding_free_{ratio}"] == pytest.approx(packed[key] / free)
     assert "fusion_packed / fusion_padded" in stdout
     assert (tmp_path / "finetune_cpu.txt").read_text() in stdout
+    # The machine's matrix-product rate, timed after each round: the floors' rate below.
+    during = report["matrix_rate"]
+    assert len(during["gflops_rounds"]) == 1 and set(during["gflops_rounds"][0]) == {
+        "1024x96x384", "309x72x192", "128x72x6160"
+    }  # fmt: skip
+    assert during["best_gflops"] == max(during["gflops_rounds"][0].values()) > 0
+    assert "fp32 matrix products after each round" in stdout
 
     # The floor under these results: the same model and samples, their work counted.
     floor_file = tmp_path / "floor.json"
@@ -162,7 +169,8 @@ def test_finetune_quick(tmp_path):
     assert work["fusion_packed"]["gflop"] < work["transformers_padding_free"]["gflop"]
     assert work["transformers_padding_free"]["gflop"] < work["transformers_padded"]["gflop"]
     rate = floor["rate_gflops"]
-    assert rate == max(floor["gemm_gflops"].values()) > 0
+    assert floor["rate_from"] == "run" and rate == during["best_gflops"]
+    assert floor["rate_now_gflops"] == max(floor["gemm_gflops"].values()) > 0
     for w in work.values():
         assert w["floor_s"] == pytest.approx(w["gflop"] / rate)
     memory = floor["memory"]
@@ -188,15 +196,18 @@ def test_finetune_quick(tmp_path):
     assert "of its time floor" in stdout and "above its memory floor" in stdout
 
     # A contestant the results lack (out of memory there, or left out with --only) gets no
-    # floor, and no bound.
+    # floor, and no bound; results without a rate of their own (older runs) get the rate now.
     lacking = json.loads((tmp_path / "finetune.json").read_text())
     del lacking["results"]["transformers_padded"], lacking["results"]["fusion_padded"]
+    del lacking["matrix_rate"]
     (tmp_path / "lacking.json").write_text(json.dumps(lacking))
     args = ("--quick", "--rounds", "1", "--results", str(tmp_path / "lacking.json"))
-    run_script("finetune_floor.py", *args, "--out", str(floor_file))
+    stdout = run_script("finetune_floor.py", *args, "--out", str(floor_file))
     floor = json.loads(floor_file.read_text())
     assert set(floor["work"]) == {"transformers_padding_free", "fusion_packed"}
     assert not any("padded" in key for key in floor["bounds"])
+    assert floor["rate_from"] == "now" and floor["rate_gflops"] == floor["rate_now_gflops"]
+    assert "the floors' rate" in stdout and "measured now" in stdout
 
     # Times measured on another machine are not bounded by this one's floor: refused.
     elsewhere = json.loads((tmp_path / "finetune.json").read_text())
@@ -206,6 +217,18 @@ def test_finetune_quick(tmp_path):
     args = floor_script.parse_args(["--quick", "--results", str(tmp_path / "elsewhere.json")])
     with pytest.raises(SystemExit, match="measured on Linux-another-machine, this is"):
         floor_script.finetune_settings(args, tmp_path)
+
+
+def test_finetune_matrix_rate_process(tmp_path):
+    """What the run starts after each round on CPU (``matrix_rate``): the family's matrix
+    products timed in a fresh process, written as a rate per shape."""
+    out = tmp_path / "rate.json"
+    run_script(
+        "finetune.py", "--rate-only", "--quick", "--family", "qwen2_5_vl", "--result", str(out)
+    )
+    rates = json.loads(out.read_text())
+    assert set(rates) == {"512x160x427", "256x256x1376", "128x256x18992"}  # Qwen's, / 8
+    assert all(rate > 0 for rate in rates.values())
 
 
 def test_preprocessing_quick(tmp_path):
