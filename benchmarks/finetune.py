@@ -370,6 +370,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "rows leak across samples there: its loss is checked against padded, not timed)",
     )
     p.add_argument(
+        "--transparent-huge-pages",
+        action="store_true",
+        help="every contestant's process with THP_MEM_ALLOC_ENABLE=1 (PyTorch's CPU allocator "
+        "then asks the kernel for 2 MiB pages for buffers of 2 MiB and more: far fewer page "
+        "faults where a step's large tensors are made afresh); not with --quick, which runs in "
+        "this process",
+    )
+    p.add_argument(
         "--memory-limit-gib",
         type=float,
         default=None,
@@ -401,6 +409,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cuda = args.device == "cuda"
     if args.loss is None:  # the fine-tuning recipe's choice (its --fused-loss)
         args.loss = "chunked" if cuda else "fused"
+    if args.transparent_huge_pages and args.quick:
+        p.error(
+            "--transparent-huge-pages: expected a run in fresh processes, got --quick (one "
+            "process, whose allocator has read its environment already)"
+        )
     if args.defer_output_grad and args.loss != "fused":
         p.error(f"--defer-output-grad: expected --loss fused, got --loss {args.loss}")
     if args.samples_per_step is None:
@@ -1190,6 +1203,7 @@ def run_worker(args: argparse.Namespace) -> None:
         "profile_s": None if profiler is None else profile_seconds(profiler),
         "load_average_start": load_start,
         "load_average_end": os.getloadavg(),
+        "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
         **checks,
     }
     args.result.write_text(json.dumps(result))
@@ -1233,6 +1247,7 @@ def run_contestant(
         capture_output=True,
         text=True,
         check=False,
+        env=contestant_env(args),
         preexec_fn=None if limit is None else memory_cap(int(limit * 2**30)),
     )
     if done.returncode:
@@ -1241,6 +1256,13 @@ def run_contestant(
             return {"out_of_memory": detail}
         raise RuntimeError(f"{name} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return json.loads(result_file.read_text())
+
+
+def contestant_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment of every process the run starts: this one's, with
+    ``THP_MEM_ALLOC_ENABLE=1`` under ``--transparent-huge-pages``."""
+    huge_pages = {"THP_MEM_ALLOC_ENABLE": "1"} if args.transparent_huge_pages else {}
+    return dict(os.environ) | huge_pages
 
 
 def matrix_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
@@ -1252,7 +1274,7 @@ def matrix_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
         return own_matrix_rate(args)
     command = [sys.executable, __file__, "--rate-only", "--family", args.family]
     command += ["--threads", str(args.threads), "--result", str(result_file)]
-    subprocess.run(command, capture_output=True, text=True, check=True)
+    subprocess.run(command, capture_output=True, text=True, check=True, env=contestant_env(args))
     return json.loads(result_file.read_text())
 
 

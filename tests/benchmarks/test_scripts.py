@@ -2,6 +2,7 @@
 measure: every contestant, the floor, transient memory and host synchronisation."""
 
 import json
+import os
 import statistics
 
 import pytest
@@ -229,6 +230,24 @@ def test_finetune_matrix_rate_process(tmp_path):
     rates = json.loads(out.read_text())
     assert set(rates) == {"512x160x427", "256x256x1376", "128x256x18992"}  # Qwen's, / 8
     assert all(rate > 0 for rate in rates.values())
+
+
+def test_finetune_transparent_huge_pages_reach_every_process(tmp_path, capsys):
+    """``--transparent-huge-pages`` sets PyTorch's ``THP_MEM_ALLOC_ENABLE`` in the environment
+    of every process the run starts, and nowhere without it; ``--quick``, one process whose
+    allocator has read its environment already, is refused by name."""
+    script = load_script("finetune")
+    out = ["--out", str(tmp_path)]
+    on = script.contestant_env(script.parse_args([*out, "--transparent-huge-pages"]))
+    off = script.contestant_env(script.parse_args(out))
+    assert on["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert off.get("THP_MEM_ALLOC_ENABLE") == os.environ.get("THP_MEM_ALLOC_ENABLE")
+    assert {k: v for k, v in on.items() if k != "THP_MEM_ALLOC_ENABLE"} == {
+        k: v for k, v in off.items() if k != "THP_MEM_ALLOC_ENABLE"
+    }
+    with pytest.raises(SystemExit):
+        script.parse_args(["--quick", "--transparent-huge-pages"])
+    assert "--transparent-huge-pages: expected a run in fresh processes" in capsys.readouterr().err
 
 
 def test_preprocessing_quick(tmp_path):
