@@ -1274,7 +1274,9 @@ def matrix_rate(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
         return own_matrix_rate(args)
     command = [sys.executable, __file__, "--rate-only", "--family", args.family]
     command += ["--threads", str(args.threads), "--result", str(result_file)]
-    subprocess.run(command, capture_output=True, text=True, check=True, env=contestant_env(args))
+    done = subprocess.run(command, capture_output=True, text=True, env=contestant_env(args))
+    if done.returncode:
+        raise RuntimeError(f"the matrix-rate process failed:\n{done.stderr[-3000:]}")
     return json.loads(result_file.read_text())
 
 

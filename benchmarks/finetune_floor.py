@@ -206,6 +206,18 @@ def step_memory_mib(model, steps, settings) -> tuple[float, float]:
     return total / MiB, sum(inputs.values()) / MiB
 
 
+def run_rate(during: object) -> float:
+    """``--results``' ``matrix_rate``: its best rate, refused unless a positive finite number
+    (a floor at a rate of 0 or NaN would bound nothing)."""
+    best = during.get("best_gflops") if isinstance(during, dict) else None
+    if isinstance(best, bool) or not isinstance(best, int | float) or not 0 < best < math.inf:
+        raise SystemExit(
+            f"--results: matrix_rate.best_gflops: expected a positive finite rate (GFLOP/s), "
+            f"got {best!r:.40}"
+        )
+    return float(best)
+
+
 def measured(results: dict) -> dict:
     """Median first-timed-step seconds and peak MiB of each contestant in ``finetune.json``."""
     out = {}
@@ -255,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     # The run's own rate where it measured one (after each of its rounds): the machine's
     # speed in the minutes the steps were timed, which may differ from its speed now.
     during = None if results is None else results.get("matrix_rate")
-    rate = rate_now if during is None else during["best_gflops"]
+    rate = rate_now if during is None else run_rate(during)
     for entry in work.values():
         entry["floor_s"] = entry["gflop"] / rate
     memory = {

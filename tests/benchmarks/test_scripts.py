@@ -220,6 +220,17 @@ def test_finetune_quick(tmp_path):
         floor_script.finetune_settings(args, tmp_path)
 
 
+@pytest.mark.parametrize(
+    "during", [{}, {"best_gflops": 0}, {"best_gflops": -3.0}, {"best_gflops": float("nan")},
+               {"best_gflops": float("inf")}, {"best_gflops": "200"}, {"best_gflops": True}, [200]],
+)  # fmt: skip
+def test_the_floor_refuses_a_run_rate_that_bounds_nothing(during):
+    floor_script = load_script("finetune_floor")
+    with pytest.raises(SystemExit, match=r"matrix_rate.best_gflops: expected a positive finite"):
+        floor_script.run_rate(during)
+    assert floor_script.run_rate({"best_gflops": 203}) == 203.0
+
+
 def test_finetune_matrix_rate_process(tmp_path):
     """What the run starts after each round on CPU (``matrix_rate``): the family's matrix
     products timed in a fresh process, written as a rate per shape."""
