@@ -426,23 +426,76 @@ def _graph_nodes(root: Any) -> list[Any]:
 
 def _trained_leaves(
     rows: torch.Tensor, unembed: Callable[[torch.Tensor], torch.Tensor]
-) -> tuple[list[torch.Tensor], int]:
+) -> tuple[list[torch.Tensor], int, bool]:
     """The parameters ``unembed`` trains, the leaves of the autograd graph of ``unembed``
-    called on no rows (their sizes are all that is read), and its vocabulary."""
+    called on no rows (their sizes are all that is read), its vocabulary, and whether that
+    graph is a plain projection's (:func:`_projected_weight`, the rows' side unseen)."""
     probe = _chunk_logits(rows[:0].detach(), unembed)
     # AccumulateGrad nodes hold the trained leaves
     leaves = [getattr(node, "variable", None) for node in _graph_nodes(probe.grad_fn)]
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], probe.size(-1)
+    plain = _projected_weight(probe, None) is not None
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], probe.size(-1), plain
 
 
 def _one_chunk_is_leaner(rows: int, chunk: int, vocab: int, trained: int) -> bool:
     """:func:`fused_token_loss`'s choice for ``rows`` targets that would go in chunks of
-    ``chunk`` rows, with an output of ``vocab`` classes that trains ``trained`` bytes: whether
-    they hold less memory at once as one chunk. From the second chunk on, each chunk's
-    gradient of the trained parameters is a fresh tensor of their size until it is added into
-    their ``.grad`` (a trained output of Qwen's width: 1.2 GB); one chunk is leaner when its
-    extra rows' float32 logits take no more than that."""
+    ``chunk`` rows, with an output of ``vocab`` classes that trains ``trained`` bytes and is
+    no plain projection: whether they hold less memory at once as one chunk. From the second
+    chunk on, each chunk's gradient of the trained parameters is a fresh tensor of their size
+    until autograd adds it into their ``.grad`` (a trained output of Qwen's width: 1.2 GB);
+    one chunk is leaner when its extra rows' float32 logits take no more than that."""
     return (rows - chunk) * vocab * 4 <= trained
+
+
+def _through(node: Any, names: tuple[str, ...]) -> Any:
+    """The node reached from ``node`` through a chain of single-parent nodes named ``names``
+    in order (``node`` itself the first), or None where the graph is not that chain."""
+    for name in names:
+        if node is None or node.name() != name or len(node.next_functions) != 1:
+            return None
+        node = node.next_functions[0][0]
+    return node
+
+
+def _projected_weight(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight ``W`` [vocab, d] for which the autograd graph of ``logits`` [1, n, vocab]
+    (:func:`_chunk_logits` of the leaf ``rows`` [n, d]) proves ``logits = rows @ W.t()``, a
+    plain tensor that trains; None where it proves no such thing (a bias, an adapter, a cast,
+    a soft cap, a sharded weight, rows that are not this leaf). ``rows`` None: only the
+    weight's side is read (the probe of :func:`_trained_leaves`, on rows without a gradient).
+
+    The graph is ``F.linear``'s without a bias on [1, n, d]:
+    ``_unsafe_view(mm(view(rows[None]), t(W)))``. Every node but the product is a pure
+    reshaping, and the product's two inputs come from the rows leaf and the weight leaf alone.
+    """
+    product = _through(logits.grad_fn, ("UnsafeViewBackward0",))
+    if product is None or product.name() != "MmBackward0" or len(product.next_functions) != 2:
+        return None
+    (from_rows, _), (from_weight, _) = product.next_functions
+    if rows is not None:
+        leaf = _through(from_rows, ("ViewBackward0", "UnsqueezeBackward0"))
+        if getattr(leaf, "variable", None) is not rows:
+            return None
+    weight = getattr(_through(from_weight, ("TBackward0",)), "variable", None)
+    if not isinstance(weight, torch.Tensor) or _storage(weight) is None or weight.dim() != 2:
+        return None  # _storage: None for a tensor subclass (a DTensor)
+    return weight
+
+
+class _GivenGradient(torch.autograd.Function):
+    """``_GivenGradient.apply(leaf, box)``: a 0-d zero whose backward hands ``leaf`` the one
+    tensor in the list ``box`` as its gradient. Back-propagated, the leaf's own hooks run and
+    its ``.grad`` takes the tensor itself when it has none (the box was its last reference),
+    as for a gradient autograd made."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: torch.Tensor, box: list[torch.Tensor]) -> torch.Tensor:
+        ctx.box = box
+        return torch.zeros((), dtype=leaf.dtype, device=leaf.device)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.box.pop(), None
 
 
 def _after_backward(tensor: torch.Tensor, run: Callable[[], None]) -> None:
@@ -643,7 +696,7 @@ def fused_token_loss(
         return total, count
     defer = defer_output_grad and rows.requires_grad
     if defer or len(sizes) > 1:
-        leaves, vocab = _trained_leaves(rows, unembed)
+        leaves, vocab, plain = _trained_leaves(rows, unembed)
         if defer and any(is_dtensor(leaf) for leaf in leaves):
             raise ValueError(
                 "defer_output_grad: expected an output whose parameters are plain tensors "
@@ -653,22 +706,39 @@ def fused_token_loss(
             )
         trained = sum(leaf.numel() * leaf.element_size() for leaf in leaves)
         defer = defer and trained > 0  # a frozen output has nothing to defer
-        if not defer and _one_chunk_is_leaner(rows.size(0), sizes[0], vocab, trained):
+        leaner = _one_chunk_is_leaner(rows.size(0), sizes[0], vocab, trained)
+        if not defer and not plain and leaner:
             sizes = [rows.size(0)]
     pieces = list(zip(rows.detach().split(sizes), targets.split(sizes), strict=True))
     rows_grad, back_propagated = [], False
+    weight, weight_grad = None, None  # a plain projection's weight and its summed gradient
     for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
         leaf = chunk_rows.detach().requires_grad_(rows.requires_grad)
         chunk_sum, logits, grad = _chunk_gradient(leaf, chunk_targets, unembed, grad_scale)
         total = total + chunk_sum
         if grad is not None:
-            # Deferred: to the rows alone now (autograd then skips the parameters' product).
-            torch.autograd.backward(logits, grad, inputs=[leaf] if defer else None)
+            projected = None if defer else _projected_weight(logits, leaf)
+            if projected is not None and (weight is None or projected is weight):
+                # The weight's gradient G^T @ rows, what autograd computes, summed in one
+                # tensor instead of a fresh one per chunk added into its .grad.
+                with torch.no_grad():
+                    if weight_grad is None:
+                        weight, weight_grad = projected, grad[0].t().mm(leaf)
+                    else:  # out=, not addmm_, which torch's FlopCounterMode misses
+                        torch.addmm(weight_grad, grad[0].t(), leaf, out=weight_grad)
+            # Deferred or summed here: to the rows alone now (autograd skips the weight's
+            # product).
+            alone = defer or (weight is not None and projected is weight)
+            torch.autograd.backward(logits, grad, inputs=[leaf] if alone else None)
             back_propagated = True
         del logits, grad
         if leaf.requires_grad:
             assert leaf.grad is not None
             rows_grad.append(leaf.grad)
+    if weight_grad is not None:
+        box = [weight_grad]
+        del weight_grad  # the box holds the last reference, which the weight's .grad takes
+        torch.autograd.backward(_GivenGradient.apply(weight, box))
     if rows.requires_grad:
         # No autograd.Function: the sum's gradient reaches the rows as ``incoming * G`` through
         # a term that is exactly zero in the forward (G the rows' gradient of the sum).

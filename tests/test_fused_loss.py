@@ -360,11 +360,19 @@ def test_the_default_chunk_is_512_target_rows():
     assert projected == [0] + [385] * 4
 
 
+def biased_head(dim: int, vocab: int, seed: int) -> nn.Linear:
+    """A trained output with a bias: no plain projection, so autograd makes each chunk's
+    gradient of its weight."""
+    torch.manual_seed(seed)
+    return nn.Linear(dim, vocab)
+
+
 def one_chunk_or_not(one_chunk: bool, monkeypatch) -> dict:
     """fused_token_loss over 40 targets in chunks of at most 16 rows with a trained [512, 64]
-    output, its choice of one chunk forced to ``one_chunk``: loss, gradients, calls, peak."""
+    output with a bias, its choice of one chunk forced to ``one_chunk``: loss, gradients,
+    calls, peak."""
     monkeypatch.setattr("fusion.labels._one_chunk_is_leaner", lambda *args: one_chunk)
-    output, generator = head(64, 512, seed=0), torch.Generator().manual_seed(0)
+    output, generator = biased_head(64, 512, seed=0), torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 40, 64, generator=generator, requires_grad=True)
     labels = torch.randint(0, 512, (1, 40), generator=generator)
     projected, live = projected_rows(output), LiveFloats()
@@ -376,11 +384,12 @@ def one_chunk_or_not(one_chunk: bool, monkeypatch) -> dict:
 
 
 def test_a_trained_output_takes_its_targets_in_one_chunk_where_that_is_leaner(monkeypatch):
-    """A trained [512, 64] output and 40 targets in chunks of at most 16 rows (three: 14, 13,
-    13): every chunk after the first makes a fresh [512, 64] gradient of the weight (128 KiB)
-    before adding it into ``.grad``, more than the other 26 rows' logits take (52 KiB). The
-    rows go as one chunk, which holds less at once, with the same loss and gradients."""
-    output = head(64, 512, seed=0)
+    """A trained [512, 64] output with a bias and 40 targets in chunks of at most 16 rows
+    (three: 14, 13, 13): every chunk after the first makes a fresh [512, 64] gradient of the
+    weight (128 KiB) before autograd adds it into ``.grad``, more than the other 26 rows'
+    logits take (52 KiB). The rows go as one chunk, which holds less at once, with the same
+    loss and gradients."""
+    output = biased_head(64, 512, seed=0)
     projected = projected_rows(output)
     hidden = torch.randn(1, 40, 64, requires_grad=True)
     labels = torch.randint(0, 512, (1, 40))
@@ -406,3 +415,113 @@ def test_an_output_that_trains_little_keeps_its_chunks(trains):
     labels = torch.randint(0, decoder.output.out_features, (1, 40))
     fused_token_loss(hidden, labels, decoder.unembed, chunk_size=16, num_targets=40)
     assert projected == [0, 14, 13, 13]
+
+
+def plain_output_step(output, unembed, summed: bool, monkeypatch, accumulate: bool = False):
+    """fused_token_loss over 40 targets in chunks of at most 16 rows (14, 13, 13) with a
+    trained plain projection ``output`` called through ``unembed``, its weight's gradient
+    summed by the loss (``summed``) or made by autograd chunk by chunk (its proof of a plain
+    projection switched off, and the one-chunk choice with it). ``accumulate``: the weight
+    already has a ``.grad``. The loss, gradients, the gradients the weight's hook saw, the
+    peak of live floats, and whether ``.grad`` is the tensor the hook saw or the one it had."""
+    if not summed:
+        monkeypatch.setattr("fusion.labels._projected_weight", lambda *args: None)
+        monkeypatch.setattr("fusion.labels._one_chunk_is_leaner", lambda *args: False)
+    weight = output.weight
+    weight.grad = torch.ones_like(weight) if accumulate else None
+    before = None if weight.grad is None else weight.grad.data_ptr()
+    seen: list[int] = []  # where each gradient the hook saw lives (a reference would be copied)
+    handle = weight.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 40, weight.size(1), generator=generator, requires_grad=True)
+    labels = torch.randint(0, weight.size(0), (1, 40), generator=generator)
+    live = LiveFloats()
+    with live:
+        total, _ = fused_token_loss(hidden, labels, unembed, chunk_size=16, num_targets=40)
+        total.backward()
+    handle.remove()
+    assert weight.grad is not None
+    kept = weight.grad.data_ptr() == (seen[0] if before is None else before)
+    return dict(total=total.detach(), hidden=hidden.grad, weight=weight.grad, seen=seen,
+                peak=live.peak, kept=kept, hidden_in=hidden, labels=labels)  # fmt: skip
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulated"])
+@pytest.mark.parametrize("kind", ["linear", "untied", "tied"])
+def test_a_plain_output_sums_its_weight_gradient_over_the_chunks(kind, accumulate, monkeypatch):
+    """A plain projection (``F.linear`` without a bias: an ``nn.Linear``, the decoder's untied
+    output or its tied embedding) keeps its chunks: the chunks' gradients of its weight are
+    summed in one tensor, which its hook sees once and its ``.grad`` takes without a copy (or
+    which is added into the ``.grad`` it had, in place), where autograd would make a fresh
+    gradient per chunk. Loss and gradients are autograd's and the full logits', and less is
+    live at once (one [512, 64] gradient fewer: 128 KiB)."""
+
+    def build():
+        if kind == "linear":
+            output = head(64, 512, seed=0)
+            return output, output
+        decoder = build_tiny_decoder(tie_word_embeddings=kind == "tied")
+        output = decoder.tok_embeddings if kind == "tied" else decoder.output
+        return output, decoder.unembed
+
+    output, unembed = build()
+    calls = projected_rows(output) if kind != "tied" else None
+    summed = plain_output_step(output, unembed, True, monkeypatch, accumulate)
+    if calls is not None:
+        assert calls == [0, 14, 13, 13]  # the chunks stay
+    assert len(summed["seen"]) == 1 and summed["kept"]
+    monkeypatch.undo()
+    output, unembed = build()
+    chunked = plain_output_step(output, unembed, False, monkeypatch, accumulate)
+    assert len(chunked["seen"]) == 3
+    # A fresh .grad is the sum itself: one [512, 64] gradient fewer at once where the weight
+    # is most of what is live (autograd: the .grad and the next chunk's). Added into a .grad,
+    # the sum is that second tensor; the decoders' [64, 32] outputs are smaller than their rows.
+    saved = output.weight.numel() * 4 if kind == "linear" and not accumulate else 0
+    assert summed["peak"] <= chunked["peak"] - saved
+    for key in ("total", "hidden", "weight"):
+        assert_relative(summed[key], chunked[key])
+    output.weight.grad = torch.ones_like(output.weight) if accumulate else None
+    hidden = summed["hidden_in"].detach().requires_grad_()
+    expected = full_logits_loss(hidden, summed["labels"], unembed)
+    expected.backward()
+    assert_relative(summed["total"], expected.detach())
+    assert_relative(summed["weight"], output.weight.grad, scale=40)
+    assert_relative(summed["hidden"], hidden.grad)
+
+
+@pytest.mark.parametrize(
+    "unembed",
+    ["bias", "scaled rows", "scaled weight", "detached rows", "soft cap", "lora"],
+)
+def test_what_is_not_a_plain_projection_keeps_autograds_gradient(unembed, monkeypatch):
+    """Outputs whose graph is no ``rows @ W.t()`` (a bias, rows or weight changed before the
+    product, rows cut from the graph, a soft cap, a LoRA adapter): the weight's gradient is
+    autograd's, chunk by chunk (the hook sees one per chunk), and equals the full logits'."""
+    lora = build_tiny_decoder(tie_word_embeddings=False)
+    apply_lora(lora, "output", rank=2)
+    lora.output.weight.requires_grad_(True)
+    vocab, width = lora.output.weight.shape
+    weight = nn.Parameter(torch.randn(vocab, width) / 8)
+    functions = {
+        "bias": partial(F.linear, weight=weight, bias=torch.zeros(vocab, requires_grad=True)),
+        "scaled rows": lambda x: F.linear(2 * x, weight),
+        "scaled weight": lambda x: F.linear(x, weight * 2),
+        "detached rows": lambda x: F.linear(x.detach() + x - x.detach(), weight),
+        "soft cap": lambda x: torch.tanh(F.linear(x, weight) / 4) * 4,
+        "lora": lora.unembed,
+    }
+    function = functions[unembed]
+    if unembed == "lora":
+        weight = lora.output.weight
+    seen: list[int] = []
+    weight.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    monkeypatch.setattr("fusion.labels._one_chunk_is_leaner", lambda *args: False)
+    hidden = torch.randn(1, 40, width, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, 40))
+    fused_token_loss(hidden, labels, function, chunk_size=16, num_targets=40)
+    assert len(seen) == 3  # autograd's gradient of each chunk
+    fused = weight.grad.clone()
+    weight.grad = None
+    full_logits_loss(hidden, labels, function).backward()
+    assert_relative(fused, weight.grad, scale=40)
