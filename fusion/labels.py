@@ -643,12 +643,18 @@ def fused_token_loss(
             are ``chunk_size x vocab`` (297 MiB at Qwen's 151,936), held while the rest of
             the step's activations are, and halving the chunks from 1024 rows cost the loss
             under 3% of its time on CPU (each chunk reads the whole output weight once more).
-            When the output trains (full fine-tuning), each chunk after the first makes a
-            fresh gradient of its parameters ([vocab, d], 1.2 GB at Qwen2.5-VL-3B's width)
-            before adding it into their ``.grad``: the targets then go as one chunk where
-            that holds less, i.e. where the rows beyond the first chunk's have logits no
-            larger than that gradient (seen from the autograd graph of one more call of
-            ``unembed``, on no rows, made when the targets take more than one chunk).
+            When the output trains (full fine-tuning) and is a plain projection (its call's
+            autograd graph proves ``logits = rows @ W.t()``: ``F.linear`` without a bias, as
+            the decoder's untied output and its tied embedding are), the chunks' gradients
+            of ``W`` are summed in one tensor, which is handed to ``W`` through autograd once
+            the chunks are done: its hooks see the sum, and its ``.grad`` takes that tensor
+            (or adds it in place). Any other trained output gets autograd's gradient chunk by
+            chunk, each after the first a fresh tensor of the parameters' size ([vocab, d],
+            1.2 GB at Qwen2.5-VL-3B's width) before it is added into their ``.grad``: its
+            targets then go as one chunk where that holds less, i.e. where the rows beyond the
+            first chunk's have logits no larger than that gradient (both seen from the
+            autograd graph of one more call of ``unembed``, on no rows, made when the targets
+            take more than one chunk).
         defer_output_grad: give the output's trained parameters their gradient at the end of
             the backward instead of in this call: each chunk's logits now make the rows'
             gradient alone, and once the backward has run every node under the hidden states
