@@ -498,6 +498,40 @@ class _GivenGradient(torch.autograd.Function):
         return ctx.box.pop(), None
 
 
+class _WeightGradientSum:
+    """The chunks' gradient of a plain projection's weight (:func:`_projected_weight`),
+    ``G^T @ rows`` as autograd computes it, summed in one tensor (``addmm`` into it) instead of
+    a fresh one per chunk added into the weight's ``.grad``; :meth:`deliver` hands the sum to
+    the weight through autograd."""
+
+    def __init__(self) -> None:
+        self.weight: torch.Tensor | None = None
+        self.total: torch.Tensor | None = None
+
+    def add(self, logits: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Adds the chunk's weight gradient for the logits' gradient ``grad`` [1, n, vocab];
+        False (nothing added) where ``logits`` [1, n, vocab] are not proven ``rows @ W.t()``
+        for this sum's weight: autograd must make it."""
+        weight = _projected_weight(logits, rows)
+        if weight is None or (self.weight is not None and weight is not self.weight):
+            return False
+        with torch.no_grad():  # rows is a leaf with a gradient: record no graph
+            if self.total is None:
+                self.weight, self.total = weight, grad[0].t().mm(rows)
+            else:  # out=, not addmm_, which torch's FlopCounterMode misses
+                torch.addmm(self.total, grad[0].t(), rows, out=self.total)
+        return True
+
+    def deliver(self) -> None:
+        """Back-propagates the sum into the weight (its hooks run, its ``.grad`` takes the
+        tensor or adds it in place), once; nothing without a sum."""
+        if self.weight is None or self.total is None:
+            return
+        box = [self.total]
+        self.total = None  # the box holds the last reference, which the weight's .grad takes
+        torch.autograd.backward(_GivenGradient.apply(self.weight, box))
+
+
 def _after_backward(tensor: torch.Tensor, run: Callable[[], None]) -> None:
     """Calls ``run`` in each backward through ``tensor`` once every node of its graph that
     hands a trained leaf its gradient has run: after the backward of everything under
@@ -589,17 +623,26 @@ def _output_backward(
     unembed: Callable[[torch.Tensor], torch.Tensor],
     grad_scale: float,
     autocast: torch.dtype | None,
+    plain: bool,
 ) -> None:
     """The deferred backward of :func:`fused_token_loss`'s output: each chunk of rows [n, d]
     (detached) projected again, under the forward's autocast, and its logits' gradient
-    back-propagated into the output's parameters."""
+    back-propagated into the output's parameters. ``plain``: the output was a plain projection
+    in the forward; each chunk's rows are then a leaf with a gradient, so that the graph of
+    its call can prove it again and the weight's gradient be summed (the rows' own gradient is
+    never computed)."""
     device_type = rows.device.type
     within = nullcontext() if autocast is None else torch.autocast(device_type, dtype=autocast)
+    summed = _WeightGradientSum()
     with torch.enable_grad(), within:
         for chunk_rows, chunk_targets in zip(rows.split(sizes), targets.split(sizes), strict=True):
-            _, logits, grad = _chunk_gradient(chunk_rows, chunk_targets, unembed, grad_scale)
-            torch.autograd.backward(logits, grad)
+            leaf = chunk_rows.detach().requires_grad_(plain)
+            _, logits, grad = _chunk_gradient(leaf, chunk_targets, unembed, grad_scale)
+            assert grad is not None  # the output trains
+            if not summed.add(logits, leaf, grad):
+                torch.autograd.backward(logits, grad)
             del logits, grad
+        summed.deliver()  # in grad mode: the backward that runs this has it off
 
 
 def fused_token_loss(
@@ -717,34 +760,22 @@ def fused_token_loss(
             sizes = [rows.size(0)]
     pieces = list(zip(rows.detach().split(sizes), targets.split(sizes), strict=True))
     rows_grad, back_propagated = [], False
-    weight, weight_grad = None, None  # a plain projection's weight and its summed gradient
+    summed = _WeightGradientSum()
     for chunk_rows, chunk_targets in pieces:  # at least one, empty without targets
         leaf = chunk_rows.detach().requires_grad_(rows.requires_grad)
         chunk_sum, logits, grad = _chunk_gradient(leaf, chunk_targets, unembed, grad_scale)
         total = total + chunk_sum
         if grad is not None:
-            projected = None if defer else _projected_weight(logits, leaf)
-            if projected is not None and (weight is None or projected is weight):
-                # The weight's gradient G^T @ rows, what autograd computes, summed in one
-                # tensor instead of a fresh one per chunk added into its .grad.
-                with torch.no_grad():
-                    if weight_grad is None:
-                        weight, weight_grad = projected, grad[0].t().mm(leaf)
-                    else:  # out=, not addmm_, which torch's FlopCounterMode misses
-                        torch.addmm(weight_grad, grad[0].t(), leaf, out=weight_grad)
-            # Deferred or summed here: to the rows alone now (autograd skips the weight's
-            # product).
-            alone = defer or (weight is not None and projected is weight)
+            # Deferred, or the weight's gradient summed here: to the rows alone now (autograd
+            # then skips the weight's product).
+            alone = defer or summed.add(logits, leaf, grad)
             torch.autograd.backward(logits, grad, inputs=[leaf] if alone else None)
             back_propagated = True
         del logits, grad
         if leaf.requires_grad:
             assert leaf.grad is not None
             rows_grad.append(leaf.grad)
-    if weight_grad is not None:
-        box = [weight_grad]
-        del weight_grad  # the box holds the last reference, which the weight's .grad takes
-        torch.autograd.backward(_GivenGradient.apply(weight, box))
+    summed.deliver()
     if rows.requires_grad:
         # No autograd.Function: the sum's gradient reaches the rows as ``incoming * G`` through
         # a term that is exactly zero in the forward (G the rows' gradient of the sum).
@@ -753,7 +784,7 @@ def fused_token_loss(
         if defer:
             output_backward = partial(
                 _output_backward, rows.detach(), targets, sizes, unembed, grad_scale,
-                _autocast_now(rows.device.type),
+                _autocast_now(rows.device.type), plain,
             )  # fmt: skip
             _after_backward(rows, output_backward)
     elif back_propagated:  # only the output trains: the sum still takes a backward, checked
