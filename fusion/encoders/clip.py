@@ -47,11 +47,14 @@ class ClipVisionTransformer(VisionTower):
     Args:
         hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, image_size,
         patch_size, num_channels, hidden_act, layer_norm_eps: as in a CLIP vision config.
+        chunk_rows: the positions the tower runs at a time (see
+            :class:`~fusion.encoders.vit_blocks.VisionTower`; None: all images at once).
 
     Raises:
         ValueError: a size that is not a positive integer, ``image_size`` not a multiple of
-            ``patch_size``, heads that do not divide ``hidden_size``, an unknown activation or
-            an ``layer_norm_eps`` outside (0, 1).
+            ``patch_size``, heads that do not divide ``hidden_size``, an unknown activation,
+            an ``layer_norm_eps`` outside (0, 1), or ``chunk_rows`` neither None nor a
+            positive int.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class ClipVisionTransformer(VisionTower):
         num_channels: int = 3,
         hidden_act: str = "quick_gelu",
         layer_norm_eps: float = 1e-5,
+        chunk_rows: int | None = 1024,
     ) -> None:
         super().__init__(
             hidden_size=hidden_size,
@@ -77,6 +81,7 @@ class ClipVisionTransformer(VisionTower):
             num_channels=num_channels,
             hidden_act=hidden_act,
             layer_norm_eps=layer_norm_eps,
+            chunk_rows=chunk_rows,
         )
         self.embeddings = ClipVisionEmbeddings(hidden_size, image_size, patch_size, num_channels)
         self.pre_layrnorm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
@@ -109,6 +114,13 @@ class ClipVisionTransformer(VisionTower):
         """
         check_pixels(pixel_values, self.num_channels, self.image_size)
         wanted = [self.resolve_layer(layer) for layer in layers]
+        chunks = self.image_chunks(pixel_values, 1 + self.num_patches)
+        per_chunk = [self._hidden_states(chunk, wanted) for chunk in chunks]
+        if len(per_chunk) == 1:
+            return per_chunk[0]
+        return [torch.cat(states) for states in zip(*per_chunk, strict=True)]
+
+    def _hidden_states(self, pixel_values: torch.Tensor, wanted: list[int]) -> list[torch.Tensor]:
         x = self.pre_layrnorm(self.embeddings(pixel_values))
         states = [x]
         for layer in self.encoder.layers[: max(wanted, default=0)]:

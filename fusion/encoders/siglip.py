@@ -83,11 +83,14 @@ class SiglipVisionTransformer(VisionTower):
             vision) config.
         position_scheme: ``"fixed"`` (SigLIP) or ``"bucketed"`` (Idefics3); see
             :class:`SiglipVisionEmbeddings`.
+        chunk_rows: the positions the tower runs at a time (see
+            :class:`~fusion.encoders.vit_blocks.VisionTower`; None: all images at once).
 
     Raises:
         ValueError: a size that is not a positive integer, ``image_size`` not a multiple of
             ``patch_size``, heads that do not divide ``hidden_size``, an unknown activation,
-            ``layer_norm_eps`` outside (0, 1) or an unknown position scheme.
+            ``layer_norm_eps`` outside (0, 1), an unknown position scheme or ``chunk_rows``
+            neither None nor a positive int.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class SiglipVisionTransformer(VisionTower):
         hidden_act: str = "gelu_pytorch_tanh",
         layer_norm_eps: float = 1e-6,
         position_scheme: str = "fixed",
+        chunk_rows: int | None = 1024,
     ) -> None:
         super().__init__(
             hidden_size=hidden_size,
@@ -114,6 +118,7 @@ class SiglipVisionTransformer(VisionTower):
             num_channels=num_channels,
             hidden_act=hidden_act,
             layer_norm_eps=layer_norm_eps,
+            chunk_rows=chunk_rows,
         )
         self.embeddings = SiglipVisionEmbeddings(
             hidden_size, image_size, patch_size, num_channels, position_scheme
@@ -130,6 +135,12 @@ class SiglipVisionTransformer(VisionTower):
                 dtype, before any computation.
         """
         check_pixels(pixel_values, self.num_channels, self.image_size)
+        chunks = [
+            self._encode(chunk) for chunk in self.image_chunks(pixel_values, self.num_patches)
+        ]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def _encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = self.embeddings(pixel_values)
         for layer in self.encoder.layers:
             x = layer(x)

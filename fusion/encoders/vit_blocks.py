@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion._validation import check_int
+from fusion._validation import check_int, is_int
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +144,18 @@ class VisionLayerStack(nn.Module):
 
 class VisionTower(nn.Module):
     """What CLIP's and SigLIP's vision transformers share: their config, checked and kept as
-    attributes (savers write configs from them), and the encoder layers they stack.
+    attributes (savers write configs from them), the encoder layers they stack, and the
+    images they take at a time.
+
+    ``chunk_rows`` (keyword, 1024 by default; None: all images at once): the towers run their
+    images through every layer in chunks of as many images as keep a chunk's positions
+    within ``chunk_rows`` (at least one image a chunk), then concatenate. Each image attends to
+    itself alone, so the outputs are the same; what changes is that the ``[positions,
+    intermediate_size]`` tensors each layer makes and frees are a chunk's, not the batch's.
+    On the SmolVLM shape's frozen tower (eight 1024-patch images, intermediate 3072) the
+    fine-tuning step ran about 2% faster with them one at a time: 12 MiB buffers come back
+    from the heap, where the whole batch's 96 MiB ones are fresh pages on every call. Under
+    ``torch.compile`` the images go at once (the chunk count would be one more guard).
 
     Raises:
         ValueError: naming the first argument a vision tower cannot be built from: a size that
@@ -167,8 +178,11 @@ class VisionTower(nn.Module):
         num_channels: int,
         hidden_act: str,
         layer_norm_eps: float,
+        chunk_rows: int | None = 1024,
     ) -> None:
         super().__init__()
+        if chunk_rows is not None and not is_int(chunk_rows, 1):
+            raise ValueError(f"chunk_rows: expected None or an int >= 1, got {chunk_rows!r:.40}")
         _check_vision_sizes(
             hidden_size=hidden_size,
             intermediate_size=intermediate_size,
@@ -186,6 +200,7 @@ class VisionTower(nn.Module):
         self.hidden_size = hidden_size
         self.hidden_act = hidden_act
         self.layer_norm_eps = layer_norm_eps
+        self.chunk_rows = chunk_rows
         self._layer_config = (
             num_hidden_layers,
             hidden_size,
@@ -203,6 +218,14 @@ class VisionTower(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.encoder.layers)
+
+    def image_chunks(self, pixel_values: torch.Tensor, rows_per_image: int) -> list[torch.Tensor]:
+        """``pixel_values`` [n, ...] split into the chunks of images the tower runs at a time
+        (see the class; ``rows_per_image``: an image's positions in the layers), in order; one
+        chunk where all fit, ``chunk_rows`` is None or under ``torch.compile``."""
+        if self.chunk_rows is None or torch.compiler.is_compiling():
+            return [pixel_values]
+        return list(pixel_values.split(max(1, self.chunk_rows // rows_per_image)))
 
     @property
     def num_patches(self) -> int:
