@@ -755,8 +755,8 @@ def fused_token_loss(
             )
         trained = sum(leaf.numel() * leaf.element_size() for leaf in leaves)
         defer = defer and trained > 0  # a frozen output has nothing to defer
-        leaner = _one_chunk_is_leaner(rows.size(0), sizes[0], vocab, trained)
-        if not defer and not plain and leaner:
+        # A plain projection's chunks make no fresh gradient each (_WeightGradientSum)
+        if not (defer or plain) and _one_chunk_is_leaner(rows.size(0), sizes[0], vocab, trained):
             sizes = [rows.size(0)]
     pieces = list(zip(rows.detach().split(sizes), targets.split(sizes), strict=True))
     rows_grad, back_propagated = [], False
