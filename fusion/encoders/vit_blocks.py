@@ -149,13 +149,14 @@ class VisionTower(nn.Module):
 
     ``chunk_rows`` (keyword, 1024 by default; None: all images at once): the towers run their
     images through every layer in chunks of as many images as keep a chunk's positions
-    within ``chunk_rows`` (at least one image a chunk), then concatenate. Each image attends to
-    itself alone, so the outputs are the same; what changes is that the ``[positions,
-    intermediate_size]`` tensors each layer makes and frees are a chunk's, not the batch's.
-    On the SmolVLM shape's frozen tower (eight 1024-patch images, intermediate 3072) the
-    fine-tuning step ran about 2% faster with them one at a time: 12 MiB buffers come back
-    from the heap, where the whole batch's 96 MiB ones are fresh pages on every call. Under
-    ``torch.compile`` the images go at once (the chunk count would be one more guard).
+    within ``chunk_rows`` (at least one image a chunk), then concatenate. Each image attends
+    to itself alone, so the outputs are the same up to fp32 rounding; what changes is that the
+    ``[positions, intermediate_size]`` tensors each layer makes and frees are a chunk's, not
+    the batch's. On the SmolVLM shape's frozen tower (eight 1024-patch images, intermediate
+    3072) the fine-tuning step ran about 2% faster with them one at a time: 12 MiB buffers
+    come back from the heap, where the whole batch's 96 MiB ones are fresh pages on every
+    call. Under ``torch.compile`` the images go at once (the chunk count would be one more
+    guard).
 
     Raises:
         ValueError: naming the first argument a vision tower cannot be built from: a size that
