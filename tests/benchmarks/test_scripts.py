@@ -182,6 +182,15 @@ def test_finetune_quick(tmp_path):
     )
     assert memory["saved_activations_mib"] > 0 and memory["step_inputs_mib"] > 0
     assert memory["gradients_mib"] == pytest.approx(memory["adamw_state_mib"] / 2)
+    # The loss's own floor: every saved activation, one chunk's logits and (the fused loss
+    # in full fine-tuning) the output's gradient at once; a frozen output (LoRA) adds none.
+    assert memory["loss_time_floor_mib"] == pytest.approx(
+        sum(memory[k] for k in parts) + memory["saved_activations_mib"]
+        + memory["loss_chunk_logits_mib"] + memory["output_gradient_at_loss_mib"]
+    )  # fmt: skip
+    assert memory["loss_chunk_logits_mib"] > 0
+    assert (memory["output_gradient_at_loss_mib"] > 0) == (stored["train"] == "full")
+    assert "loss-time floor" in stdout
     step = results["transformers_padded"]["step_s"][0]  # one round: its first timed step
     bound = floor["bounds"]["fusion_packed / transformers_padded (tokens/s, at most)"]
     assert bound == pytest.approx(step / work["fusion_packed"]["floor_s"])
@@ -218,6 +227,33 @@ def test_finetune_quick(tmp_path):
     args = floor_script.parse_args(["--quick", "--results", str(tmp_path / "elsewhere.json")])
     with pytest.raises(SystemExit, match="measured on Linux-another-machine, this is"):
         floor_script.finetune_settings(args, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("loss", "deferred", "tied", "gradient"),
+    [("fused", False, True, True), ("fused", False, False, True), ("fused", True, True, False),
+     ("chunked", False, True, False)],
+)  # fmt: skip
+def test_the_loss_time_floor_holds_a_chunk_and_the_output_gradient(loss, deferred, tied, gradient):
+    """1100 targets go in three even chunks of at most 512 rows (367, 367, 366): the largest
+    one's float32 logits; the trained output's gradient only where the fused loss makes it in
+    the forward (not deferred; the chunked loss makes it in the backward)."""
+    from types import SimpleNamespace
+
+    from helpers import build_tiny_decoder
+
+    floor_script = load_script("finetune_floor")
+    decoder = build_tiny_decoder(tie_word_embeddings=tied)
+    model = SimpleNamespace(decoder=decoder)
+    fargs = SimpleNamespace(loss=loss, defer_output_grad=deferred, loss_chunk_rows=None)
+    logits, output_gradient = floor_script.loss_held_mib(model, fargs, 1100)
+    vocab, width = decoder.tok_embeddings.weight.shape
+    assert logits == 367 * vocab * 4 / 2**20
+    assert output_gradient == (vocab * width * 4 / 2**20 if gradient else 0)
+    fargs.loss_chunk_rows = 100  # the run's own chunks: 11 of 100
+    assert floor_script.loss_held_mib(model, fargs, 1100)[0] == 100 * vocab * 4 / 2**20
+    decoder.requires_grad_(False)  # a frozen output has no gradient to hold
+    assert floor_script.loss_held_mib(model, fargs, 1100)[1] == 0
 
 
 @pytest.mark.parametrize(
