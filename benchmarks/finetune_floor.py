@@ -61,6 +61,8 @@ import finetune as bench
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from fusion.labels import _even_chunks
+
 MiB = 2**20
 #: fused_token_loss's and chunked_token_loss's chunks, at most (their ``chunk_size`` default)
 LOSS_CHUNK_ROWS = inspect.signature(bench.fused_token_loss).parameters["chunk_size"].default
@@ -123,7 +125,7 @@ def loss_held_mib(model, fargs: argparse.Namespace, targets: int) -> tuple[float
     output = decoder.output if decoder.output is not None else decoder.tok_embeddings
     vocab = output.weight.size(0)
     limit = fargs.loss_chunk_rows or LOSS_CHUNK_ROWS
-    rows = -(-targets // max(1, -(-targets // limit)))  # the largest of the even chunks
+    rows = _even_chunks(targets, limit)[0]  # the loss's own split: the largest chunk first
     made_now = fargs.loss == "fused" and not fargs.defer_output_grad
     gradient = sum(p.numel() * p.element_size() for p in output.parameters() if p.requires_grad)
     return rows * vocab * 4 / MiB, gradient * made_now / MiB
