@@ -203,11 +203,13 @@ def sync_ops_in(graph: torch.fx.GraphModule) -> list[str]:
 
 def saved_bytes(run) -> int:
     """The bytes of the distinct tensors autograd keeps for the backward pass of ``run()``,
-    parameters left out."""
+    parameters and views of them (a linear layer keeps ``weight.t()``) left out."""
     kept: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, torch.nn.Parameter):
+        if not isinstance(tensor, torch.nn.Parameter) and not isinstance(
+            tensor._base, torch.nn.Parameter
+        ):
             storage = tensor.untyped_storage()
             kept[storage.data_ptr()] = storage.nbytes()
         return tensor

@@ -3,7 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion._validation import is_int
-from fusion.decoder.few_rows import FewRowsLinear
+from fusion.decoder.few_rows import FewRowsLinear, is_plain_linear
 from fusion.decoder.recompute import recomputed
 
 
@@ -31,8 +31,14 @@ class FeedForward(nn.Module):
         activation: one of :data:`ACTIVATIONS`.
         recompute: when training, keep ``w1(x)`` and ``w3(x)`` alone for the backward pass and
             recompute ``act(w1(x)) * w3(x)`` there (:func:`~fusion.decoder.recompute.
-            recomputed`): three ``[b, s, hidden_dim]`` tensors kept instead of four
-            (``act(w1(x))`` goes), gradients unchanged bit for bit.
+            recomputed`): two ``[b, s, hidden_dim]`` tensors kept instead of four
+            (``act(w1(x))`` goes, and so does the gated product that ``w2`` keeps for its
+            weight's gradient), gradients unchanged bit for bit. The recomputation stops once
+            the gated product is back, before ``w2``'s product would run again
+            (``torch.utils.checkpoint``'s early stop, on by default), so the backward pass
+            runs the same matrix products as without it. A ``w2`` that is not a plain linear
+            layer (an adapter, a wrapper) keeps its input as before: recomputing it would
+            run its products again.
         chunk_rows: when training, run the ``b * s`` rows through the MLP ``chunk_rows`` at a
             time (None: all at once). The same tensors are kept for the backward pass and the
             same matrix products run, but the ``[rows, hidden_dim]`` intermediates that live
@@ -83,7 +89,12 @@ class FeedForward(nn.Module):
         return torch.cat([self._mlp(chunk) for chunk in chunks]).view(*x.shape[:-1], -1)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gated = GATES[self.activation]
         gate, up = self.w1(x), self.w3(x)
-        hidden = recomputed(gated, gate, up) if self.recompute else gated(gate, up)
-        return self.w2(hidden)
+        if not self.recompute:
+            return self._gated_down(gate, up)
+        if is_plain_linear(self.w2):
+            return recomputed(self._gated_down, gate, up)
+        return self.w2(recomputed(GATES[self.activation], gate, up))
+
+    def _gated_down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.w2(GATES[self.activation](gate, up))

@@ -4,6 +4,7 @@ kept, counted through saved-tensor hooks."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusion.decoder import FeedForward, GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
 from helpers import VOCAB, build_tiny_decoder, saved_bytes
@@ -54,12 +55,63 @@ def test_recomputed_modules_give_the_same_gradients_and_keep_less(name, dtype):
     assert kept < kept_plain
 
 
-def test_swiglu_keeps_three_hidden_tensors_of_four():
+def test_swiglu_keeps_two_hidden_tensors_of_four():
+    """``act(gate)`` and the gated product (``w2``'s input) go; ``gate`` and ``up`` stay."""
     mlp, x = FeedForward(8, 1000), torch.randn(3, 8, requires_grad=True)
     hidden = 3 * 1000 * 4  # one [3, 1000] float32 tensor
     with_recompute = saved_bytes(lambda: mlp(x))
     mlp.recompute = False
-    assert saved_bytes(lambda: mlp(x)) - with_recompute == hidden
+    assert saved_bytes(lambda: mlp(x)) - with_recompute == 2 * hidden
+
+
+class MatrixProducts(TorchDispatchMode):
+    """Counts the matrix products that run while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_swiglu_backward_runs_no_matrix_product_again(recompute):
+    """The recomputation stops once the gated product is back: the backward pass runs the six
+    products of the three projections' gradients, as without recomputation, not ``w2``'s
+    forward product again."""
+    mlp, x = FeedForward(8, 32, recompute=recompute), torch.randn(5, 8, requires_grad=True)
+    out = mlp(x)
+    with MatrixProducts() as products:
+        out.sum().backward()
+    assert products.count == 6
+
+
+def test_swiglu_under_an_adapter_keeps_the_adapters_input():
+    """A ``w2`` that is not a plain linear layer is left outside the recomputed region (its
+    products would run again there): its input is kept, gradients are unchanged."""
+
+    class Scaled(torch.nn.Linear):  # stands in for an adapter: any subclass
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    torch.manual_seed(0)
+    mlp = FeedForward(8, 1000)
+    plain_kept = saved_bytes(lambda: mlp(torch.randn(3, 8, requires_grad=True)))
+    adapted = Scaled(1000, 8, bias=False)
+    adapted.load_state_dict(mlp.w2.state_dict())
+    mlp.w2 = adapted
+    x, output_grad = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8)
+    assert saved_bytes(lambda: mlp(x)) == plain_kept + 3 * 1000 * 4  # the gated product too
+    out = mlp(x)
+    with MatrixProducts() as products:
+        out.sum().backward()
+    assert products.count == 6
+    recomputed = gradients(mlp, [x], output_grad)
+    mlp.recompute = False
+    for a, b in zip(recomputed, gradients(mlp, [x], output_grad), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_decoder_trains_bit_for_bit_as_without_recomputation():
