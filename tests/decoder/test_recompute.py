@@ -160,3 +160,23 @@ def test_recomputation_compiles_to_the_same_gradients():
     compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
     for a, b in zip(gradients(compiled, [x], output_grad), eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_swiglu_recomputes_bit_for_bit_under_autocast():
+    """Under bf16 autocast (the recipe's ``--dtype bfloat16``) the recomputed region casts the
+    gated product for ``w2`` again, as the forward did: outputs and gradients as without
+    recomputation, bit for bit, with chunks."""
+    torch.manual_seed(0)
+    mlp, x = FeedForward(8, 64, chunk_rows=3), torch.randn(2, 5, 8)
+
+    def run(recompute: bool) -> list[torch.Tensor]:
+        mlp.recompute = recompute
+        mlp.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = mlp(inputs)
+        out.float().square().sum().backward()
+        return [out.detach(), inputs.grad, *(p.grad for p in mlp.parameters())]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
