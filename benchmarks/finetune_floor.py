@@ -6,8 +6,9 @@ For the model, samples and steps of ``finetune.py`` (same flags), in this proces
 
 - **work**: the floating-point operations of each contestant's first timed step, forward and
   backward (:class:`torch.utils.flop_counter.FlopCounterMode`: matrix products, convolutions
-  and attention; elementwise work and the optimizer step are left out, so the floor is low),
-  in total and in the frozen vision tower (its forward under ``no_grad``);
+  and attention, but not CPU flash attention, which torch 2.13 does not count; elementwise
+  work and the optimizer step are left out, so the floor is low), in total and in the frozen
+  vision tower (its forward under ``no_grad``);
 - **rate**: the best rate this machine reaches in fp32 matrix products at the model's own
   shapes (the fastest of ``--rounds`` rounds, the fastest shape: generous, and robust to
   other jobs on the cores, which only slow rounds down). With ``--results`` from a run that
@@ -15,6 +16,12 @@ For the model, samples and steps of ``finetune.py`` (same flags), in this proces
   those: the machine's speed in the minutes the steps were timed, which can be 10-20% off
   its speed an hour apart; the rate measured now is reported beside it;
 - **time floor** = work / rate: no implementation of the step is faster;
+- **kernels alone**: the same step's matrix products, convolutions and attention (CPU flash
+  attention included), each timed alone at its own shapes and layouts in a fresh process with
+  the run's threads and huge pages (``kernel_replay.py``), summed: the time a step decomposed
+  into these kernels takes with nothing between them. Their rate over the best rate measured
+  now is the share of the time floor such a step would reach (``reach``); against a measured
+  step, the share of it the kernels take, the rest being everything between them;
 - **memory floor** of ``fusion_packed``: the resident set of this process before any model
   (torch and the library imported, the run's samples made, as every contestant's process
   holds them), plus the model's parameters, plus the trained parameters' AdamW state
@@ -52,12 +59,15 @@ import json
 import math
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 
 import finetune as bench
+import kernel_replay
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -114,6 +124,7 @@ def finetune_settings(args: argparse.Namespace, workdir: Path) -> argparse.Names
             if stored.get(key) is not None:
                 argv += [f"--{key.replace('_', '-')}", str(stored[key])]
         argv += ["--defer-output-grad"] * bool(stored.get("defer_output_grad"))
+        argv += ["--transparent-huge-pages"] * bool(stored.get("transparent_huge_pages"))
     return bench.parse_args(argv)
 
 
@@ -161,8 +172,9 @@ def grouped_conv_backward_flop(
 FLOP_FORMULAS = {torch.ops.aten.convolution_backward: grouped_conv_backward_flop}
 
 
-def step_work(name: str, model, tower, steps, settings) -> dict:
-    """The first timed step's floating-point operations, in total and in the tower."""
+def step_work(name: str, model, tower, steps, settings) -> tuple[dict, dict[str, int]]:
+    """The first timed step's floating-point operations, in total and in the tower, and its
+    compute kernels' calls (:class:`kernel_replay.KernelLog`)."""
     with ExitStack() as stack:
         if name.startswith("fusion_"):
             model.skip_output_layer = True
@@ -177,15 +189,31 @@ def step_work(name: str, model, tower, steps, settings) -> dict:
         before = tower.register_forward_pre_hook(
             lambda *_: tower_flops.append(-counter.get_total_flops())
         )
-        with counter:
+        with counter, kernel_replay.KernelLog() as kernels:
             _, positions = bench.STEPS[name](model, steps[1], settings)
         handle.remove()
         before.remove()
-    return {
+    work = {
         "gflop": counter.get_total_flops() / 1e9,
         "tower_gflop": sum(tower_flops) / 1e9,
         "positions": positions,
     }
+    return work, dict(kernels.calls)
+
+
+def kernels_alone(
+    calls: dict[str, int], threads: int, fargs: argparse.Namespace, workdir: Path
+) -> dict:
+    """:func:`kernel_replay.main` on a step's kernel log in a fresh process with ``threads``
+    and the run's environment (huge pages as it had them): the step's kernels timed alone."""
+    log, out = workdir / "kernels.json", workdir / "kernel_times.json"
+    log.write_text(json.dumps(calls))
+    command = [sys.executable, kernel_replay.__file__, str(log), "--out", str(out)]
+    command += ["--threads", str(threads)]
+    done = subprocess.run(command, capture_output=True, text=True, env=bench.contestant_env(fargs))
+    if done.returncode:
+        raise RuntimeError(f"the kernel replay failed:\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
 
 
 def tensors_in(value: object) -> Iterator[torch.Tensor]:
@@ -277,19 +305,23 @@ def main(argv: list[str] | None = None) -> dict:
         torch.manual_seed(fargs.seed)
         bench.save_model(family, config, model_dir)
         results = None if args.results is None else json.loads(args.results.read_text())
-        work = {}
+        work, kernel_calls = {}, {}
         for name in fargs.only:
             # With --results, the contestants it measured (not one that ran out of memory)
             if results is not None and name not in {*results["results"], "fusion_packed"}:
                 continue
             model, tower = load(name, model_dir, fargs)
-            work[name] = step_work(name, model, tower, steps, settings)
+            work[name], kernel_calls[name] = step_work(name, model, tower, steps, settings)
             del model, tower
         model, _ = load("fusion_packed", model_dir, fargs)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         activations, inputs = step_memory_mib(model, steps, settings)
         logits, output_gradient = loss_held_mib(model, fargs, sum(s.num_targets for s in steps[1]))
+        del model
+        for name, calls in kernel_calls.items():
+            replay = kernels_alone(calls, args.threads, fargs, Path(workdir))
+            work[name] |= {"kernels_s": replay["seconds"], "kernels_by_op": replay["by_op"]}
     rates = bench.gemm_gflops(args.rounds, bench.gemm_shapes(family, args.quick))
     rate_now = max(rates.values())
     # The run's own rate where it measured one (after each of its rounds): the machine's
@@ -298,6 +330,9 @@ def main(argv: list[str] | None = None) -> dict:
     rate = rate_now if during is None else run_rate(during)
     for entry in work.values():
         entry["floor_s"] = entry["gflop"] / rate
+        # The share of the floor a step of these kernels with nothing between them would
+        # reach: their rate over the best one, both measured now.
+        entry["kernels_reach"] = entry["gflop"] / entry["kernels_s"] / rate_now
     memory = {
         "process_before_load_mib": baseline_mib,
         "step_inputs_mib": inputs,
@@ -322,13 +357,18 @@ def main(argv: list[str] | None = None) -> dict:
         + ", ".join(f"{shape} {r:.0f}" for shape, r in rates.items()),
         f"the floors' rate: {rate:.0f} GFLOP/s, "
         + ("measured now" if during is None else "the run's best, after its rounds"),
-        f"{'contestant':26} {'GFLOP/step':>10} {'tower':>8} {'positions':>9} {'floor s':>8}",
+        f"{'contestant':26} {'GFLOP/step':>10} {'tower':>8} {'positions':>9} {'floor s':>8} "
+        f"{'kernels s':>9} {'reach':>6}",
     ]
     lines += [
         f"{name:26} {w['gflop']:10.1f} {w['tower_gflop']:8.1f} {w['positions']:9d} "
-        f"{w['floor_s']:8.2f}"
+        f"{w['floor_s']:8.2f} {w['kernels_s']:9.2f} {w['kernels_reach']:6.0%}"
         for name, w in work.items()
     ]
+    lines.append(
+        "kernels s: the step's matrix products, convolutions and attention timed alone, now; "
+        "reach: the share of the time floor a step of them alone would reach"
+    )
     lines.extend(
         (
             f"fusion_packed memory floor {memory['floor_mib']:.0f} MiB = process "
@@ -359,18 +399,22 @@ def main(argv: list[str] | None = None) -> dict:
         # Each contestant's share of its own time floor, and fusion_packed's peak over its
         # memory floor (issue 40: at least 75%, within 15%).
         shares = {name: work[name]["floor_s"] / seen[name]["step_s"] for name in seen}
+        # How much of each measured step its kernels alone (timed now) take
+        kernels_of_step = {name: work[name]["kernels_s"] / seen[name]["step_s"] for name in seen}
         above_floor = seen["fusion_packed"]["peak_mib"] / memory["floor_mib"] - 1
         above_loss_floor = seen["fusion_packed"]["peak_mib"] / memory["loss_time_floor_mib"] - 1
         report |= {
             "measured": seen,
             "bounds": bounds,
             "share_of_time_floor": shares,
+            "kernels_of_step": kernels_of_step,
             "fusion_packed_peak_above_memory_floor": above_floor,
             "fusion_packed_peak_above_loss_time_floor": above_loss_floor,
         }
         lines += [f"{key}: {value:.2f}x" for key, value in bounds.items()]
         lines += [
-            f"{name}: measured step {seen[name]['step_s']:.2f} s, {share:.0%} of its time floor"
+            f"{name}: measured step {seen[name]['step_s']:.2f} s, {share:.0%} of its time floor; "
+            f"its kernels alone (timed now) take {kernels_of_step[name]:.0%} of it"
             for name, share in shares.items()
         ]
         lines.append(

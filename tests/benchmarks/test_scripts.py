@@ -174,6 +174,17 @@ def test_finetune_quick(tmp_path):
     assert floor["rate_now_gflops"] == max(floor["gemm_gflops"].values()) > 0
     for w in work.values():
         assert w["floor_s"] == pytest.approx(w["gflop"] / rate)
+        # The step's kernels replayed alone: matrix products and attention among them, and
+        # the share of the floor their rate reaches against the best rate measured now.
+        assert {"aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu"} <= set(
+            w["kernels_by_op"]
+        )
+        assert w["kernels_s"] == pytest.approx(
+            sum(e["seconds"] for e in w["kernels_by_op"].values())
+        )
+        assert w["kernels_reach"] == pytest.approx(
+            w["gflop"] / w["kernels_s"] / floor["rate_now_gflops"]
+        )
     memory = floor["memory"]
     parts = ("process_before_load_mib", "parameters_mib", "adamw_state_mib", "step_inputs_mib")
     assert memory["floor_mib"] == pytest.approx(
@@ -200,6 +211,10 @@ def test_finetune_quick(tmp_path):
     assert shares["transformers_padded"] == pytest.approx(
         work["transformers_padded"]["floor_s"] / step
     )
+    assert floor["kernels_of_step"]["transformers_padded"] == pytest.approx(
+        work["transformers_padded"]["kernels_s"] / step
+    )
+    assert "its kernels alone (timed now) take" in stdout
     peak = results["fusion_packed"]["peak_memory_bytes"] / 2**20
     above = floor["fusion_packed_peak_above_memory_floor"]
     assert above == pytest.approx(peak / memory["floor_mib"] - 1)
