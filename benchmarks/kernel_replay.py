@@ -35,6 +35,10 @@ KERNELS = {
 }
 
 
+#: The largest tensor a replayed log may ask for (16 GiB).
+MAX_TENSOR_BYTES = 2**34
+
+
 def _spec(value: Any) -> Any:
     """A call argument as JSON data: a tensor by its layout, a sequence item by item."""
     if isinstance(value, torch.Tensor):
@@ -77,16 +81,36 @@ def _operator(name: str) -> Any:
     return getattr(packet, overload)
 
 
+def _layout(spec: dict) -> tuple[list[int], list[int], torch.dtype, int]:
+    """A logged tensor's shape, stride, dtype and the elements its storage spans, refused
+    unless well formed and at most :data:`MAX_TENSOR_BYTES`: a log is data, checked before
+    anything is allocated."""
+    layout = spec.get("tensor")
+    if not isinstance(layout, list) or len(layout) != 3:
+        raise ValueError(f"log: expected a tensor as [shape, stride, dtype], got {layout!r:.80}")
+    shape, stride, dtype_name = layout
+    dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"log: expected a torch dtype's name, got {dtype_name!r:.40}")
+    sizes = (shape, stride)
+    if not all(isinstance(x, list) and all(type(n) is int and n >= 0 for n in x) for x in sizes):
+        raise ValueError(f"log: expected sizes and strides >= 0, got {shape!r:.60}, {stride!r:.60}")
+    if len(shape) != len(stride):
+        raise ValueError(f"log: expected a stride per dimension, got {shape!r:.60}, {stride!r:.60}")
+    # The storage the layout spans: broadcast (stride 0) and transposed layouts as logged
+    span = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+    if span * dtype.itemsize > MAX_TENSOR_BYTES:
+        raise ValueError(
+            f"log: a tensor of {span * dtype.itemsize} bytes, above the {MAX_TENSOR_BYTES} allowed"
+        )
+    return shape, stride, dtype, span
+
+
 def _built(spec: Any, generator: torch.Generator) -> Any:
     """An argument from its JSON data: a tensor of the logged layout with random values
     (floating point), ones (bool: an all-true mask) or zeros (integers)."""
     if isinstance(spec, dict):
-        shape, stride, dtype_name = spec["tensor"]
-        dtype = getattr(torch, dtype_name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"log: expected a torch dtype's name, got {dtype_name!r:.40}")
-        # The storage the layout spans: broadcast (stride 0) and transposed layouts as logged
-        span = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+        shape, stride, dtype, span = _layout(spec)
         storage = torch.empty(span, dtype=dtype)
         if dtype.is_floating_point:
             storage.normal_(generator=generator)
@@ -98,6 +122,18 @@ def _built(spec: Any, generator: torch.Generator) -> Any:
     return spec
 
 
+def _call(signature: str) -> dict:
+    """A signature's call: an object of the operator's name, its arguments and keywords."""
+    try:
+        call = json.loads(signature)
+    except json.JSONDecodeError:
+        call = None
+    fields = {"op": str, "args": list, "kwargs": dict}
+    if not isinstance(call, dict) or not all(isinstance(call.get(k), t) for k, t in fields.items()):
+        raise ValueError(f"log: expected a call as {{op, args, kwargs}}, got {signature!r:.80}")
+    return call
+
+
 def time_kernels(calls: dict[str, int], repeats: int) -> dict[str, float]:
     """Each logged signature's best time in seconds over ``repeats`` calls after an untimed
     one, on fresh inputs built once per signature (outputs freshly allocated, as the step's
@@ -105,7 +141,7 @@ def time_kernels(calls: dict[str, int], repeats: int) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     best = {}
     for signature in calls:
-        call = json.loads(signature)
+        call = _call(signature)
         op = _operator(call["op"])
         args = _built(call["args"], generator)
         kwargs = {k: _built(v, generator) for k, v in call["kwargs"].items()}

@@ -57,8 +57,33 @@ def test_replay_builds_each_logged_layout():
     assert mask.dtype == torch.bool and bool(mask.all())  # an all-true mask: no empty rows
     ints = replay._built({"tensor": [[4], [1], "int64"]}, generator)
     assert ints.dtype == torch.int64 and not bool(ints.any())
-    with pytest.raises(ValueError, match="log: expected a torch dtype's name, got 'load'"):
-        replay._built({"tensor": [[4], [1], "load"]}, generator)
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ([[4], [1], "load"], "expected a torch dtype's name, got 'load'"),
+        ([[4], [1], 7], "expected a torch dtype's name, got 7"),
+        ([[4], [1]], r"expected a tensor as \[shape, stride, dtype\]"),
+        ("[4]", r"expected a tensor as \[shape, stride, dtype\]"),
+        ([[-1], [1], "float32"], "expected sizes and strides >= 0"),
+        ([[4], [1.5], "float32"], "expected sizes and strides >= 0"),
+        ([[4, 2], [1], "float32"], "expected a stride per dimension"),
+        ([[2**20, 2**20], [2**20, 1], "float32"], "a tensor of 4398046511104 bytes, above"),
+    ],
+)
+def test_replay_refuses_a_malformed_or_oversized_tensor_before_allocating(layout, message):
+    with pytest.raises(ValueError, match=f"log: {message}"):
+        replay._built({"tensor": layout}, torch.Generator())
+
+
+@pytest.mark.parametrize(
+    "signature",
+    ["not json", "[]", '{"op": "aten::mm", "args": []}', '{"op": 1, "args": [], "kwargs": {}}'],
+)
+def test_replay_refuses_a_call_that_is_not_op_args_kwargs(signature):
+    with pytest.raises(ValueError, match=r"log: expected a call as \{op, args, kwargs\}, got"):
+        replay.time_kernels({signature: 1}, repeats=1)
 
 
 def test_replay_times_every_signature_and_sums_them():
