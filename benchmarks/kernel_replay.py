@@ -134,14 +134,23 @@ def _call(signature: str) -> dict:
     return call
 
 
+def _check_specs(spec: Any) -> None:
+    """Every tensor layout in an argument's JSON data checked (:func:`_layout`)."""
+    if isinstance(spec, dict):
+        _layout(spec)
+    elif isinstance(spec, list):
+        for item in spec:
+            _check_specs(item)
+
+
 def time_kernels(calls: dict[str, int], repeats: int) -> dict[str, float]:
     """Each logged signature's best time in seconds over ``repeats`` calls after an untimed
     one, on fresh inputs built once per signature (outputs freshly allocated, as the step's
-    are)."""
+    are). The signatures are :func:`read_log`'s or a :class:`KernelLog`'s."""
     generator = torch.Generator().manual_seed(0)
     best = {}
     for signature in calls:
-        call = _call(signature)
+        call = json.loads(signature)
         op = _operator(call["op"])
         args = _built(call["args"], generator)
         kwargs = {k: _built(v, generator) for k, v in call["kwargs"].items()}
@@ -178,12 +187,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def read_log(path: Path) -> dict[str, int]:
-    """A log file, refused unless an object of signature strings to positive call counts."""
-    calls = json.loads(path.read_text())
+    """A log file, refused before anything runs unless a JSON object of signatures to positive
+    call counts, each signature an aten compute kernel's call with well-formed tensor layouts
+    of at most :data:`MAX_TENSOR_BYTES`."""
+    try:
+        calls = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        calls = None
     if not isinstance(calls, dict) or not all(
         isinstance(k, str) and type(v) is int and v > 0 for k, v in calls.items()
     ):
         raise SystemExit(f"{path}: expected a JSON object of signatures to call counts >= 1")
+    try:
+        for signature in calls:
+            call = _call(signature)
+            _operator(call["op"])
+            _check_specs([call["args"], list(call["kwargs"].values())])
+    except ValueError as error:
+        raise SystemExit(f"{path}: {error}") from None
     return calls
 
 

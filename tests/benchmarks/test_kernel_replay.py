@@ -81,9 +81,32 @@ def test_replay_refuses_a_malformed_or_oversized_tensor_before_allocating(layout
     "signature",
     ["not json", "[]", '{"op": "aten::mm", "args": []}', '{"op": 1, "args": [], "kwargs": {}}'],
 )
-def test_replay_refuses_a_call_that_is_not_op_args_kwargs(signature):
-    with pytest.raises(ValueError, match=r"log: expected a call as \{op, args, kwargs\}, got"):
-        replay.time_kernels({signature: 1}, repeats=1)
+def test_replay_refuses_a_call_that_is_not_op_args_kwargs(signature, tmp_path):
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps({signature: 1}))
+    with pytest.raises(SystemExit, match=r"log: expected a call as \{op, args, kwargs\}, got"):
+        replay.read_log(path)
+
+
+def test_replay_refuses_a_whole_log_before_timing_any_of_it(tmp_path):
+    """A log whose last call asks for an oversized tensor, or names something other than a
+    compute kernel, is refused by read_log: nothing is timed."""
+    calls = logged_step()
+    path = tmp_path / "log.json"
+    for bad in (
+        {
+            "op": "aten::mm",
+            "args": [{"tensor": [[2**30, 2**30], [2**30, 1], "float32"]}],
+            "kwargs": {},
+        },
+        {"op": "aten::add.Tensor", "args": [], "kwargs": {}},
+        {"op": "aten::mm", "args": [], "kwargs": {"out": {"tensor": [[2], [1], "eval"]}}},
+    ):
+        path.write_text(json.dumps(calls | {json.dumps(bad): 1}))
+        with pytest.raises(SystemExit, match=f"{path}: log: expected|{path}: log: a tensor of"):
+            replay.read_log(path)
+    path.write_text(json.dumps(calls))
+    assert replay.read_log(path) == calls
 
 
 def test_replay_times_every_signature_and_sums_them():
@@ -104,7 +127,9 @@ def test_replay_resolves_nothing_but_aten_compute_kernels(name):
         replay._operator(name)
 
 
-@pytest.mark.parametrize("content", ["[]", '{"x": 0}', '{"x": true}', '{"x": 1.5}', '{"x": "1"}'])
+@pytest.mark.parametrize(
+    "content", ["not json", "[]", '{"x": 0}', '{"x": true}', '{"x": 1.5}', '{"x": "1"}']
+)
 def test_replay_refuses_a_log_that_is_not_signatures_to_counts(tmp_path, content):
     path = tmp_path / "log.json"
     path.write_text(content)
