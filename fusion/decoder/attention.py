@@ -3,10 +3,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion._validation import check_int
-from fusion.decoder.few_rows import FewRowsLinear
+from fusion.decoder.few_rows import FewRowsLinear, is_plain_linear
 from fusion.decoder.kv_cache import KVCache, SlidingWindowKVCache
 from fusion.decoder.packed import PackedSegments
-from fusion.decoder.packed_attention import packed_attention
+from fusion.decoder.packed_attention import packed_attention, per_sample_attention
+from fusion.decoder.recompute import recomputed
 from fusion.decoder.rope import RotaryPositionalEmbeddings
 
 
@@ -18,6 +19,15 @@ class MultiHeadAttention(nn.Module):
     ``scaled_dot_product_attention`` (GQA by its ``enable_gqa``, no repeated keys), or, for
     packed rows given as :class:`~fusion.decoder.packed.PackedSegments`, one of the backends
     of :func:`~fusion.decoder.packed_attention.packed_attention` (no dense mask).
+
+    When training on packed rows with the per-sample SDPA backend, the samples' outputs reach
+    ``output_proj`` through a concatenation (and the gate, with ``output_gate``) recomputed
+    in the backward pass (:func:`~fusion.decoder.recompute.recomputed`): SDPA keeps each
+    sample's outputs for its own backward, and ``output_proj`` would otherwise keep their
+    concatenated copy for its weight's gradient, one more ``[b, s, h * hd]`` tensor a layer.
+    The recomputation stops before ``output_proj``'s product would run again, so the backward
+    runs the same matrix products, and gradients are unchanged bit for bit. An
+    ``output_proj`` that is not a plain linear layer (an adapter) keeps its input as before.
 
     Args:
         embed_dim: model width ``d``.
@@ -132,14 +142,18 @@ class MultiHeadAttention(nn.Module):
         q, k = self.pos_embeddings.rotate_pair(q, k, input_pos)  # one table lookup
         dropout = self.attn_dropout if self.training else 0.0
         if isinstance(mask, PackedSegments):  # the decoder has refused it with a cache
+            gqa, scale = heads != kv_heads, self.attn_scale
+            if self._recomputes_concatenation(mask):
+                parts = per_sample_attention(  # [n, h, hd] per segment
+                    q, k, v, mask, dropout_p=dropout, enable_gqa=gqa, scale=scale
+                )
+
+                def project(*parts: torch.Tensor) -> torch.Tensor:
+                    return self._project(torch.cat(parts).view(b, s, heads * head_dim), gate)
+
+                return recomputed(project, *parts)  # [b, s, d]
             out = packed_attention(  # [b, s, h, hd]
-                q,
-                k,
-                v,
-                mask,
-                dropout_p=dropout,
-                enable_gqa=heads != kv_heads,
-                scale=self.attn_scale,
+                q, k, v, mask, dropout_p=dropout, enable_gqa=gqa, scale=scale
             )
             return self._project(out.reshape(b, s, heads * head_dim), gate)  # [b, s, d]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, hd]
@@ -158,6 +172,18 @@ class MultiHeadAttention(nn.Module):
             scale=self.attn_scale,
         )
         return self._project(out.transpose(1, 2).reshape(b, s, heads * head_dim), gate)
+
+    def _recomputes_concatenation(self, segments: PackedSegments) -> bool:
+        """Whether the per-sample outputs reach ``output_proj`` through a recomputed
+        concatenation: when autograd records, eagerly (compiled, the per-sample loop is a
+        graph break of its own), on the per-sample SDPA backend, through a plain linear
+        ``output_proj`` (an adapter's products would run again)."""
+        return (
+            torch.is_grad_enabled()
+            and segments.backend == "sdpa"
+            and is_plain_linear(self.output_proj)
+            and not torch.compiler.is_compiling()
+        )
 
     def _project(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """``output_proj`` of the heads' outputs [b, s, h * hd], gated when the layer is."""

@@ -214,10 +214,32 @@ def _per_sample_sdpa(
     enable_gqa: bool,
     scale: float | None,
 ) -> torch.Tensor:
-    """One causal SDPA call per sample on [b, s, h, hd] inputs (with a mask [n, n] for a
-    sample longer than the segments' window, and for every sample with blocks); the outputs,
-    zeros for padding, concatenated back into [b, s, h, hd] (one copy, which also makes the result
-    contiguous for the output projection).
+    """:func:`per_sample_attention`'s outputs concatenated back into [b, s, h, hd] (one copy,
+    which also makes the result contiguous for the output projection)."""
+    parts = per_sample_attention(
+        q, k, v, segments, dropout_p=dropout_p, enable_gqa=enable_gqa, scale=scale
+    )
+    return torch.cat(parts).view(q.shape)
+
+
+def per_sample_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: PackedSegments,
+    *,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    scale: float | None = None,
+) -> list[torch.Tensor]:
+    """:func:`packed_attention`'s ``"sdpa"`` backend before its one concatenation: one causal
+    SDPA call per sample on [b, s, h, hd] inputs (with a mask [n, n] for a sample longer than
+    the segments' window, and for every sample with blocks), each segment's outputs [n, h,
+    hd] in row order, zeros for padding: ``torch.cat(parts).view(b, s, h, hd)`` is
+    ``packed_attention``'s result. SDPA keeps each sample's outputs for its backward pass; a
+    caller that concatenates them inside a recomputed region keeps no second copy (see
+    :class:`~fusion.decoder.attention.MultiHeadAttention`). Arguments as
+    :func:`packed_attention`'s.
 
     The inputs are cut with one ``split`` of the flattened ``[b * s]`` positions, whose
     backward is one concatenation: slicing each sample instead costs, in backward, a zeroed
@@ -243,7 +265,8 @@ def _per_sample_sdpa(
     parts = []
     for i, (qi, ki, vi) in enumerate(pieces):
         if i in padding:  # never attended by a sample, never a target
-            parts.append(q.new_zeros(qi.shape))
+            # One zero broadcast: a caller that keeps the parts keeps 4 bytes for the padding
+            parts.append(q.new_zeros(()).expand(qi.shape))
             continue
         n, window = qi.size(0), segments.window
         band = None
@@ -262,7 +285,7 @@ def _per_sample_sdpa(
             scale=scale,
         )
         parts.append(out[0].transpose(0, 1))  # [n, h, hd]
-    return torch.cat(parts).view(b, s, h, hd)
+    return parts
 
 
 def _per_sample_disabled() -> Any:

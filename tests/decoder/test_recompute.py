@@ -1,12 +1,21 @@
-"""Selective recomputation (issue 40): norms and SwiGLU's gate are recomputed in the backward
-pass; losses and gradients equal those without it bit for bit (fp32), and fewer tensors are
-kept, counted through saved-tensor hooks."""
+"""Selective recomputation (issue 40): norms, SwiGLU's gate and packed attention's
+concatenation are recomputed in the backward pass; losses and gradients equal those without
+it bit for bit (fp32), and fewer tensors are kept, counted through saved-tensor hooks."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fusion.decoder import FeedForward, GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
+from fusion.decoder import (
+    FeedForward,
+    GatedRMSNorm,
+    MultiHeadAttention,
+    PackedSegments,
+    RMSNorm,
+    RotaryPositionalEmbeddings,
+    ZeroCenteredRMSNorm,
+)
+from fusion.decoder.packed_attention import prepare
 from helpers import VOCAB, build_tiny_decoder, saved_bytes
 
 
@@ -177,3 +186,102 @@ def test_swiglu_recomputes_bit_for_bit_under_autocast():
 
     for a, b in zip(run(True), run(False), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------- packed attention
+
+LENGTHS, SEQ_LEN, HEADS, HEAD_DIM = [[5, 9, 2], [16]], 16, 4, 8
+
+
+def packed_layer(output_gate: bool) -> tuple[MultiHeadAttention, dict]:
+    """A GQA layer and its packed inputs (per-sample SDPA, two rows, no padding)."""
+    torch.manual_seed(0)
+    rope = RotaryPositionalEmbeddings(HEAD_DIM, SEQ_LEN)
+    layer = MultiHeadAttention(32, HEADS, 2, HEAD_DIM, rope, output_gate=output_gate)
+    segments = PackedSegments.from_lengths(LENGTHS, SEQ_LEN, backend="sdpa")
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in LENGTHS])
+    inputs = {"mask": prepare(segments, torch.float32), "input_pos": positions}
+    return layer, inputs
+
+
+def layer_gradients(layer, x, inputs, output_grad) -> list[torch.Tensor]:
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    out = layer(x, **inputs)
+    out.backward(output_grad)
+    return [out.detach(), x.grad, *(p.grad for p in layer.parameters())]
+
+
+def without_recomputation(monkeypatch) -> None:
+    monkeypatch.setattr(MultiHeadAttention, "_recomputes_concatenation", lambda *_: False)
+
+
+@pytest.mark.parametrize("output_gate", [False, True])
+def test_packed_attention_keeps_the_samples_outputs_once(output_gate, monkeypatch):
+    """SDPA keeps each sample's outputs; the output projection no longer keeps their
+    concatenation (nor, gated, ``sigmoid(gate)`` and the gated product: the gate's own
+    storage, ``q_proj``'s output, stays alive through the region instead, which these hooks
+    do not see). Gradients and the backward's matrix products are unchanged."""
+    layer, inputs = packed_layer(output_gate)
+    x = torch.randn(2, SEQ_LEN, 32, requires_grad=True)
+    output_grad = torch.randn(2, SEQ_LEN, 32)
+    recomputed = layer_gradients(layer, x, inputs, output_grad)
+    kept = saved_bytes(lambda: layer(x, **inputs))
+    out = layer(x, **inputs)
+    with MatrixProducts() as products:
+        out.backward(output_grad)
+    without_recomputation(monkeypatch)
+    plain = layer_gradients(layer, x, inputs, output_grad)
+    kept_plain = saved_bytes(lambda: layer(x, **inputs))
+    out = layer(x, **inputs)
+    with MatrixProducts() as plain_products:
+        out.backward(output_grad)
+    for a, b in zip(recomputed, plain, strict=True):
+        assert torch.equal(a, b)
+    one = 2 * SEQ_LEN * HEADS * HEAD_DIM * 4  # a float32 [b, s, h * hd] tensor
+    assert kept_plain - kept == (3 if output_gate else 1) * one
+    assert products.count == plain_products.count == 8  # q, k, v, output: two each
+
+
+def test_packed_attention_under_an_adapter_keeps_the_concatenation(monkeypatch):
+    """An ``output_proj`` that is not a plain linear layer stays outside any recomputed region,
+    so nothing of it runs twice."""
+
+    class Scaled(torch.nn.Linear):  # stands in for an adapter: any subclass
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    layer, inputs = packed_layer(output_gate=False)
+    adapted = Scaled(HEADS * HEAD_DIM, 32, bias=False)
+    adapted.load_state_dict(layer.output_proj.state_dict())
+    layer.output_proj = adapted
+    x = torch.randn(2, SEQ_LEN, 32, requires_grad=True)
+    kept = saved_bytes(lambda: layer(x, **inputs))
+    without_recomputation(monkeypatch)
+    assert saved_bytes(lambda: layer(x, **inputs)) == kept
+
+
+def test_a_packed_decoder_with_padding_trains_bit_for_bit(monkeypatch):
+    """Packed rows with padding through a whole decoder: the same loss and gradients, one
+    concatenation fewer kept per layer."""
+    decoder = build_tiny_decoder(tie_word_embeddings=False)
+    segments = PackedSegments.from_lengths([[3, 4], [6]], 9, backend="sdpa")
+    tokens = torch.randint(0, VOCAB, (2, 9))
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        decoder.zero_grad(set_to_none=True)
+        loss = decoder(tokens, mask=segments).float().logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), [p.grad for p in decoder.parameters()]
+
+    loss, grads = step()
+    kept = saved_bytes(lambda: decoder(tokens, mask=segments))
+    without_recomputation(monkeypatch)
+    plain_loss, plain_grads = step()
+    kept_plain = saved_bytes(lambda: decoder(tokens, mask=segments))
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    attention = decoder.layers[0].attn
+    concatenation = 2 * 9 * attention.num_heads * attention.head_dim * 4
+    padding = 2 * 4  # each padded row's part: one float32 zero, broadcast
+    assert kept_plain - kept == len(decoder.layers) * (concatenation - padding)
