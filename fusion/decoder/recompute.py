@@ -1,5 +1,6 @@
-"""Selective recomputation: cheap elementwise work (norms, SwiGLU's gate) redone in the
-backward pass instead of its intermediates kept from the forward.
+"""Selective recomputation: cheap work (norms, SwiGLU's gate, packed attention's
+concatenation of its samples' outputs) redone in the backward pass instead of its
+intermediates kept from the forward.
 
 On a Qwen2.5-VL-3B-wide SwiGLU (2048 -> 11008, 1024 tokens, fp32) the forward keeps 180 MiB
 for the backward; recomputing ``silu(gate) * up`` (with the down projection inside the
