@@ -148,8 +148,8 @@ class MultiHeadAttention(nn.Module):
                     q, k, v, mask, dropout_p=dropout, enable_gqa=gqa, scale=scale
                 )
 
-                def project(*parts: torch.Tensor) -> torch.Tensor:
-                    return self._project(torch.cat(parts).view(b, s, heads * head_dim), gate)
+                def project(*outputs: torch.Tensor) -> torch.Tensor:
+                    return self._project(torch.cat(outputs).view(b, s, heads * head_dim), gate)
 
                 return recomputed(project, *parts)  # [b, s, d]
             out = packed_attention(  # [b, s, h, hd]
