@@ -3,11 +3,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion._validation import check_int
-from fusion.decoder.few_rows import FewRowsLinear, is_plain_linear
+from fusion.decoder.few_rows import FewRowsLinear
 from fusion.decoder.kv_cache import KVCache, SlidingWindowKVCache
 from fusion.decoder.packed import PackedSegments
 from fusion.decoder.packed_attention import packed_attention, per_sample_attention
-from fusion.decoder.recompute import recomputed
+from fusion.decoder.recompute import recomputed_projection
 from fusion.decoder.rope import RotaryPositionalEmbeddings
 
 
@@ -21,9 +21,9 @@ class MultiHeadAttention(nn.Module):
     of :func:`~fusion.decoder.packed_attention.packed_attention` (no dense mask).
 
     When training on packed rows with the per-sample SDPA backend, the samples' outputs reach
-    ``output_proj`` through a concatenation (and the gate, with ``output_gate``) recomputed
-    in the backward pass (:func:`~fusion.decoder.recompute.recomputed`): SDPA keeps each
-    sample's outputs for its own backward, and ``output_proj`` would otherwise keep their
+    ``output_proj`` through a concatenation (and the gate, with ``output_gate``) recomputed in
+    the backward pass (:func:`~fusion.decoder.recompute.recomputed_projection`): SDPA keeps
+    each sample's outputs for its own backward, and ``output_proj`` would otherwise keep their
     concatenated copy for its weight's gradient, one more ``[b, s, h * hd]`` tensor a layer.
     The recomputation stops before ``output_proj``'s product would run again, so the backward
     runs the same matrix products, and gradients are unchanged bit for bit. An
@@ -148,10 +148,10 @@ class MultiHeadAttention(nn.Module):
                     q, k, v, mask, dropout_p=dropout, enable_gqa=gqa, scale=scale
                 )
 
-                def project(*outputs: torch.Tensor) -> torch.Tensor:
-                    return self._project(torch.cat(outputs).view(b, s, heads * head_dim), gate)
+                def gated_heads(*outputs: torch.Tensor) -> torch.Tensor:  # [b, s, h * hd]
+                    return _gated(torch.cat(outputs).view(b, s, heads * head_dim), gate)
 
-                return recomputed(project, *parts)  # [b, s, d]
+                return recomputed_projection(self.output_proj, gated_heads, *parts)
             out = packed_attention(  # [b, s, h, hd]
                 q, k, v, mask, dropout_p=dropout, enable_gqa=gqa, scale=scale
             )
@@ -176,15 +176,17 @@ class MultiHeadAttention(nn.Module):
     def _recomputes_concatenation(self, segments: PackedSegments) -> bool:
         """Whether the per-sample outputs reach ``output_proj`` through a recomputed
         concatenation: when autograd records, eagerly (compiled, the per-sample loop is a
-        graph break of its own), on the per-sample SDPA backend, through a plain linear
-        ``output_proj`` (an adapter's products would run again)."""
+        graph break of its own), on the per-sample SDPA backend."""
         return (
             torch.is_grad_enabled()
             and segments.backend == "sdpa"
-            and is_plain_linear(self.output_proj)
             and not torch.compiler.is_compiling()
         )
 
     def _project(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """``output_proj`` of the heads' outputs [b, s, h * hd], gated when the layer is."""
-        return self.output_proj(out if gate is None else out * torch.sigmoid(gate))
+        return self.output_proj(_gated(out, gate))
+
+
+def _gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    return out if gate is None else out * torch.sigmoid(gate)

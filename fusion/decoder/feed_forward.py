@@ -3,8 +3,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion._validation import is_int
-from fusion.decoder.few_rows import FewRowsLinear, is_plain_linear
-from fusion.decoder.recompute import recomputed
+from fusion.decoder.few_rows import FewRowsLinear
+from fusion.decoder.recompute import recomputed_projection
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -90,11 +90,7 @@ class FeedForward(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x), self.w3(x)
+        gated = GATES[self.activation]
         if not self.recompute:
-            return self._gated_down(gate, up)
-        if is_plain_linear(self.w2):
-            return recomputed(self._gated_down, gate, up)
-        return self.w2(recomputed(GATES[self.activation], gate, up))
-
-    def _gated_down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.w2(GATES[self.activation](gate, up))
+            return self.w2(gated(gate, up))
+        return recomputed_projection(self.w2, gated, gate, up)

@@ -14,7 +14,10 @@ without recomputation.
 from collections.abc import Callable
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from fusion.decoder.few_rows import is_plain_linear
 
 
 def recomputed(function: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
@@ -26,3 +29,19 @@ def recomputed(function: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> 
     if torch.is_grad_enabled():
         return checkpoint(function, *inputs, use_reentrant=False, preserve_rng_state=False)
     return function(*inputs)
+
+
+def recomputed_projection(
+    projection: nn.Module, function: Callable[..., torch.Tensor], *inputs: torch.Tensor
+) -> torch.Tensor:
+    """``projection(function(*inputs))`` with ``function``'s work recomputed in the backward
+    pass (:func:`recomputed`). A plain linear ``projection`` goes inside the recomputed region
+    too, so the input it keeps for its weight's gradient is recomputed rather than kept; the
+    recomputation stops once that input is back (``torch.utils.checkpoint``'s early stop),
+    before the projection's own product, so no matrix product runs twice. Any other
+    ``projection`` (an adapter, a wrapper) stays outside the region and keeps its input:
+    recomputing it would run its products again. The module is called either way, so its
+    hooks (FSDP2, tensor parallel, adapters) run."""
+    if is_plain_linear(projection):
+        return recomputed(lambda *args: projection(function(*args)), *inputs)
+    return projection(recomputed(function, *inputs))
