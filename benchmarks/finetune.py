@@ -161,6 +161,7 @@ from fusion.families.idefics3.builders import (
     SMOLVLM_256M_TEXT,
     SMOLVLM_256M_VISION,
 )
+from fusion.training import release_freed_memory
 
 #: The packed rows' default length: SmolVLM-256M's ``max_position_embeddings``, the rows the
 #: fine-tuning recipe packs for it (it packs rows as long as the model takes).
@@ -349,6 +350,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "less memory at the loss, one more output-sized product per target",
     )
     p.add_argument(
+        "--release-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fusion's contestants hand freed host memory back to the system at each step's "
+        "two peaks (fusion.training.release_freed_memory: glibc's malloc_trim before the "
+        "loss and before the embedding's gradient); default the recipe's: on for CPU",
+    )
+    p.add_argument(
         "--max-image",
         type=int,
         default=None,
@@ -414,6 +423,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--transparent-huge-pages: expected a run in fresh processes, got --quick (one "
             "process, whose allocator has read its environment already)"
         )
+    if args.release_freed_memory is None:  # the recipe's choice (its --release-freed-memory)
+        args.release_freed_memory = not cuda
     if args.defer_output_grad and args.loss != "fused":
         p.error(f"--defer-output-grad: expected --loss fused, got --loss {args.loss}")
     if args.samples_per_step is None:
@@ -1144,6 +1155,8 @@ def run_worker(args: argparse.Namespace) -> None:
         return
     step = STEPS[args.worker]
     trainable = set_trainable(args, model, tower, trained_in_tower)
+    if args.worker.startswith("fusion_") and args.release_freed_memory:
+        release_freed_memory(model)
     # Fused: the recipe's AdamW (fusion.training.adamw_warmup_cosine) and the Hugging Face
     # Trainer's default (optim="adamw_torch_fused" for torch >= 2.8), for every contestant.
     optimizer = torch.optim.AdamW(trainable, lr=LR, fused=True)
@@ -1239,6 +1252,8 @@ def run_contestant(
     if args.loss_chunk_rows is not None:
         command += ["--loss-chunk-rows", str(args.loss_chunk_rows)]
     command += ["--defer-output-grad"] if args.defer_output_grad else []
+    release = args.release_freed_memory
+    command += ["--release-freed-memory" if release else "--no-release-freed-memory"]
     command += [] if args.max_image is None else ["--max-image", str(args.max_image)]
     command += ["--profile"] if args.profile else []
     limit = args.memory_limit_gib

@@ -124,6 +124,9 @@ def finetune_settings(args: argparse.Namespace, workdir: Path) -> argparse.Names
             if stored.get(key) is not None:
                 argv += [f"--{key.replace('_', '-')}", str(stored[key])]
         argv += ["--defer-output-grad"] * bool(stored.get("defer_output_grad"))
+        if stored.get("release_freed_memory") is not None:
+            release = stored["release_freed_memory"]
+            argv += ["--release-freed-memory" if release else "--no-release-freed-memory"]
         argv += ["--transparent-huge-pages"] * bool(stored.get("transparent_huge_pages"))
     return bench.parse_args(argv)
 

@@ -28,6 +28,8 @@
   gradients accumulated by tokens (:func:`accumulate_step`), a data set's :func:`mean_loss`.
 - :mod:`~fusion.training.schedule`: the optimizer and its learning-rate schedule
   (:func:`adamw_warmup_cosine`, :func:`warmup_cosine`).
+- :mod:`~fusion.training.host_memory`: freed host memory handed back to the system at a CPU
+  step's two peaks (:func:`release_freed_memory`, hooks; :func:`release_freed_host_memory`).
 - :mod:`~fusion.training.steps`: which samples each step trains on, a function of the
   position alone (:class:`EpochSampler`) or of a token budget (``plan_steps``); a resumed
   run's plan checked against its checkpoint's data position (:func:`check_plan_position`).
@@ -74,6 +76,11 @@ from fusion.training.distributed import (
 from fusion.training.errors import TrainingError, one_line
 from fusion.training.export import export_trained
 from fusion.training.fingerprint import check_base_model
+from fusion.training.host_memory import (
+    MemoryRelease,
+    release_freed_host_memory,
+    release_freed_memory,
+)
 from fusion.training.job import (
     Start,
     agree_on_start,
@@ -108,6 +115,7 @@ from fusion.training.steps import EpochSampler, check_plan_position, plan_positi
 __all__ = [
     "INSTALL_TRAIN_EXTRA",
     "EpochSampler",
+    "MemoryRelease",
     "RngState",
     "Runtime",
     "Start",
@@ -155,6 +163,8 @@ __all__ = [
     "progress_bar",
     "progress_unavailable",
     "read_model_state_dict",
+    "release_freed_host_memory",
+    "release_freed_memory",
     "resolve_device",
     "restore_checkpoint",
     "resume_checkpoint",

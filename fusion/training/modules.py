@@ -16,7 +16,13 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _decoder(model: nn.Module) -> Any:
+def decoder_of_model(model: nn.Module) -> Any:
+    """The decoder of ``model`` behind its wrappers (DDP, FSDP, compile): itself or its
+    ``.decoder``.
+
+    Raises:
+        ValueError: there is none.
+    """
     decoder = decoder_of(unwrap(model))
     if decoder is None:
         raise ValueError(
@@ -40,7 +46,7 @@ def checkpoint_activations(model: nn.Module) -> None:
     Raises:
         ValueError: ``model`` is not (behind its wrappers) a decoder or a model over one.
     """
-    decoder = _decoder(model)
+    decoder = decoder_of_model(model)
     for layer in decoder.layers:
         layer.forward = functools.partial(_checkpointed_forward, layer.forward)
 
@@ -59,6 +65,6 @@ def compile_layers(model: nn.Module, *, backend: str | Any = "inductor") -> None
     Raises:
         ValueError: ``model`` is not (behind its wrappers) a decoder or a model over one.
     """
-    decoder = _decoder(model)
+    decoder = decoder_of_model(model)
     for layer in decoder.layers:
         layer.compile(backend=backend, dynamic=True)

@@ -180,6 +180,12 @@ class FinetuneConfig:
         "compile each decoder layer (torch.compile, dynamic shapes: one graph for every layer "
         "and row length)",
     )
+    release_freed_memory: bool = _session(
+        True,
+        "on CPU: hand freed host memory back to the system at each step's two peaks "
+        "(fusion.training.release_freed_memory: glibc's malloc_trim before the loss and before "
+        "the embedding's gradient), a lower peak for a little more time",
+    )
     progress: bool = _session(True, "show the progress bar")
 
     @property

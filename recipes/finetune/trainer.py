@@ -104,6 +104,8 @@ def setup(config: FinetuneConfig, runtime: Runtime, given: Collection[str] = ())
         checkpoint_activations(model)
     if config.compile:
         compile_layers(model)
+    if config.release_freed_memory and runtime.device.type == "cpu":
+        training.release_freed_memory(model)
     wrapped = training.wrap_model(model, runtime, config.parallel)
     optimizer, scheduler = training.adamw_warmup_cosine(
         trainable_parameters(wrapped), lr=config.lr, weight_decay=config.weight_decay,
