@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fusion._wrappers import decoder_of, unwrap
+from fusion.decoder import TransformerDecoder
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -16,7 +17,7 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def decoder_of_model(model: nn.Module) -> Any:
+def decoder_of_model(model: nn.Module) -> TransformerDecoder:
     """The decoder of ``model`` behind its wrappers (DDP, FSDP, compile): itself or its
     ``.decoder``.
 
