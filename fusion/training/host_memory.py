@@ -44,7 +44,7 @@ def _release_after_forward(module: nn.Module, args: Any, output: Any) -> None:
 
 
 def _release_when_gradient_arrives(module: nn.Module, args: Any, output: Any) -> None:
-    if isinstance(output, torch.Tensor) and output.requires_grad and _on_cpu(output):
+    if _on_cpu(output) and output.requires_grad:
         output.register_hook(_release_before_backward)
 
 
@@ -53,6 +53,10 @@ def _release_before_backward(grad: torch.Tensor) -> None:
 
 
 def _on_cpu(output: Any) -> bool:
+    """Whether ``output`` (a tensor, or the decoder's list of them: output chunks, hidden
+    states before the output) is on the CPU, seen from its first tensor."""
+    while isinstance(output, list | tuple) and output:
+        output = output[0]
     return isinstance(output, torch.Tensor) and output.device.type == "cpu"
 
 

@@ -76,6 +76,17 @@ def test_nothing_without_grad_or_off_the_cpu(events):
     assert events == []  # not host memory
 
 
+def test_releases_after_a_forward_that_returns_a_list(events):
+    model = build_tiny_decoder()
+    release_freed_memory(model)
+    model.num_output_chunks = 2  # the logits in chunks
+    model(text_tokens(2, 8))
+    model.num_output_chunks = 0
+    model.output_hidden_states = [0]  # [embeddings, logits]
+    model(text_tokens(2, 8))
+    assert events == ["release", "release"]
+
+
 def test_refuses_a_model_without_a_decoder():
     with pytest.raises(ValueError, match="model: expected a TransformerDecoder"):
         release_freed_memory(torch.nn.Linear(2, 2))
